@@ -1,0 +1,17 @@
+"""flashtriton: exact softmax attention in Triton, O(N) memory forward and backward.
+
+    from flashtriton import flash_attention
+    out = flash_attention(q, k, v, causal=True)   # (batch, seqlen, nheads, headdim)
+
+Also: ``flash_attention_with_lse``, ``scaled_dot_product_attention`` (torch
+SDPA drop-in), ``flashtriton.compat.flash_attn`` (flash-attn drop-in) and
+``flashtriton.reference`` (float64 reference).
+"""
+
+from .api import AttentionOutput, flash_attention, flash_attention_with_lse
+from .sdpa import scaled_dot_product_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["AttentionOutput", "flash_attention", "flash_attention_with_lse",
+           "scaled_dot_product_attention", "__version__"]

@@ -1,0 +1,1 @@
+"""Drop-in modules that speak other libraries' APIs (``compat.flash_attn``)."""

@@ -1,0 +1,95 @@
+"""Block sizes, warps and stages: pure functions of shape, dtype and mode.
+
+Nothing here touches a GPU, so every function is unit-testable on the CPU.
+The kernels are autotuned over ``candidates(kind)``; ``prune`` narrows the list
+to what fits the head dim and dtype of the call, and ``bucket`` turns sequence
+lengths into the autotuning key (one search per power-of-two bucket, not one per
+length).
+
+Tile names (used everywhere): BLOCK_M query rows, BLOCK_N key rows, BLOCK_D the
+head dim padded to a power of two (at least 16, the smallest ``tl.dot`` K).
+"""
+
+from typing import Dict, List, Tuple
+
+from . import _env
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the
+# default used when autotuning is off.
+_GPU = {
+    "fwd": {
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 4), (64, 64, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)],
+        256: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 3)],
+    },
+    "dkdv": {
+        64: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+        128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
+        256: [(32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (16, 64, 4, 2)],
+    },
+    "dq": {
+        64: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2)],
+        128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+        256: [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2)],
+    },
+}
+# fp32 tiles hold twice the bytes: small tiles only.
+_FP32 = [(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)]
+# The interpreter runs one config (Triton's autotuner cannot run several there);
+# 16x16 tiles make even tiny test shapes span several blocks.
+_INTERPRET = (16, 16, 4, 1)
+
+KINDS = ("fwd", "dkdv", "dq", "prep")
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two, at least 16."""
+    return max(16, 1 << (int(head_dim) - 1).bit_length())
+
+
+def bucket(n: int) -> int:
+    """Autotuning bucket of a sequence length: the next power of two, at least 64."""
+    return max(64, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+def _dim_class(bd: int) -> int:
+    return 64 if bd <= 64 else (128 if bd <= 128 else 256)
+
+
+def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, int]]:
+    """Every (BLOCK_M, BLOCK_N, num_warps, num_stages) the autotuner may try for ``kind``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
+    if interpret is None:
+        interpret = _env.INTERPRET
+    if kind == "prep":
+        return [(16, 16, 4, 1)] if interpret else [(128, 16, 4, 1)]
+    if interpret:
+        return [_INTERPRET]
+    seen, out = set(), []
+    for cfgs in _GPU[kind].values():
+        for c in cfgs + _FP32:
+            if c not in seen:
+                seen.add(c)
+                out.append(c)
+    if not _env.AUTOTUNE:
+        # One default per head-dim class and the fp32 fallback; prune() picks.
+        out = [cfgs[0] for cfgs in _GPU[kind].values()] + [_FP32[0]]
+    return out
+
+
+def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: int,
+          elem_bytes: int) -> List[Tuple[int, int, int, int]]:
+    """The candidates that suit a call: its head-dim class, and small tiles for fp32."""
+    if len(configs) <= 1 or kind == "prep":
+        return configs[:1]
+    wanted = _FP32 if elem_bytes >= 4 else _GPU[kind][_dim_class(head_dim_padded)]
+    kept = [c for c in configs if c in wanted]
+    if not _env.AUTOTUNE:
+        kept = kept[:1]
+    return kept or configs[:1]
+
+
+def as_kwargs(cfg: Tuple[int, int, int, int]) -> Dict[str, int]:
+    bm, bn, _, _ = cfg
+    return {"BLOCK_M": bm, "BLOCK_N": bn}

@@ -1,0 +1,95 @@
+"""Forward kernel: FlashAttention-2 tiling with online softmax.
+
+One program per (query block, batch * head). S and P exist only as
+(BLOCK_M, BLOCK_N) register tiles; the program writes O and the natural-log
+LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, NEG_BIG, causal_keep, kv_range, load_tile, store_tile
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                    rows, offs_n, offs_d, lo, hi, SQ, SK, DIAG, qk_scale,
+                    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                    MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n                                      # [BLOCK_N]
+        k = load_tile(k_base + cols.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                      cols, SK, offs_d, HEAD_DIM, MASK, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+        v = load_tile(v_base + cols.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
+                      cols, SK, offs_d, HEAD_DIM, MASK, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale   # [BLOCK_M, BLOCK_N]
+        if MASK:
+            s = tl.where(causal_keep(rows, cols, SQ, SK, DIAG, IS_CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))                         # [BLOCK_M]
+        p = tl.math.exp2(s - m_new[:, None])                         # [BLOCK_M, BLOCK_N]
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lh,
+    H, GROUP, SQ, SK, DIAG, qk_scale,
+    SQ_BUCKET, SK_BUCKET,  # autotuning key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = off_bh % H
+    off_hk = (off_h // GROUP).to(tl.int64)
+    off_h = off_h.to(tl.int64)
+
+    rows = start_m + tl.arange(0, BLOCK_M)                           # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
+    offs_d = tl.arange(0, BLOCK_D)                                   # [BLOCK_D]
+    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+              + rows.to(tl.int64)[:, None] * stride_qt + offs_d[None, :])
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+
+    q = load_tile(q_ptrs, rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    full_end, hi = kv_range(start_m, SK, DIAG, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                    rows, offs_n, offs_d, 0, full_end, SQ, SK, DIAG, qk_scale,
+                                    HEAD_DIM, EVEN_D, IS_CAUSAL, False, DOT_PREC, UPCAST, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                    rows, offs_n, offs_d, full_end, hi, SQ, SK, DIAG, qk_scale,
+                                    HEAD_DIM, EVEN_D, IS_CAUSAL, True, DOT_PREC, UPCAST, BLOCK_N)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+
+    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
+              + rows.to(tl.int64)[:, None] * stride_ot + offs_d[None, :])
+    store_tile(o_ptrs, out.to(O.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM, not EVEN_D)
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=rows < SQ)

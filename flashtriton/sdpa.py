@@ -1,0 +1,65 @@
+"""A drop-in for ``torch.nn.functional.scaled_dot_product_attention``."""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _env
+from .api import MAX_HEAD_DIM, SUPPORTED_DTYPES, _run
+
+
+def _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
+    if attn_mask is not None or dropout_p != 0.0:
+        return False
+    ts = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in ts):
+        return False
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in SUPPORTED_DTYPES:
+        return False
+    if not (query.device == key.device == value.device):
+        return False
+    if not (query.is_cuda or (query.device.type == "cpu" and _env.INTERPRET)):
+        return False
+    B, H, L, E = query.shape
+    if key.shape != value.shape or key.shape[0] != B or key.shape[3] != E:
+        return False
+    if not 1 <= E <= MAX_HEAD_DIM:
+        return False
+    HK = key.shape[1]
+    if HK != H and not (enable_gqa and HK > 0 and H % HK == 0):
+        return False
+    # torch aligns is_causal to the top-left corner; the kernels align to the
+    # bottom-right. The two agree only for square masks.
+    if is_causal and L != key.shape[2]:
+        return False
+    return True
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """torch's SDPA signature and (batch, heads, seqlen, headdim) layout.
+
+    Routed to flashtriton's kernels when all hold: query/key/value are 4-D,
+    float16/bfloat16/float32, on one CUDA device (or the CPU under
+    TRITON_INTERPRET=1), key and value of one shape with query's batch and
+    head dim (<= 256), heads equal (or a multiple with ``enable_gqa=True``),
+    ``attn_mask is None``, ``dropout_p == 0`` and, if ``is_causal``, a square
+    score matrix (torch aligns a non-square causal mask to the top-left, the
+    kernels to the bottom-right).
+
+    Everything else falls back to ``torch.nn.functional.scaled_dot_product_attention``
+    with the same arguments, so behaviour matches torch's, errors included.
+    Masks, dropout and top-left causal masks come to the kernels with the
+    variants work (sliding windows, masks, dropout).
+    """
+    if not _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
+        kwargs = {"enable_gqa": True} if enable_gqa else {}
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                              dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, **kwargs)
+    out = _run(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal,
+               scale, names=("query", "key", "value")).out
+    return out.transpose(1, 2)

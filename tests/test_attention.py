@@ -1,0 +1,150 @@
+"""Native API against the float64 reference: the shape x causal x dtype matrix."""
+
+import pytest
+import torch
+
+from accuracy import check_against_reference, make_qkv
+from conftest import DEVICE, ON_GPU
+from flashtriton import flash_attention, flash_attention_with_lse
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+# (B, SQ, SK, H, HKV, D, id). CPU shapes are tiny (the interpreter is slow)
+# but span several 16 x 16 tiles; GPU shapes span several real tiles.
+if ON_GPU:
+    SHAPES = [
+        (2, 512, 512, 4, 4, 64, "aligned-d64"),
+        (2, 1024, 1024, 8, 2, 128, "aligned-d128-gqa4"),
+        (1, 1000, 777, 4, 4, 80, "unaligned-d80"),
+        (2, 1, 1, 4, 4, 128, "seqlen1"),
+        (2, 3, 3000, 8, 1, 128, "sq<sk-mqa"),
+        (1, 1537, 300, 6, 3, 96, "sq>sk-d96-gqa2"),
+        (1, 333, 333, 2, 2, 40, "d40"),
+        (1, 300, 500, 2, 2, 72, "d72"),
+        (1, 257, 257, 2, 1, 192, "d192-mqa"),
+        (1, 700, 700, 2, 2, 256, "d256"),
+        (1, 129, 129, 2, 2, 1, "d1"),
+        (1, 200, 200, 4, 4, 8, "d8"),
+    ]
+else:
+    SHAPES = [
+        (2, 32, 32, 2, 2, 32, "aligned-d32"),
+        (1, 37, 53, 2, 2, 40, "unaligned-d40"),
+        (2, 1, 1, 2, 2, 16, "seqlen1"),
+        (1, 3, 45, 4, 1, 64, "sq<sk-mqa"),
+        (1, 50, 19, 4, 2, 24, "sq>sk-gqa2"),
+        (1, 21, 21, 1, 1, 1, "d1"),
+        (1, 18, 27, 2, 2, 72, "d72"),
+        (1, 17, 17, 2, 1, 256, "d256-mqa"),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [pytest.param(s[:6], id=s[6]) for s in SHAPES])
+def test_matches_reference(shape, causal, dtype):
+    q, k, v = make_qkv(*shape, dtype, DEVICE)
+    check_against_reference(
+        lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=causal)), q, k, v, causal)
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.05, 1.7])
+def test_softmax_scale(scale):
+    q, k, v = make_qkv(1, 24, 40, 2, 2, 32, torch.float16, DEVICE)
+    check_against_reference(
+        lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=True, softmax_scale=scale)),
+        q, k, v, True, softmax_scale=scale)
+
+
+def test_rows_without_keys_are_zero_with_finite_grads():
+    q, k, v = make_qkv(1, 40, 8, 2, 2, 32, torch.bfloat16, DEVICE)
+    out, lse = flash_attention_with_lse(q, k, v, causal=True)
+    empty = 40 - 8  # bottom-right alignment: the first SQ - SK rows see no key
+    assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
+    assert torch.isneginf(lse[:, :, :empty]).all()
+    assert torch.isfinite(lse[:, :, empty:]).all()
+    out.float().pow(2).sum().backward()
+    assert torch.equal(q.grad[:, :empty], torch.zeros_like(q.grad[:, :empty]))
+    assert all(torch.isfinite(g).all() for g in (q.grad, k.grad, v.grad))
+
+
+def _packed(B, S, H, D, dtype):
+    qkv = torch.randn(B, S, 3, H, D, dtype=dtype, device=DEVICE, requires_grad=True)
+    return qkv, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_strided_views(causal):
+    # Views of a packed qkv tensor, a (B, H, T, D) transpose and a batch slice.
+    _, q, k, v = _packed(2, 29, 2, 48, torch.float16)
+    check_against_reference(lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=causal)),
+                            q, k, v, causal)
+    base = torch.randn(4, 2, 31, 32, dtype=torch.bfloat16, device=DEVICE)
+    q = base[::2].transpose(1, 2).detach().requires_grad_()  # (2, 31, 2, 32), strided
+    kv = torch.randn(2, 2, 2, 23, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = kv[0].transpose(1, 2).requires_grad_()
+    v = kv[1].transpose(1, 2).requires_grad_()
+    assert not (q.is_contiguous() or k.is_contiguous())
+    check_against_reference(lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=causal)),
+                            q, k, v, causal)
+
+
+def test_packed_qkv_grad_lands_in_the_pack():
+    qkv, q, k, v = _packed(1, 20, 2, 32, torch.float32)
+    out = flash_attention(q, k, v)
+    out.sum().backward()
+    ref_leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    flash_attention(*ref_leaves).sum().backward()
+    for i, leaf in enumerate(ref_leaves):
+        assert torch.equal(qkv.grad[:, :, i], leaf.grad)
+
+
+def test_non_unit_last_stride_is_copied():
+    q, k, v = make_qkv(1, 20, 20, 2, 2, 64, torch.float16, DEVICE, requires_grad=False)
+    q2 = torch.randn(1, 20, 2, 128, dtype=torch.float16, device=DEVICE)[..., ::2]
+    assert q2.stride(-1) == 2
+    out = flash_attention(q2, k, v)
+    assert torch.equal(out, flash_attention(q2.contiguous(), k, v))
+
+
+def test_expanded_inputs():
+    # A stride-0 batch dim (expand) is read in place.
+    q, k, v = make_qkv(1, 20, 20, 2, 2, 32, torch.float16, DEVICE, requires_grad=False)
+    out = flash_attention(q.expand(3, -1, -1, -1), k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1))
+    ref = flash_attention(q, k, v)
+    for b in range(3):
+        assert torch.equal(out[b:b + 1], ref)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_repeatable_bitwise(causal):
+    q, k, v = make_qkv(2, 45, 38, 4, 2, 40, torch.bfloat16, DEVICE)
+    dout = torch.randn(2, 45, 4, 40, dtype=torch.bfloat16, device=DEVICE)
+    runs = []
+    for _ in range(3):
+        out, lse = flash_attention_with_lse(q, k, v, causal=causal)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        runs.append((out, lse) + grads)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param((0, 16, 16, 2, 2, 32), id="batch0"),
+    pytest.param((2, 0, 16, 2, 2, 32), id="seqlen_q0"),
+    pytest.param((2, 16, 0, 2, 2, 32), id="seqlen_k0"),
+    pytest.param((2, 0, 0, 2, 2, 32), id="both0"),
+])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_zero_sizes(shape, causal):
+    B, SQ, SK, H, HKV, D = shape
+    q, k, v = make_qkv(*shape, torch.float16, DEVICE)
+    out, lse = flash_attention_with_lse(q, k, v, causal=causal)
+    assert out.shape == (B, SQ, H, D) and lse.shape == (B, H, SQ)
+    # No key at all: output 0, lse -inf (the limit of an empty softmax).
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+    out.float().sum().backward()
+    for x in (q, k, v):
+        assert x.grad.shape == x.shape and torch.equal(x.grad, torch.zeros_like(x.grad))
