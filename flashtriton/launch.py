@@ -66,6 +66,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, causal: bool):
     return dict(
         HEAD_DIM=head_dim,
         BLOCK_D=configs.block_d(head_dim),
+        EVEN_D=configs.block_d(head_dim) == head_dim,
         IS_CAUSAL=bool(causal),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=upcast,
@@ -117,7 +118,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     prep_m = configs.candidates("prep")[0][0]
     _attn_bwd_preprocess_kernel[(triton.cdiv(SQ, prep_m), B * H)](
         out, dout, delta, *_strides(out), *_strides(dout), delta.stride(0), delta.stride(1),
-        H, SQ, HEAD_DIM=D, BLOCK_D=common["BLOCK_D"], BLOCK_M=prep_m,
+        H, SQ, D, BLOCK_D=common["BLOCK_D"], EVEN_D=common["EVEN_D"], BLOCK_M=prep_m,
     )
     _dkdv[lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV)](
         q, k, v, dout, lse, delta, dk, dv,

@@ -23,7 +23,7 @@ def _attn_bwd_preprocess_kernel(
     stride_dob, stride_dot, stride_doh,
     stride_db, stride_dh,
     H, SQ,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     off_bh = tl.program_id(1)
@@ -32,9 +32,9 @@ def _attn_bwd_preprocess_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     r64 = rows.to(tl.int64)[:, None]
     o = load_tile(O + off_b * stride_ob + off_h * stride_oh + r64 * stride_ot + offs_d[None, :],
-                  rows, SQ, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+                  rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)
     do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + r64 * stride_dot + offs_d[None, :],
-                   rows, SQ, offs_d, HEAD_DIM, True, BLOCK_D != HEAD_DIM)
+                   rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)            # [BLOCK_M]
     tl.store(DELTA + off_b * stride_db + off_h * stride_dh + rows, delta, mask=rows < SQ)
 
@@ -51,7 +51,7 @@ def _row_stats(LSE, DELTA, rows, SQ):
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot,
                          cols, offs_m, offs_d, lo, hi, SQ, SK, DIAG, qk_scale,
-                         HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                         HEAD_DIM, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                          MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                          BLOCK_M: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
@@ -88,12 +88,10 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     HKV, GROUP, SQ, SK, DIAG, qk_scale, sm_scale,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HEAD_DIM, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)
     off_b = (off_bh // HKV).to(tl.int64)
@@ -143,7 +141,7 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                        rows, offs_n, offs_d, lo, hi, SQ, SK, DIAG, qk_scale,
-                       HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                       HEAD_DIM, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                        MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                        BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
@@ -177,12 +175,10 @@ def _attn_bwd_dq_kernel(
     stride_lb, stride_lh,
     H, GROUP, SQ, SK, DIAG, qk_scale, sm_scale,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HEAD_DIM, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)

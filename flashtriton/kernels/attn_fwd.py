@@ -14,7 +14,7 @@ from .common import LN2, NEG_BIG, causal_keep, kv_range, load_tile, store_tile
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                     rows, offs_n, offs_d, lo, hi, SQ, SK, DIAG, qk_scale,
-                    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                    HEAD_DIM, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                     MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                     BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
@@ -48,12 +48,10 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh,
     H, GROUP, SQ, SK, DIAG, qk_scale,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HEAD_DIM, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)

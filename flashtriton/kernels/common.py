@@ -20,7 +20,7 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def load_tile(ptrs, rows, n_rows, cols, N_COLS: tl.constexpr,
+def load_tile(ptrs, rows, n_rows, cols, N_COLS,
               CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
     """Load a (rows x cols) tile, zero-filling rows >= n_rows and cols >= N_COLS."""
     if CHECK_ROWS:
@@ -37,7 +37,7 @@ def load_tile(ptrs, rows, n_rows, cols, N_COLS: tl.constexpr,
 
 
 @triton.jit
-def store_tile(ptrs, x, rows, n_rows, cols, N_COLS: tl.constexpr, CHECK_COLS: tl.constexpr):
+def store_tile(ptrs, x, rows, n_rows, cols, N_COLS, CHECK_COLS: tl.constexpr):
     """Store a tile, skipping rows >= n_rows and cols >= N_COLS."""
     if CHECK_COLS:
         tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (cols[None, :] < N_COLS))
