@@ -1,0 +1,183 @@
+"""Input validation, the flash-attn and SDPA drop-ins, custom ops and torch.compile."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from accuracy import check_against_reference, make_qkv
+from conftest import DEVICE
+from flashtriton import (AttentionOutput, flash_attention, flash_attention_with_lse,
+                         scaled_dot_product_attention)
+from flashtriton.compat import flash_attn as fa
+
+
+def _t(*shape, dtype=torch.float16, device=DEVICE):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+BAD = [
+    pytest.param(lambda: (_t(2, 8, 2, 16)[0], _t(2, 8, 2, 16), _t(2, 8, 2, 16)), ValueError, "q must be 4-D", id="q-3d"),
+    pytest.param(lambda: (_t(2, 8, 2, 16), _t(2, 8, 2, 16), _t(2, 9, 2, 16)), ValueError, "same shape", id="kv-shape"),
+    pytest.param(lambda: (_t(2, 8, 2, 16), _t(3, 8, 2, 16), _t(3, 8, 2, 16)), ValueError, "batch mismatch", id="batch"),
+    pytest.param(lambda: (_t(2, 8, 2, 16), _t(2, 8, 2, 32), _t(2, 8, 2, 32)), ValueError, "headdim mismatch", id="headdim"),
+    pytest.param(lambda: (_t(2, 8, 3, 16), _t(2, 8, 2, 16), _t(2, 8, 2, 16)), ValueError, "multiple of nheads", id="heads"),
+    pytest.param(lambda: (_t(1, 8, 1, 272), _t(1, 8, 1, 272), _t(1, 8, 1, 272)), ValueError, "1..256", id="d272"),
+    pytest.param(lambda: (_t(1, 8, 1, 16), _t(1, 8, 1, 16, dtype=torch.bfloat16), _t(1, 8, 1, 16)), TypeError, "share one dtype", id="mixed-dtype"),
+    pytest.param(lambda: tuple(_t(1, 8, 1, 16, dtype=torch.float64) for _ in range(3)), TypeError, "unsupported dtype", id="fp64"),
+    pytest.param(lambda: tuple(torch.ones(1, 8, 1, 16, dtype=torch.int32, device=DEVICE) for _ in range(3)), TypeError, "unsupported dtype", id="int"),
+    pytest.param(lambda: (_t(1, 8, 1, 16).tolist(), _t(1, 8, 1, 16), _t(1, 8, 1, 16)), TypeError, "must be a torch.Tensor", id="not-tensor"),
+    pytest.param(lambda: (_t(1, 8, 1, 16), _t(1, 8, 1, 16, device="meta"), _t(1, 8, 1, 16)), ValueError, "one device", id="devices"),
+]
+
+
+@pytest.mark.parametrize("make,exc,msg", BAD)
+def test_bad_input_raises_before_launch(make, exc, msg):
+    q, k, v = make()
+    with pytest.raises(exc, match=msg) as info:
+        flash_attention(q, k, v)
+    if isinstance(q, torch.Tensor) and msg != "one device":
+        assert "shape" in str(info.value) or "dtype" in str(info.value) or "nheads" in str(info.value)
+
+
+def test_bad_scale_type():
+    q, k, v = make_qkv(1, 8, 8, 1, 1, 16, torch.float16, DEVICE, requires_grad=False)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flash_attention(q, k, v, softmax_scale="0.1")
+
+
+def test_cpu_tensor_without_interpreter_names_the_fix(monkeypatch):
+    from flashtriton import _env
+    monkeypatch.setattr(_env, "INTERPRET", False)
+    q = torch.randn(1, 8, 1, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        flash_attention(q, q, q)
+
+
+def test_return_types():
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 16, torch.float16, DEVICE, requires_grad=False)
+    r = flash_attention_with_lse(q, k, v)
+    assert isinstance(r, AttentionOutput) and r.out.shape == q.shape and r.lse.shape == (1, 2, 8)
+    assert isinstance(flash_attention(q, k, v), torch.Tensor)
+
+
+# flash-attn drop-in -------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn_func_matches_reference(causal):
+    q, k, v = make_qkv(2, 19, 30, 4, 2, 32, torch.bfloat16, DEVICE)
+    check_against_reference(
+        lambda q, k, v: fa.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2],
+        q, k, v, causal)
+
+
+def test_flash_attn_packed_forms():
+    qkv = _t(2, 21, 3, 2, 32).requires_grad_()
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=True)
+    ref = flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+    assert torch.equal(out, ref)
+    out.sum().backward()
+    assert qkv.grad.shape == qkv.shape and torch.isfinite(qkv.grad).all()
+    q, kv = _t(2, 9, 4, 32), _t(2, 21, 2, 2, 32)
+    out = fa.flash_attn_kvpacked_func(q, kv, softmax_scale=0.3)
+    assert torch.equal(out, flash_attention(q, kv[:, :, 0], kv[:, :, 1], softmax_scale=0.3))
+
+
+def test_flash_attn_return_attn_probs():
+    q, k, v = _t(1, 20, 2, 16), _t(1, 6, 2, 16), _t(1, 6, 2, 16)
+    res = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert isinstance(res, tuple) and len(res) == 3 and res[2] is None
+    out, lse, _ = res
+    assert lse.shape == (1, 2, 20) and lse.dtype == torch.float32
+    # flash-attn's convention: +inf for rows that see no key (here the first 14).
+    assert torch.isposinf(lse[:, :, :14]).all() and torch.isfinite(lse[:, :, 14:]).all()
+    assert isinstance(fa.flash_attn_func(q, k, v), torch.Tensor)
+
+
+@pytest.mark.parametrize("kwargs", [dict(dropout_p=0.1), dict(window_size=(4, 4)),
+                                    dict(softcap=30.0), dict(alibi_slopes=torch.ones(2))],
+                         ids=["dropout", "window", "softcap", "alibi"])
+def test_flash_attn_unsupported_options_raise(kwargs):
+    q = _t(1, 8, 2, 16)
+    with pytest.raises(NotImplementedError):
+        fa.flash_attn_func(q, q, q, **kwargs)
+
+
+def test_flash_attn_packed_bad_shapes():
+    with pytest.raises(ValueError, match="qkv"):
+        fa.flash_attn_qkvpacked_func(_t(1, 8, 2, 2, 16))
+    with pytest.raises(ValueError, match="kv"):
+        fa.flash_attn_kvpacked_func(_t(1, 8, 2, 16), _t(1, 8, 3, 2, 16))
+
+
+# SDPA drop-in -------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa_routes_to_kernels(causal, monkeypatch):
+    import flashtriton.sdpa as sdpa_mod
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1))
+    q = _t(2, 4, 23, 32, dtype=torch.float32).requires_grad_()
+    k = _t(2, 2, 23, 32, dtype=torch.float32).requires_grad_()
+    v = _t(2, 2, 23, 32, dtype=torch.float32).requires_grad_()
+    out = sdpa_mod.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.2,
+                                                enable_gqa=True)
+    assert not calls and out.shape == (2, 4, 23, 32)
+    monkeypatch.undo()
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.2, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    gr = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(g, gr):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["mask", "dropout", "causal-nonsquare", "gqa-without-flag"])
+def test_sdpa_falls_back_to_torch(case):
+    q, k, v = _t(1, 2, 5, 16, dtype=torch.float32), _t(1, 2, 7, 16, dtype=torch.float32), _t(1, 2, 7, 16, dtype=torch.float32)
+    kwargs = {}
+    if case == "mask":
+        kwargs["attn_mask"] = torch.rand(5, 7, device=DEVICE) > 0.3
+    elif case == "causal-nonsquare":
+        kwargs["is_causal"] = True  # torch aligns top-left: must be torch's answer
+    elif case == "gqa-without-flag":
+        q = _t(1, 4, 5, 16, dtype=torch.float32)
+        with pytest.raises(RuntimeError):
+            scaled_dot_product_attention(q, k, v)
+        return
+    if case == "dropout":
+        torch.manual_seed(1)
+        ours = scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        torch.manual_seed(1)
+        ref = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    else:
+        ours = scaled_dot_product_attention(q, k, v, **kwargs)
+        ref = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert torch.equal(ours, ref)
+
+
+# torch.library / torch.compile ----------------------------------------------
+
+def test_custom_ops_opcheck():
+    q, k, v = make_qkv(1, 20, 24, 2, 1, 32, torch.float32, DEVICE, requires_grad=False)
+    torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, (q, k, v, 0.2, True))
+    out, lse = torch.ops.flashtriton.attn_fwd(q, k, v, 0.2, True)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.flashtriton.attn_bwd.default,
+                          (dout, q, k, v, out, lse, 0.2, True))
+
+
+def test_compile_fullgraph_aot_eager():
+    q, k, v = make_qkv(2, 20, 20, 2, 2, 32, torch.float32, DEVICE)
+
+    def f(q, k, v):
+        return flash_attention(q * 2, k, v, causal=True).sin()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = f(q, k, v)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    assert torch.equal(out, ref)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a, b)

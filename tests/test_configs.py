@@ -1,0 +1,43 @@
+"""configs.py is pure Python: block sizes, buckets and pruning, no GPU needed."""
+
+import pytest
+
+from flashtriton import configs
+
+
+@pytest.mark.parametrize("d,bd", [(1, 16), (16, 16), (17, 32), (40, 64), (64, 64), (72, 128),
+                                  (96, 128), (128, 128), (192, 256), (256, 256)])
+def test_block_d_pads_to_power_of_two(d, bd):
+    assert configs.block_d(d) == bd
+
+
+@pytest.mark.parametrize("n,b", [(0, 64), (1, 64), (64, 64), (65, 128), (1000, 1024),
+                                 (4096, 4096), (4097, 8192)])
+def test_bucket(n, b):
+    assert configs.bucket(n) == b
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+def test_gpu_candidates_and_pruning(kind, monkeypatch):
+    monkeypatch.setattr(configs._env, "AUTOTUNE", True)
+    cands = configs.candidates(kind, interpret=False)
+    assert len(cands) == len(set(cands)) > 3
+    for bd in (16, 64, 128, 256):
+        kept = configs.prune(kind, cands, bd, 2)
+        assert kept and set(kept) <= set(cands)
+        assert set(kept) == set(configs._GPU[kind][configs._dim_class(bd)])
+    assert set(configs.prune(kind, cands, 128, 4)) == set(configs._FP32)
+
+
+def test_autotune_off_keeps_one_default(monkeypatch):
+    monkeypatch.setattr(configs._env, "AUTOTUNE", False)
+    cands = configs.candidates("fwd", interpret=False)
+    assert configs.prune("fwd", cands, 128, 2) == [configs._GPU["fwd"][128][0]]
+    assert configs.prune("fwd", cands, 128, 4) == [configs._FP32[0]]
+
+
+def test_interpreter_runs_one_config():
+    for kind in configs.KINDS:
+        assert len(configs.candidates(kind, interpret=True)) == 1
+    with pytest.raises(ValueError, match="unknown kernel kind"):
+        configs.candidates("nope")
