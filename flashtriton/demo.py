@@ -1,0 +1,124 @@
+"""The demo: check flashtriton against float64, then its memory and speed against naive attention.
+
+    python -m flashtriton.demo
+
+On a CUDA GPU it runs bf16 at (batch 2, 16 heads, seqlen 4096, headdim 128,
+causal). Without one it re-runs itself under Triton's interpreter
+(TRITON_INTERPRET=1) at a small size: slow, for debugging and CI.
+"""
+
+import os
+import sys
+import time
+
+
+def _reexec_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    os.execve(sys.executable, [sys.executable, "-m", "flashtriton.demo", *sys.argv[1:]], env)
+
+
+def _naive(q, k, v, causal):
+    # (B, T, H, D) layout; materialises the (B, H, SQ, SK) scores and probabilities.
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    s = torch.matmul(qt, kt.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), vt).transpose(1, 2)
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def _check(device, dtype, shape, causal):
+    B, N, H, D = shape
+    q, k, v = (torch.randn(B, N, H, D, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(B, N, H, D, device=device, dtype=dtype)
+    out = flash_attention(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = attention_reference(*leaves, causal=causal).out
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    errs = {"out": _rel(out, ref)}
+    errs.update({n: _rel(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    return errs
+
+
+def _run_once(fn, q, k, v, dout, causal, backward):
+    out = fn(q, k, v, causal)
+    if backward:
+        out.backward(dout)
+    return out
+
+
+def _measure(fn, q, k, v, dout, causal, backward, device):
+    if device == "cuda":
+        import triton
+        _run_once(fn, q, k, v, dout, causal, backward)  # warm-up: compile / autotune
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _run_once(fn, q, k, v, dout, causal, backward)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        ms = triton.testing.do_bench(lambda: _run_once(fn, q, k, v, dout, causal, backward),
+                                     grad_to_none=[q, k, v], return_mode="median")
+        return ms, peak
+    t = time.perf_counter()
+    _run_once(fn, q, k, v, dout, causal, backward)
+    return (time.perf_counter() - t) * 1e3, None
+
+
+def main():
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    if on_gpu:
+        dtype, check_shape, shape = torch.bfloat16, (1, 1000, 4, 128), (2, 4096, 16, 128)
+        tol = 2e-2
+        print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    else:
+        dtype, check_shape, shape = torch.float32, (1, 77, 2, 64), (1, 256, 2, 64)
+        tol = 1e-5
+        print("No CUDA GPU: running through Triton's interpreter on the CPU (slow; for "
+              "debugging and CI)")
+    causal = True
+
+    ok = True
+    for c in (False, True):
+        errs = _check(device, dtype, check_shape, c)
+        passed = all(e < tol for e in errs.values())
+        ok &= passed
+        print(f"check vs float64 reference, {dtype}, (B, N, H, D) = {check_shape}, causal={c}: "
+              + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())
+              + f"  -> {'PASS' if passed else 'FAIL'} (relative error < {tol:g})")
+
+    B, N, H, D = shape
+    q, k, v = (torch.randn(B, N, H, D, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    ours = lambda q, k, v, c: flash_attention(q, k, v, causal=c)  # noqa: E731
+    print(f"\n(B, N, H, D) = {shape}, {dtype}, causal={causal}")
+    print(f"{'':12s} {'forward ms':>11s} {'fwd+bwd ms':>11s} {'peak extra memory':>18s}")
+    for name, fn in (("flashtriton", ours), ("naive", _naive)):
+        fwd_ms, _ = _measure(fn, q, k, v, dout, causal, False, device)
+        both_ms, peak = _measure(fn, q, k, v, dout, causal, True, device)
+        q.grad = k.grad = v.grad = None
+        mem = f"{peak / 2**20:12.1f} MiB" if peak is not None else "n/a on CPU"
+        print(f"{name:12s} {fwd_ms:11.2f} {both_ms:11.2f} {mem:>18s}")
+    itemsize = torch.finfo(dtype).bits // 8
+    print(f"\nS and P of naive attention: 2 x {B * H * N * N * itemsize / 2**20:.1f} MiB; "
+          f"flashtriton keeps per row only LSE and delta: {B * H * N * 8 / 2**20:.2f} MiB")
+    if not on_gpu:
+        print("(CPU timings measure Triton's interpreter, not the kernels' speed.)")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    import torch
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        _reexec_under_interpreter()
+    from flashtriton import flash_attention
+    from flashtriton.reference import attention_reference, causal_mask
+    main()
