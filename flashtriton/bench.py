@@ -149,6 +149,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     meta = _meta()
     rows = []
+    jsonl = open(os.path.join(args.out, "results.jsonl"), "w")  # row by row: a timeout keeps what ran
     shapes = [(D, N, c) for D in args.dims for N in args.seqlens for c in args.causal]
     for i, (D, N, causal) in enumerate(shapes):
         B, H = max(1, args.tokens // N), args.dmodel // D
@@ -172,13 +173,13 @@ def main(argv=None):
                     row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
                 torch.cuda.empty_cache()
             rows.append(row)
+            jsonl.write(json.dumps(row) + "\n")
+            jsonl.flush()
             print(f"[{i + 1}/{len(shapes)}] {prov:12s} D={D:3d} N={N:6d} causal={causal} "
                   + (f"fwd {row['fwd_tflops']:6.1f} bwd {row['bwd_tflops']:6.1f} TFLOP/s "
                      f"mem {row['peak_extra_MiB']:8.1f} MiB" if row.get("status") == "ok"
                      else row["status"]), flush=True)
-    with open(os.path.join(args.out, "results.jsonl"), "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    jsonl.close()
     table = _markdown(rows, args.providers, meta)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)

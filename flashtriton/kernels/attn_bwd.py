@@ -13,7 +13,7 @@ and no atomics are used, so gradients are bitwise repeatable.
 import triton
 import triton.language as tl
 
-from .common import LOG2E, causal_keep, kv_range, load_tile, q_range, store_tile
+from .common import LOG2E, causal_keep, heavy_first, kv_range, load_tile, q_range, store_tile
 
 
 @triton.jit
@@ -179,7 +179,7 @@ def _attn_bwd_dq_kernel(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = heavy_first(IS_CAUSAL) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H

@@ -8,7 +8,7 @@ LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 import triton
 import triton.language as tl
 
-from .common import LN2, NEG_BIG, causal_keep, kv_range, load_tile, store_tile
+from .common import LN2, NEG_BIG, causal_keep, heavy_first, kv_range, load_tile, store_tile
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _attn_fwd_kernel(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = heavy_first(IS_CAUSAL) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H

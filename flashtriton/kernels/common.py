@@ -46,6 +46,17 @@ def store_tile(ptrs, x, rows, n_rows, cols, N_COLS, CHECK_COLS: tl.constexpr):
 
 
 @triton.jit
+def heavy_first(IS_CAUSAL: tl.constexpr):
+    """Query-block index of this program. Causal query blocks near the end see
+    the most keys: launching them first shortens the tail of the grid."""
+    if IS_CAUSAL:
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+    return pid
+
+
+@triton.jit
 def kv_range(start_m, SK, DIAG, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr):
     """Key blocks a query block [start_m, start_m + BLOCK_M) must visit.
