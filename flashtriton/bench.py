@@ -49,6 +49,12 @@ def _flex(q, k, v, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
+        # One compiled kernel per shape: lift the recompile limit (else dynamo falls back to
+        # eager flex, which materialises S), and let backward run twice on one graph.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
+        torch._functorch.config.donated_buffer = False
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     key = (q.shape[-2], k.shape[-2], causal)
     if key not in _FLEX:
@@ -118,16 +124,19 @@ def _check(B, H, N, D, causal, dtype):
     return max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(*res))
 
 
-def _meta():
-    import triton
+def _git_commit():
     try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
-                                         cwd=os.path.dirname(__file__), text=True,
-                                         stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
+                                       cwd=os.path.dirname(__file__), text=True,
+                                       stderr=subprocess.DEVNULL).strip()
     except Exception:
-        commit = "unknown"
+        return "unknown"
+
+
+def _meta(commit=None):
+    import triton
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "commit": commit,
+            "triton": triton.__version__, "commit": commit or _git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -142,12 +151,13 @@ def main(argv=None):
     p.add_argument("--dmodel", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU (python -m flashtriton.demo runs on the CPU)")
     dtype = getattr(torch, args.dtype)
     os.makedirs(args.out, exist_ok=True)
-    meta = _meta()
+    meta = _meta(args.commit)
     rows = []
     jsonl = open(os.path.join(args.out, "results.jsonl"), "w")  # row by row: a timeout keeps what ran
     shapes = [(D, N, c) for D in args.dims for N in args.seqlens for c in args.causal]
