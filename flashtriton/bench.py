@@ -143,7 +143,8 @@ def _meta(commit=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--providers", nargs="+", default=["flashtriton", "sdpa_cudnn", "flex",
-                                                      "sdpa_flash"], choices=list(PROVIDERS))
+                                                      "sdpa_flash", "naive"],
+                   choices=list(PROVIDERS))
     p.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--causal", nargs="+", type=int, default=[0, 1])
