@@ -4,7 +4,7 @@ Layout is flash-attn's: (batch, seqlen, nheads, headdim).
 """
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -71,22 +71,61 @@ def _check_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+def _check_window(window_size) -> Tuple[int, int]:
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    for x in (left, right):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+        if x < -1:
+            raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    return int(left), int(right)
+
+
+def _check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not softcap >= 0.0:
+        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
+    return float(softcap)
+
+
+def _check_alibi(alibi_slopes, q) -> Optional[torch.Tensor]:
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got "
+                        f"{type(alibi_slopes).__name__}")
+    B, H = q.shape[0], q.shape[2]
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {_describe(alibi_slopes)}")
+    if tuple(alibi_slopes.shape) not in ((H,), (B, H)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({H},) or (batch, nheads) = "
+                         f"({B}, {H}); got {_describe(alibi_slopes)}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on q's device {q.device}; got {_describe(alibi_slopes)}")
+    return alibi_slopes
+
+
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _run(q, k, v, causal, softmax_scale, names=("q", "k", "v")) -> AttentionOutput:
+def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+         names=("q", "k", "v")) -> AttentionOutput:
     check_qkv(q, k, v, names)
     scale = _check_scale(softmax_scale, q.shape[-1])
-    out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), scale,
-                                       bool(causal))
+    left, right = _check_window(window_size)
+    softcap = _check_softcap(softcap)
+    alibi_slopes = _check_alibi(alibi_slopes, q)
+    out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), alibi_slopes,
+                                       scale, bool(causal), left, right, softcap)
     return AttentionOutput(out, lse)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                    softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """Exact softmax attention, out = softmax(q k^T * softmax_scale) v, differentiable.
-
+_OPTIONS_DOC = """
     Args:
         q: (batch, seqlen_q, nheads, headdim), float16 / bfloat16 / float32.
         k: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads
@@ -109,24 +148,46 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                1 0
                1 1
         softmax_scale: defaults to 1 / sqrt(headdim).
+        window_size: (left, right), flash-attn's sliding window: query i sees
+           keys j with i + d - left <= j <= i + d + right, d = seqlen_k -
+           seqlen_q; -1 leaves a side unbounded. With ``causal=True`` right is
+           0. Blocks outside the window are skipped: cost O(seqlen * window).
+        softcap: if > 0, scores s become softcap * tanh(s / softcap) (Gemma 2),
+           applied after the scale.
+        alibi_slopes: float32 (nheads,) or (batch, nheads); adds
+           -slope * |i + seqlen_k - seqlen_q - j| to the scaled scores.
+"""
 
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0,
+                    alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes).out
+
+
+def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                             causal: bool = False, softmax_scale: Optional[float] = None,
+                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Optional[torch.Tensor] = None) -> AttentionOutput:
+    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes)
+
+
+flash_attention.__doc__ = """Exact softmax attention, out = softmax(q k^T * softmax_scale) v, differentiable.
+""" + _OPTIONS_DOC + """
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q, contiguous.
 
     Any strides are accepted (e.g. views of a packed qkv tensor); only a
     non-unit stride on headdim is copied. headdim 1..256. S and P are never
     stored: memory is O(seqlen), forward and backward.
-    """
-    return _run(q, k, v, causal, softmax_scale).out
+"""
 
-
-def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                             causal: bool = False,
-                             softmax_scale: Optional[float] = None) -> AttentionOutput:
-    """``flash_attention`` that also returns the log-sum-exp of each row.
-
-    Returns ``AttentionOutput(out, lse)``: out as ``flash_attention``; lse
-    (batch, nheads, seqlen_q) float32, natural log of sum_j exp(q_i k_j *
-    softmax_scale), -inf for rows that see no key. lse is not differentiable.
-    """
-    return _run(q, k, v, causal, softmax_scale)
+flash_attention_with_lse.__doc__ = """``flash_attention`` that also returns the log-sum-exp of each row.
+""" + _OPTIONS_DOC + """
+    Returns:
+        ``AttentionOutput(out, lse)``: out as ``flash_attention``; lse (batch,
+        nheads, seqlen_q) float32, the natural log of the softmax denominator of
+        each row (of the final scores, after softcap and ALiBi), -inf for rows
+        that see no key. lse is not differentiable.
+"""

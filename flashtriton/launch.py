@@ -6,7 +6,7 @@ tensor is (B, T, H, D) with a unit stride on D; everything else may be strided.
 """
 
 import math
-from typing import Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -16,7 +16,8 @@ from .kernels.attn_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,
                                _attn_bwd_preprocess_kernel)
 from .kernels.attn_fwd import _attn_fwd_kernel
 
-_KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_CAUSAL"]
+LOG2E = math.log2(math.e)
+_KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "HAS_LOWER", "HAS_UPPER", "HAS_SOFTCAP", "HAS_ALIBI"]
 
 
 def _autotuned(kind: str, kernel):
@@ -59,24 +60,57 @@ def _strides(x: torch.Tensor):
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _common(q: torch.Tensor, k: torch.Tensor, causal: bool):
-    """Constexpr and runtime arguments shared by every kernel of one call."""
-    head_dim = q.shape[3]
-    upcast = _env.INTERPRET and q.dtype == torch.bfloat16
+class Variant(NamedTuple):
+    """What one call computes, beyond q, k, v (the arguments of every kernel)."""
+    softmax_scale: float
+    causal: bool = False
+    window_left: int = -1       # -1: unbounded
+    window_right: int = -1      # -1: unbounded (causal forces 0)
+    softcap: float = 0.0        # 0: off
+    alibi_slopes: Optional[torch.Tensor] = None  # (H,) or (B, H) float32
+
+
+def _alibi_args(variant: Variant):
+    a = variant.alibi_slopes
+    if a is None:
+        return None, 0, 0
+    return (a, 0, a.stride(0)) if a.dim() == 1 else (a, a.stride(0), a.stride(1))
+
+
+def _common(q: torch.Tensor, k: torch.Tensor, variant: Variant):
+    """Constexpr and runtime arguments shared by every kernel of one call.
+
+    The mask: query i sees key j iff i + LOWER <= j <= i + UPPER, both bounds
+    aligned to the bottom-right corner (DIAG = SK - SQ), flash-attn's rule.
+    """
+    SQ, head_dim = q.shape[1], q.shape[3]
+    SK = k.shape[1]
+    diag = SK - SQ
+    right = 0 if variant.causal else variant.window_right
+    has_softcap = variant.softcap > 0.0
+    qk_scale = variant.softmax_scale * (1.0 / variant.softcap if has_softcap else LOG2E)
     return dict(
         HEAD_DIM=head_dim,
+        LOWER=diag - variant.window_left,
+        UPPER=diag + right,
+        DIAG=diag,
+        qk_scale=qk_scale,
+        cap2=variant.softcap * LOG2E,
         BLOCK_D=configs.block_d(head_dim),
         EVEN_D=configs.block_d(head_dim) == head_dim,
-        IS_CAUSAL=bool(causal),
+        HAS_LOWER=variant.window_left >= 0,
+        HAS_UPPER=right >= 0,
+        HAS_SOFTCAP=has_softcap,
+        HAS_ALIBI=variant.alibi_slopes is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=upcast,
-        SQ_BUCKET=configs.bucket(q.shape[1]),
-        SK_BUCKET=configs.bucket(k.shape[1]),
+        UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16,
+        SQ_BUCKET=configs.bucket(SQ),
+        SK_BUCKET=configs.bucket(SK),
     )
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                      causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      variant: Variant) -> Tuple[torch.Tensor, torch.Tensor]:
     """O (B, SQ, H, D) in q's dtype and LSE (B, H, SQ) fp32, natural log."""
     B, SQ, H, D = q.shape
     SK, HKV = k.shape[1], k.shape[2]
@@ -90,19 +124,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
     def grid(meta):
         return (triton.cdiv(SQ, meta["BLOCK_M"]), B * H)
 
+    alibi, stride_ab, stride_ah = _alibi_args(variant)
     _fwd[grid](
-        q, k, v, out, lse,
+        q, k, v, out, lse, alibi,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        lse.stride(0), lse.stride(1),
-        H, H // HKV, SQ, SK, SK - SQ, softmax_scale * math.log2(math.e),
-        **_common(q, k, causal),
+        lse.stride(0), lse.stride(1), stride_ab, stride_ah,
+        H, H // HKV, SQ, SK,
+        **_common(q, k, variant),
     )
     return out, lse
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
-                       causal: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       out: torch.Tensor, lse: torch.Tensor,
+                       variant: Variant) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV in the dtypes and shapes of q, k, v (contiguous)."""
     B, SQ, H, D = q.shape
     SK, HKV = k.shape[1], k.shape[2]
@@ -111,8 +146,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    common = _common(q, k, causal)
-    qk_scale = softmax_scale * math.log2(math.e)
+    common = _common(q, k, variant)
+    alibi, stride_ab, stride_ah = _alibi_args(variant)
 
     delta = _empty(lse.shape, torch.float32, lse.device)
     prep_m = configs.candidates("prep")[0][0]
@@ -121,17 +156,17 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         H, SQ, D, BLOCK_D=common["BLOCK_D"], EVEN_D=common["EVEN_D"], BLOCK_M=prep_m,
     )
     _dkdv[lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV)](
-        q, k, v, dout, lse, delta, dk, dv,
+        q, k, v, dout, lse, delta, dk, dv, alibi,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-        lse.stride(0), lse.stride(1),
-        HKV, H // HKV, SQ, SK, SK - SQ, qk_scale, softmax_scale,
+        lse.stride(0), lse.stride(1), stride_ab, stride_ah,
+        HKV, H // HKV, SQ, SK, sm_scale=variant.softmax_scale,
         **common,
     )
     _dq[lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H)](
-        q, k, v, dout, lse, delta, dq,
+        q, k, v, dout, lse, delta, dq, alibi,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        lse.stride(0), lse.stride(1),
-        H, H // HKV, SQ, SK, SK - SQ, qk_scale, softmax_scale,
+        lse.stride(0), lse.stride(1), stride_ab, stride_ah,
+        H, H // HKV, SQ, SK, sm_scale=variant.softmax_scale,
         **common,
     )
     return dq, dk, dv

@@ -4,7 +4,7 @@ Used by tests, benchmarks and users; optimized code never imports it. Runs on
 any device; it materialises the (B, H, SQ, SK) score matrix by design.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -24,18 +24,39 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
                                                    1 0
                                                    1 1
     """
-    i = torch.arange(seqlen_q, device=device)[:, None]
+    return window_mask(seqlen_q, seqlen_k, causal=True, device=device)
+
+
+def window_mask(seqlen_q: int, seqlen_k: int, window_size: Tuple[int, int] = (-1, -1),
+                causal: bool = False, device=None) -> torch.Tensor:
+    """(SQ, SK) bool, True = attend: flash-attn's sliding window, bottom-right
+    aligned. Query i sees key j iff i + d - left <= j <= i + d + right with
+    d = SK - SQ; -1 leaves a side unbounded; causal sets right = 0."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        keep &= j <= i + right
+    if left >= 0:
+        keep &= j >= i - left
+    return keep
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         softmax_scale: Optional[float] = None,
+                        window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                        alibi_slopes: Optional[torch.Tensor] = None,
                         dtype: torch.dtype = torch.float64) -> ReferenceOutput:
-    """softmax(q k^T * scale) v on (B, T, H, D) tensors, computed in ``dtype``.
+    """softmax(scores) v on (B, T, H, D) tensors, computed in ``dtype``.
 
-    K/V heads are shared by groups of H // HKV query heads (GQA/MQA). A row
-    with no visible key yields out = 0 and lse = -inf. Differentiable.
+    scores = q k^T * scale, then softcap * tanh(scores / softcap) if softcap > 0,
+    then - slope * |i + SK - SQ - j| with ALiBi slopes of shape (H,) or (B, H),
+    then the causal / sliding-window mask (``window_mask``). K/V heads are
+    shared by groups of H // HKV query heads (GQA/MQA). A row with no visible
+    key yields out = 0 and lse = -inf. Differentiable.
     """
     B, SQ, H, D = q.shape
     SK, HKV = k.shape[1], k.shape[2]
@@ -45,8 +66,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         kf = kf.repeat_interleave(H // HKV, dim=1)
         vf = vf.repeat_interleave(H // HKV, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale               # (B, H, SQ, SK)
-    if causal:
-        s = s.masked_fill(~causal_mask(SQ, SK, q.device), float("-inf"))
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(dtype)
+        slopes = slopes[None, :] if slopes.dim() == 1 else slopes                # (B or 1, H)
+        i = torch.arange(SQ, device=q.device)[:, None] + (SK - SQ)
+        j = torch.arange(SK, device=q.device)[None, :]
+        s = s - slopes[:, :, None, None] * (i - j).abs().to(dtype)
+    if causal or tuple(window_size) != (-1, -1):
+        s = s.masked_fill(~window_mask(SQ, SK, window_size, causal, q.device), float("-inf"))
     m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, 0.0)                       # empty rows: any finite shift
     e = torch.exp(s - m)

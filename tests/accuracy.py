@@ -57,14 +57,17 @@ def make_qkv(B, SQ, SK, H, HKV, D, dtype, device, requires_grad=True):
 
 
 def check_against_reference(fn, q, k, v, causal, softmax_scale=None, check_lse=True,
-                            check_grads=True):
-    """Run fn(q, k, v) -> (out, lse or None) and check out, lse and all grads."""
+                            check_grads=True, **options):
+    """Run fn(q, k, v) -> (out, lse or None) and check out, lse and all grads.
+
+    ``options`` (window_size, softcap, alibi_slopes) go to the reference."""
     dtype = q.dtype
     out, lse = fn(q, k, v)
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = attention_reference(*leaves, causal=causal, softmax_scale=softmax_scale)
+    ref = attention_reference(*leaves, causal=causal, softmax_scale=softmax_scale, **options)
     lowp = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    pt = attention_reference(*lowp, causal=causal, softmax_scale=softmax_scale, dtype=dtype)
+    pt = attention_reference(*lowp, causal=causal, softmax_scale=softmax_scale, dtype=dtype,
+                             **options)
     assert out.dtype == dtype
     assert_rule("out", out, ref.out, pt.out, 2, dtype)
     if check_lse and lse is not None:

@@ -93,13 +93,31 @@ def test_flash_attn_return_attn_probs():
     assert isinstance(fa.flash_attn_func(q, k, v), torch.Tensor)
 
 
-@pytest.mark.parametrize("kwargs", [dict(dropout_p=0.1), dict(window_size=(4, 4)),
-                                    dict(softcap=30.0), dict(alibi_slopes=torch.ones(2))],
-                         ids=["dropout", "window", "softcap", "alibi"])
-def test_flash_attn_unsupported_options_raise(kwargs):
+def test_flash_attn_dropout_not_supported_yet():
     q = _t(1, 8, 2, 16)
-    with pytest.raises(NotImplementedError):
-        fa.flash_attn_func(q, q, q, **kwargs)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fa.flash_attn_func(q, q, q, dropout_p=0.1)
+
+
+BAD_OPTIONS = [
+    pytest.param(dict(window_size=(4,)), TypeError, "window_size", id="window-len"),
+    pytest.param(dict(window_size=(2.0, 1)), TypeError, "window_size", id="window-float"),
+    pytest.param(dict(window_size=(-2, 1)), ValueError, "window_size", id="window-neg"),
+    pytest.param(dict(softcap=-1.0), ValueError, "softcap", id="softcap-neg"),
+    pytest.param(dict(softcap="30"), TypeError, "softcap", id="softcap-str"),
+    pytest.param(dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes", id="alibi-shape"),
+    pytest.param(dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError, "float32",
+                 id="alibi-dtype"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", BAD_OPTIONS)
+def test_bad_options_raise(kwargs, exc, msg):
+    q = _t(1, 8, 2, 16)
+    if "alibi_slopes" in kwargs:
+        kwargs = dict(alibi_slopes=kwargs["alibi_slopes"].to(DEVICE))
+    with pytest.raises(exc, match=msg):
+        flash_attention(q, q, q, **kwargs)
 
 
 def test_flash_attn_packed_bad_shapes():
@@ -159,11 +177,13 @@ def test_sdpa_falls_back_to_torch(case):
 
 def test_custom_ops_opcheck():
     q, k, v = make_qkv(1, 20, 24, 2, 1, 32, torch.float32, DEVICE, requires_grad=False)
-    torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, (q, k, v, 0.2, True))
-    out, lse = torch.ops.flashtriton.attn_fwd(q, k, v, 0.2, True)
-    dout = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.flashtriton.attn_bwd.default,
-                          (dout, q, k, v, out, lse, 0.2, True))
+    slopes = torch.rand(2, device=DEVICE)
+    for alibi, opts in ((None, (0.2, True, -1, -1, 0.0)), (slopes, (0.2, False, 5, 3, 10.0))):
+        torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, (q, k, v, alibi) + opts)
+        out, lse = torch.ops.flashtriton.attn_fwd(q, k, v, alibi, *opts)
+        dout = torch.randn_like(out)
+        torch.library.opcheck(torch.ops.flashtriton.attn_bwd.default,
+                              (dout, q, k, v, out, lse, alibi) + opts)
 
 
 def test_compile_fullgraph_aot_eager():

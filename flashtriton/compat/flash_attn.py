@@ -6,8 +6,7 @@
 including the flag-dependent tuple of ``return_attn_probs``. Beyond
 flash-attn, float32 inputs are accepted.
 
-Not yet supported (raise NotImplementedError): dropout_p > 0, window_size
-other than (-1, -1), softcap, alibi_slopes.
+Not yet supported (raises NotImplementedError): dropout_p > 0.
 """
 
 import torch
@@ -15,22 +14,11 @@ import torch
 from ..api import _run
 
 
-def _unsupported(dropout_p, window_size, softcap, alibi_slopes):
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not supported yet; use 0.0")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"window_size={tuple(window_size)}: sliding windows are not "
-                                  "supported yet; use (-1, -1)")
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap}: softcapping is not supported yet; use 0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not supported yet; use None")
-
-
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                return_attn_probs, names):
-    _unsupported(dropout_p, window_size, softcap, alibi_slopes)
-    out, lse = _run(q, k, v, causal, softmax_scale, names=names)
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not supported yet; use 0.0")
+    out, lse = _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, names)
     if not return_attn_probs:
         return out
     # flash-attn reports +inf (not -inf) as the LSE of rows that see no key.
@@ -43,8 +31,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
 
-    nheads must be a multiple of nheads_k (MQA/GQA). Causal masks align to the
-    bottom-right corner when seqlen_q != seqlen_k (flash-attn >= 2.1). The
+    nheads must be a multiple of nheads_k (MQA/GQA). Causal masks and
+    window_size=(left, right) align to the bottom-right corner when seqlen_q !=
+    seqlen_k (flash-attn >= 2.1); softcap > 0 caps the scaled scores with
+    softcap * tanh(s / softcap); alibi_slopes (nheads,) or (batch, nheads)
+    float32 add -slope * |i + seqlen_k - seqlen_q - j|. The
     backward is always deterministic here (no atomics), so ``deterministic``
     changes nothing.
 

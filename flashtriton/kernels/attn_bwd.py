@@ -7,13 +7,15 @@
   _attn_bwd_dq_kernel          one program per (query block, batch * head)
 
 P is rebuilt tile by tile as exp2(s2 - LSE * log2(e)); no N x N buffer exists
-and no atomics are used, so gradients are bitwise repeatable.
+and no atomics are used, so gradients are bitwise repeatable. With softcap,
+dS is multiplied by the tanh's derivative 1 - t^2 before the dQ/dK products.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, causal_keep, heavy_first, kv_range, load_tile, q_range, store_tile
+from .common import (LOG2E, heavy_first, kv_range, load_tile, q_range, scores, store_tile,
+                     visible)
 
 
 @triton.jit
@@ -49,11 +51,21 @@ def _row_stats(LSE, DELTA, rows, SQ):
 
 
 @triton.jit
+def _ds(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
+    """Gradient w.r.t. the pre-scale dot products (the softmax scale is applied at the end)."""
+    ds = p * (dp - delta)
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot,
-                         cols, offs_m, offs_d, lo, hi, SQ, SK, DIAG, qk_scale,
-                         HEAD_DIM, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                         MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         BLOCK_M: tl.constexpr):
+                         cols, offs_m, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+                         qk_scale, cap2, slope2,
+                         EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m                                      # [BLOCK_M]
         r64 = rows.to(tl.int64)[:, None]
@@ -65,20 +77,24 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
             q = q.to(tl.float32)
             do = do.to(tl.float32)
         lse2, delta = _row_stats(LSE, DELTA, rows, SQ)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale   # [BLOCK_N, BLOCK_M]
+        # Transposed tiles [BLOCK_N, BLOCK_M]: dV and dK accumulate p^T dO and dS^T Q.
+        # ALiBi's |i + DIAG - j| is symmetric under (i, j, DIAG) -> (j, i, -DIAG).
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+        s_t, t_t = scores(qk_t, cols, rows, qk_scale, cap2, slope2, -DIAG, HAS_SOFTCAP, HAS_ALIBI)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
-            p_t = tl.where(tl.trans(causal_keep(rows, cols, SQ, SK, DIAG, IS_CAUSAL)), p_t, 0.0)
+            keep = visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER)
+            p_t = tl.where(tl.trans(keep), p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)      # [BLOCK_N, BLOCK_D]
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)             # [BLOCK_N, BLOCK_M]
-        ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = _ds(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)       # [BLOCK_N, BLOCK_D]
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -86,9 +102,12 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh,
     stride_lb, stride_lh,
-    HKV, GROUP, SQ, SK, DIAG, qk_scale, sm_scale,
+    stride_ab, stride_ah,
+    HKV, GROUP, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, sm_scale,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    HEAD_DIM, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -111,24 +130,31 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    lo, mid, full_end = q_range(start_n, SQ, SK, DIAG, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, hi = q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
+                                       BLOCK_M, BLOCK_N)
     for g in range(0, GROUP):
         off_h = off_hk * GROUP + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         lse = LSE + off_b * stride_lb + off_h * stride_lh
         delta = DELTA + off_b * stride_lb + off_h * stride_lh
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                      stride_dot, cols, offs_m, offs_d, lo, mid, SQ, SK, DIAG,
-                                      qk_scale, HEAD_DIM, EVEN_D, IS_CAUSAL, True, DOT_PREC,
-                                      UPCAST, BLOCK_M)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                      stride_dot, cols, offs_m, offs_d, mid, full_end, SQ, SK,
-                                      DIAG, qk_scale, HEAD_DIM, EVEN_D, IS_CAUSAL, False,
+                                      stride_dot, cols, offs_m, offs_d, lo, full_lo, SQ, SK,
+                                      HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, True,
                                       DOT_PREC, UPCAST, BLOCK_M)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                      stride_dot, cols, offs_m, offs_d, full_end, SQ, SQ, SK,
-                                      DIAG, qk_scale, HEAD_DIM, EVEN_D, IS_CAUSAL, True,
+                                      stride_dot, cols, offs_m, offs_d, full_lo, full_hi, SQ, SK,
+                                      HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, False,
+                                      DOT_PREC, UPCAST, BLOCK_M)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
+                                      stride_dot, cols, offs_m, offs_d, full_hi, hi, SQ, SK,
+                                      HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, True,
                                       DOT_PREC, UPCAST, BLOCK_M)
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
@@ -140,10 +166,11 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
-                       rows, offs_n, offs_d, lo, hi, SQ, SK, DIAG, qk_scale,
-                       HEAD_DIM, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                       MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       rows, offs_n, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+                       qk_scale, cap2, slope2,
+                       EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
         c64 = cols.to(tl.int64)[:, None]
@@ -154,32 +181,36 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale     # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
+        s, t = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
-            p = tl.where(causal_keep(rows, cols, SQ, SK, DIAG, IS_CAUSAL), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)              # [BLOCK_M, BLOCK_N]
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)        # [BLOCK_M, BLOCK_D]
+            p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
+        ds = _ds(p, dp, delta[:, None], t, HAS_SOFTCAP)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_D]
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, ALIBI,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh,
     stride_lb, stride_lh,
-    H, GROUP, SQ, SK, DIAG, qk_scale, sm_scale,
+    stride_ab, stride_ah,
+    H, GROUP, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, sm_scale,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    HEAD_DIM, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = heavy_first(IS_CAUSAL) * BLOCK_M
+    start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H
@@ -199,17 +230,27 @@ def _attn_bwd_dq_kernel(
         do = do.to(tl.float32)
     lse2, delta = _row_stats(LSE + off_b * stride_lb + off_h * stride_lh,
                              DELTA + off_b * stride_lb + off_h * stride_lh, rows, SQ)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
-    full_end, hi = kv_range(start_m, SK, DIAG, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
+                                        BLOCK_M, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                            offs_n, offs_d, 0, full_end, SQ, SK, DIAG, qk_scale, HEAD_DIM, EVEN_D,
-                            IS_CAUSAL, False, DOT_PREC, UPCAST, BLOCK_N)
+                            offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+                            qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                            HAS_ALIBI, True, DOT_PREC, UPCAST, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                            offs_n, offs_d, full_end, hi, SQ, SK, DIAG, qk_scale, HEAD_DIM, EVEN_D,
-                            IS_CAUSAL, True, DOT_PREC, UPCAST, BLOCK_N)
+                            offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
+                            DIAG, qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER,
+                            HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC, UPCAST, BLOCK_N)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
+                            offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+                            qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                            HAS_ALIBI, True, DOT_PREC, UPCAST, BLOCK_N)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,

@@ -3,20 +3,25 @@
 One program per (query block, batch * head). S and P exist only as
 (BLOCK_M, BLOCK_N) register tiles; the program writes O and the natural-log
 LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
+
+Variants (constexpr): HAS_LOWER / HAS_UPPER (window bounds; causal is
+HAS_UPPER with UPPER = SK - SQ), HAS_SOFTCAP, HAS_ALIBI, EVEN_D.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LN2, NEG_BIG, causal_keep, heavy_first, kv_range, load_tile, store_tile
+from .common import (LN2, LOG2E, NEG_BIG, heavy_first, kv_range, load_tile, scores, store_tile,
+                     visible)
 
 
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                    rows, offs_n, offs_d, lo, hi, SQ, SK, DIAG, qk_scale,
-                    HEAD_DIM, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                    MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    rows, offs_n, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+                    qk_scale, cap2, slope2,
+                    EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
         k = load_tile(k_base + cols.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
@@ -26,9 +31,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale   # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
+        s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
         if MASK:
-            s = tl.where(causal_keep(rows, cols, SQ, SK, DIAG, IS_CAUSAL), s, float("-inf"))
+            s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
+                         float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))                         # [BLOCK_M]
         p = tl.math.exp2(s - m_new[:, None])                         # [BLOCK_M, BLOCK_N]
         alpha = tl.math.exp2(m_i - m_new)
@@ -40,19 +47,22 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, ALIBI,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lh,
-    H, GROUP, SQ, SK, DIAG, qk_scale,
+    stride_ab, stride_ah,
+    H, GROUP, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    HEAD_DIM, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = heavy_first(IS_CAUSAL) * BLOCK_M
+    start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = off_bh % H
@@ -70,17 +80,30 @@ def _attn_fwd_kernel(
     q = load_tile(q_ptrs, rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_end, hi = kv_range(start_m, SK, DIAG, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                    rows, offs_n, offs_d, 0, full_end, SQ, SK, DIAG, qk_scale,
-                                    HEAD_DIM, EVEN_D, IS_CAUSAL, False, DOT_PREC, UPCAST, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                    rows, offs_n, offs_d, full_end, hi, SQ, SK, DIAG, qk_scale,
-                                    HEAD_DIM, EVEN_D, IS_CAUSAL, True, DOT_PREC, UPCAST, BLOCK_N)
+    lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
+                                        BLOCK_M, BLOCK_N)
+    # Masked blocks at the window's left edge, fully visible blocks, masked blocks at the
+    # right edge (the causal diagonal and the ragged end of the keys).
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
+                                    offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER,
+                                    DIAG, qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                    HAS_SOFTCAP, HAS_ALIBI, True, DOT_PREC, UPCAST, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
+                                    offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER,
+                                    UPPER, DIAG, qk_scale, cap2, slope2, EVEN_D, HAS_LOWER,
+                                    HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC, UPCAST,
+                                    BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
+                                    offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
+                                    DIAG, qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                    HAS_SOFTCAP, HAS_ALIBI, True, DOT_PREC, UPCAST, BLOCK_N)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -46,66 +46,119 @@ def store_tile(ptrs, x, rows, n_rows, cols, N_COLS, CHECK_COLS: tl.constexpr):
 
 
 @triton.jit
-def heavy_first(IS_CAUSAL: tl.constexpr):
-    """Query-block index of this program. Causal query blocks near the end see
-    the most keys: launching them first shortens the tail of the grid."""
-    if IS_CAUSAL:
-        pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid = tl.program_id(0)
+def heavy_first(HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
+    """Query-block index of this program. Under a causal mask the last query
+    blocks see the most keys: launching them first shortens the grid's tail."""
+    pid = tl.program_id(0)
+    if HAS_UPPER:
+        if not HAS_LOWER:
+            pid = tl.num_programs(0) - 1 - pid
     return pid
 
 
 @triton.jit
-def kv_range(start_m, SK, DIAG, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """Key blocks a query block [start_m, start_m + BLOCK_M) must visit.
+def _floor_to(x, B: tl.constexpr):
+    return (x // B) * B
 
-    Returns (full_end, hi): blocks starting below ``full_end`` are fully
-    visible to every query row (no mask needed); blocks in [full_end, hi) need
-    the bounds/causal mask; blocks from ``hi`` on are skipped entirely.
+
+@triton.jit
+def _ceil_to(x, B: tl.constexpr):
+    return ((x + B - 1) // B) * B
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.jit
+def kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks that the query block [start_m, start_m + BLOCK_M) visits.
+
+    Query i sees key j iff i + LOWER <= j <= i + UPPER (each bound only if its
+    HAS_ flag is set) and j < SK. Returns (lo, full_lo, full_hi, hi): blocks in
+    [full_lo, full_hi) are visible to every row and run without a mask; blocks
+    in [lo, full_lo) and [full_hi, hi) need the mask; all others are skipped.
     """
-    if IS_CAUSAL:
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + DIAG, 0), SK)
-        full_end = (tl.maximum(start_m + DIAG + 1, 0) // BLOCK_N) * BLOCK_N
-        full_end = tl.minimum(full_end, (SK // BLOCK_N) * BLOCK_N)
-        full_end = tl.minimum(full_end, hi)
+    if HAS_UPPER:
+        hi = _clamp(start_m + BLOCK_M + UPPER, 0, SK)
+        full_hi = _floor_to(_clamp(start_m + UPPER + 1, 0, SK), BLOCK_N)
     else:
         hi = SK
-        full_end = (SK // BLOCK_N) * BLOCK_N
-    return full_end, hi
-
-
-@triton.jit
-def q_range(start_n, SQ, SK, DIAG, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr):
-    """Query blocks a key block [start_n, start_n + BLOCK_N) must visit.
-
-    Returns (lo, mid, full_end): [lo, mid) needs the causal mask, [mid,
-    full_end) is fully visible, [full_end, SQ) needs the bounds mask. Blocks
-    below ``lo`` see none of these keys and are skipped.
-    """
-    n_blocks_end = ((SQ + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-    if IS_CAUSAL:
-        lo = (tl.maximum(start_n - DIAG, 0) // BLOCK_M) * BLOCK_M
-        lo = tl.minimum(lo, n_blocks_end)
-        first_full = tl.maximum(start_n + BLOCK_N - 1 - DIAG, 0)
-        mid = ((first_full + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-        mid = tl.minimum(tl.maximum(mid, lo), n_blocks_end)
+        full_hi = _floor_to(SK, BLOCK_N)
+    if HAS_LOWER:
+        lo = _floor_to(_clamp(start_m + LOWER, 0, SK), BLOCK_N)
+        full_lo = _ceil_to(_clamp(start_m + BLOCK_M - 1 + LOWER, 0, SK), BLOCK_N)
     else:
         lo = 0
-        mid = 0
-    if start_n + BLOCK_N <= SK:
-        full_end = tl.maximum((SQ // BLOCK_M) * BLOCK_M, mid)
-    else:
-        full_end = mid
-    return lo, mid, full_end
+        full_lo = 0
+    full_lo = _clamp(full_lo, lo, hi)
+    full_hi = _clamp(full_hi, full_lo, hi)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def causal_keep(rows, cols, SQ, SK, DIAG, IS_CAUSAL: tl.constexpr):
+def q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks that see some key of [start_n, start_n + BLOCK_N).
+
+    Same contract as ``kv_range`` with the roles swapped: rows in
+    [full_lo, full_hi) see every key of the block (and are < SQ, the block
+    < SK), [lo, full_lo) and [full_hi, hi) need the mask.
+    """
+    if HAS_UPPER:
+        lo = _floor_to(_clamp(start_n - UPPER, 0, SQ), BLOCK_M)
+        full_lo = _ceil_to(_clamp(start_n + BLOCK_N - 1 - UPPER, 0, SQ), BLOCK_M)
+    else:
+        lo = 0
+        full_lo = 0
+    if HAS_LOWER:
+        hi = _clamp(start_n + BLOCK_N - LOWER, 0, SQ)
+        full_hi = _floor_to(_clamp(start_n - LOWER + 1, 0, SQ), BLOCK_M)
+    else:
+        hi = SQ
+        full_hi = _floor_to(SQ, BLOCK_M)
+    if start_n + BLOCK_N > SK:
+        full_hi = full_lo
+    full_lo = _clamp(full_lo, lo, hi)
+    full_hi = _clamp(full_hi, full_lo, hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
     """(len(rows), len(cols)) mask of the (query, key) pairs that are attended."""
     keep = (rows[:, None] < SQ) & (cols[None, :] < SK)
-    if IS_CAUSAL:
-        keep = keep & (cols[None, :] <= rows[:, None] + DIAG)
+    if HAS_UPPER:
+        keep = keep & (cols[None, :] <= rows[:, None] + UPPER)
+    if HAS_LOWER:
+        keep = keep & (cols[None, :] >= rows[:, None] + LOWER)
     return keep
+
+
+@triton.jit
+def tanh(x):
+    """tanh through exp2 (portable: GPU and interpreter); exact limits at +-inf."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG,
+           HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Scores in the log2 domain from the raw dot products qk.
+
+    Plain: qk * scale * log2(e) (qk_scale carries the product). Softcap:
+    softcap * tanh(qk * scale / softcap) * log2(e) (qk_scale = scale / softcap,
+    cap2 = softcap * log2(e)). ALiBi adds -slope * log2(e) * |i + DIAG - j|.
+    Returns (s2, t) with t the tanh (softcap only; else s2 again, unused).
+    """
+    if HAS_SOFTCAP:
+        t = tanh(qk * qk_scale)
+        s2 = t * cap2
+    else:
+        s2 = qk * qk_scale
+        t = s2
+    if HAS_ALIBI:
+        s2 = s2 - slope2 * tl.abs(rows[:, None] + DIAG - cols[None, :]).to(tl.float32)
+    return s2, t
