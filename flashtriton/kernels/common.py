@@ -119,8 +119,7 @@ def q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: t
     else:
         hi = SQ
         full_hi = _floor_to(SQ, BLOCK_M)
-    if start_n + BLOCK_N > SK:
-        full_hi = full_lo
+    full_hi = tl.where(start_n + BLOCK_N > SK, full_lo, full_hi)  # a ragged key block: all masked
     full_lo = _clamp(full_lo, lo, hi)
     full_hi = _clamp(full_hi, full_lo, hi)
     return lo, full_lo, full_hi, hi
