@@ -92,20 +92,19 @@ def _check_softcap(softcap) -> float:
     return float(softcap)
 
 
-def _check_alibi(alibi_slopes, q) -> Optional[torch.Tensor]:
+def _check_alibi(alibi_slopes, B: int, H: int, device) -> Optional[torch.Tensor]:
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got "
                         f"{type(alibi_slopes).__name__}")
-    B, H = q.shape[0], q.shape[2]
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must be float32, got {_describe(alibi_slopes)}")
     if tuple(alibi_slopes.shape) not in ((H,), (B, H)):
         raise ValueError(f"alibi_slopes must have shape (nheads,) = ({H},) or (batch, nheads) = "
                          f"({B}, {H}); got {_describe(alibi_slopes)}")
-    if alibi_slopes.device != q.device:
-        raise ValueError(f"alibi_slopes must be on q's device {q.device}; got {_describe(alibi_slopes)}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on q's device {device}; got {_describe(alibi_slopes)}")
     return alibi_slopes
 
 
@@ -119,9 +118,62 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size)
     softcap = _check_softcap(softcap)
-    alibi_slopes = _check_alibi(alibi_slopes, q)
-    out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), alibi_slopes,
-                                       scale, bool(causal), left, right, softcap)
+    alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), None, None, 0,
+                                       0, alibi_slopes, scale, bool(causal), left, right, softcap)
+    return AttentionOutput(out, lse)
+
+
+def _check_max_seqlen(name, value) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point:
+            raise TypeError(f"{name} must be an int or a 0-d integer tensor; got "
+                            f"{_describe(value)}")
+        value = int(value)  # a CUDA tensor costs a host sync here; pass an int to avoid it
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"{name} must be a non-negative int; got {value!r}")
+    return value
+
+
+def _check_cu(name, cu, device) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype != torch.int32:
+        raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 cumulative lengths; "
+                         f"got {_describe(cu)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}); got {_describe(cu)}")
+    return cu.contiguous()
+
+
+def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                names=("q", "k", "v")) -> AttentionOutput:
+    for name, x in zip(names, (q, k, v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, nheads, headdim) for packed "
+                             f"sequences; got {_describe(x)}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"{names[1]} and {names[2]} must have the same shape; got "
+                         f"{_describe(k)} and {_describe(v)}")
+    # The dense checks on (1, total, H, D) views cover dtypes, devices, heads and head dims.
+    check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); "
+                         f"got {_describe(cu_q)} and {_describe(cu_k)}")
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    left, right = _check_window(window_size)
+    softcap = _check_softcap(softcap)
+    alibi_slopes = _check_alibi(alibi_slopes, cu_q.numel() - 1, q.shape[1], q.device)
+    out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), cu_q, cu_k,
+                                       max_q, max_k, alibi_slopes, scale, bool(causal), left,
+                                       right, softcap)
     return AttentionOutput(out, lse)
 
 
@@ -190,4 +242,52 @@ flash_attention_with_lse.__doc__ = """``flash_attention`` that also returns the 
         nheads, seqlen_q) float32, the natural log of the softmax denominator of
         each row (of the final scores, after softcap and ALiBi), -inf for rows
         that see no key. lse is not differentiable.
+"""
+
+
+_VARLEN_DOC = """
+    Packed variable-length sequences (no padding): sequence b occupies rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
+    of k and v; zero-length sequences are allowed. Masks (causal, window_size)
+    and ALiBi positions are per sequence, bottom-right aligned.
+
+    Args:
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 on q's device, starting at 0.
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (they size the
+           grid: rows beyond them are not computed). An int, or a 0-d tensor
+           (a CUDA tensor costs one host sync: pass an int on hot paths).
+        causal, softmax_scale, window_size, softcap, alibi_slopes: as in
+           ``flash_attention`` (alibi_slopes (nheads,) or (batch, nheads)).
+"""
+
+
+def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q, max_seqlen_k, *, causal: bool = False,
+                           softmax_scale: Optional[float] = None,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       softmax_scale, window_size, softcap, alibi_slopes).out
+
+
+def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                    max_seqlen_q, max_seqlen_k, *, causal: bool = False,
+                                    softmax_scale: Optional[float] = None,
+                                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: Optional[torch.Tensor] = None
+                                    ) -> AttentionOutput:
+    return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       softmax_scale, window_size, softcap, alibi_slopes)
+
+
+flash_attention_varlen.__doc__ = """``flash_attention`` on packed sequences; returns out (total_q, nheads, headdim).
+""" + _VARLEN_DOC
+
+flash_attention_varlen_with_lse.__doc__ = """``flash_attention_varlen`` that also returns the LSE.
+""" + _VARLEN_DOC + """
+    Returns ``AttentionOutput(out, lse)`` with lse (nheads, total_q) float32
+    (flash-attn's varlen layout), -inf for rows that see no key.
 """

@@ -2,7 +2,10 @@
 
 The ops make flashtriton opaque to torch.compile (no graph break, no tracing
 into Triton); the Function saves what the backward needs: q, k, v, out and the
-LSE (and the ALiBi slopes), never an N x N tensor.
+LSE (and the ALiBi slopes and sequence offsets), never an N x N tensor.
+
+Dense calls pass cu_seqlens_q = cu_seqlens_k = None and max_seqlen_* = 0;
+packed (varlen) calls pass (total, H, D) tensors and int32 offsets.
 """
 
 from typing import Optional, Tuple
@@ -11,58 +14,77 @@ import torch
 from torch import Tensor
 
 from . import launch
-from .launch import Variant
+from .launch import Variant, Varlen
+
+
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Optional[Varlen]:
+    if cu_seqlens_q is None:
+        return None
+    return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 @torch.library.custom_op("flashtriton::attn_fwd", mutates_args=())
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], softmax_scale: float,
-             causal: bool, window_left: int, window_right: int,
-             softcap: float) -> Tuple[Tensor, Tensor]:
-    """(B, SQ, H, D) q, (B, SK, HKV, D) k, v -> out (B, SQ, H, D), lse (B, H, SQ) fp32."""
-    return launch.attention_forward(q, k, v, Variant(softmax_scale, causal, window_left,
-                                                     window_right, softcap, alibi_slopes))
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+             cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+             alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
+             window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+    """out in q's shape; lse fp32 (B, H, SQ), or (H, total_q) for packed sequences."""
+    return launch.attention_forward(
+        q, k, v, Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes),
+        _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right,
-                   softcap):
-    B, SQ, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, SQ), dtype=torch.float32)
+def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                   softmax_scale, causal, window_left, window_right, softcap):
+    if cu_seqlens_q is None:
+        B, SQ, H, _ = q.shape
+        lse_shape = (B, H, SQ)
+    else:
+        lse_shape = (q.shape[1], q.shape[0])
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("flashtriton::attn_bwd", mutates_args=())
 def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
-             window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
+             cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
+             max_seqlen_k: int, alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool,
+             window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of attn_fwd, recomputed from q, k, v, out and lse."""
-    return launch.attention_backward(dout, q, k, v, out, lse,
-                                     Variant(softmax_scale, causal, window_left, window_right,
-                                             softcap, alibi_slopes))
+    return launch.attention_backward(
+        dout, q, k, v, out, lse,
+        Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes),
+        _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 @attn_bwd.register_fake
-def _attn_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, softmax_scale, causal, window_left,
-                   window_right, softcap):
+def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """out, lse = FlashAttnFunction.apply(q, k, v, alibi_slopes, softmax_scale, causal,
-    window_left, window_right, softcap); lse and alibi_slopes are not differentiable."""
+    """out, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap).
+
+    Only q, k, v are differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right,
-                softcap):
-        out, lse = torch.ops.flashtriton.attn_fwd(q, k, v, alibi_slopes, softmax_scale, causal,
-                                                  window_left, window_right, softcap)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-        ctx.options = (softmax_scale, causal, window_left, window_right, softcap)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                alibi_slopes, softmax_scale, causal, window_left, window_right, softcap):
+        out, lse = torch.ops.flashtriton.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k, alibi_slopes,
+                                                  softmax_scale, causal, window_left,
+                                                  window_right, softcap)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                       window_right, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = torch.ops.flashtriton.attn_bwd(dout, q, k, v, out, lse, alibi_slopes,
-                                                    *ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+        max_q, max_k, *options = ctx.options
+        dq, dk, dv = torch.ops.flashtriton.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q,
+                                                    max_k, alibi_slopes, *options)
+        return (dq, dk, dv) + (None,) * 10

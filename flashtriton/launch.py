@@ -17,7 +17,8 @@ from .kernels.attn_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,
 from .kernels.attn_fwd import _attn_fwd_kernel
 
 LOG2E = math.log2(math.e)
-_KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "HAS_LOWER", "HAS_UPPER", "HAS_SOFTCAP", "HAS_ALIBI"]
+_KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_VARLEN", "HAS_LOWER", "HAS_UPPER", "HAS_SOFTCAP",
+        "HAS_ALIBI"]
 
 
 def _autotuned(kind: str, kernel):
@@ -56,7 +57,10 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def _strides(x: torch.Tensor):
+    """(batch, token, head) strides of a (B, T, H, D) tensor or a packed (T, H, D) one."""
     assert x.stride(-1) == 1, "launchers expect a unit stride on the head dim"
+    if x.dim() == 3:
+        return 0, x.stride(0), x.stride(1)
     return x.stride(0), x.stride(1), x.stride(2)
 
 
@@ -70,6 +74,14 @@ class Variant(NamedTuple):
     alibi_slopes: Optional[torch.Tensor] = None  # (H,) or (B, H) float32
 
 
+class Varlen(NamedTuple):
+    """Packed sequences: q (total_q, H, D), k/v (total_k, HKV, D), int32 offsets (B + 1)."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
 def _alibi_args(variant: Variant):
     a = variant.alibi_slopes
     if a is None:
@@ -77,25 +89,42 @@ def _alibi_args(variant: Variant):
     return (a, 0, a.stride(0)) if a.dim() == 1 else (a, a.stride(0), a.stride(1))
 
 
-def _common(q: torch.Tensor, k: torch.Tensor, variant: Variant):
+def _dims(q, k, varlen: Optional[Varlen]):
+    """(B, SQ, SK, H, HKV, D); SQ/SK are the longest sequences under varlen."""
+    H, D = q.shape[-2], q.shape[-1]
+    HKV = k.shape[-2]
+    if varlen is None:
+        return q.shape[0], q.shape[1], k.shape[1], H, HKV, D
+    return (varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, varlen.max_seqlen_k, H, HKV, D)
+
+
+def _lse_buffer(q, varlen: Optional[Varlen]):
+    """LSE (B, H, SQ), or (H, total_q) under varlen; returns it with (stride_b, stride_h)."""
+    if varlen is None:
+        B, SQ, H, _ = q.shape
+        lse = _empty((B, H, SQ), torch.float32, q.device)
+        return lse, lse.stride(0), lse.stride(1)
+    lse = _empty((q.shape[1], q.shape[0]), torch.float32, q.device)
+    return lse, 0, lse.stride(0)
+
+
+def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
     """Constexpr and runtime arguments shared by every kernel of one call.
 
-    The mask: query i sees key j iff i + LOWER <= j <= i + UPPER, both bounds
-    aligned to the bottom-right corner (DIAG = SK - SQ), flash-attn's rule.
+    The mask: query i sees key j iff i + d - WIN_LEFT <= j <= i + d + WIN_RIGHT
+    with d = SK - SQ of the sequence (bottom-right alignment, flash-attn's rule).
     """
-    SQ, head_dim = q.shape[1], q.shape[3]
-    SK = k.shape[1]
-    diag = SK - SQ
+    head_dim = q.shape[-1]
     right = 0 if variant.causal else variant.window_right
     has_softcap = variant.softcap > 0.0
     qk_scale = variant.softmax_scale * (1.0 / variant.softcap if has_softcap else LOG2E)
     return dict(
         HEAD_DIM=head_dim,
-        LOWER=diag - variant.window_left,
-        UPPER=diag + right,
-        DIAG=diag,
+        WIN_LEFT=variant.window_left,
+        WIN_RIGHT=right,
         qk_scale=qk_scale,
         cap2=variant.softcap * LOG2E,
+        IS_VARLEN=varlen is not None,
         BLOCK_D=configs.block_d(head_dim),
         EVEN_D=configs.block_d(head_dim) == head_dim,
         HAS_LOWER=variant.window_left >= 0,
@@ -109,16 +138,19 @@ def _common(q: torch.Tensor, k: torch.Tensor, variant: Variant):
     )
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      variant: Variant) -> Tuple[torch.Tensor, torch.Tensor]:
-    """O (B, SQ, H, D) in q's dtype and LSE (B, H, SQ) fp32, natural log."""
-    B, SQ, H, D = q.shape
-    SK, HKV = k.shape[1], k.shape[2]
+def _cu(varlen: Optional[Varlen]):
+    return (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+                      varlen: Optional[Varlen] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """O in q's shape and dtype; LSE fp32 in natural log, (B, H, SQ) or (H, total_q)."""
+    B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
     out = _empty_like(q)
-    lse = _empty((B, H, SQ), torch.float32, q.device)
+    lse, stride_lb, stride_lh = _lse_buffer(q, varlen)
     if out.numel() == 0:
         return out, lse
-    if SK == 0:
+    if SK == 0 or k.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
 
     def grid(meta):
@@ -126,46 +158,49 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     _fwd[grid](
-        q, k, v, out, lse, alibi,
+        q, k, v, out, lse, alibi, *_cu(varlen),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        lse.stride(0), lse.stride(1), stride_ab, stride_ah,
+        stride_lb, stride_lh, stride_ab, stride_ah,
         H, H // HKV, SQ, SK,
-        **_common(q, k, variant),
+        **_common(q, varlen, SQ, SK, variant),
     )
     return out, lse
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor,
-                       variant: Variant) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       out: torch.Tensor, lse: torch.Tensor, variant: Variant,
+                       varlen: Optional[Varlen] = None
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV in the dtypes and shapes of q, k, v (contiguous)."""
-    B, SQ, H, D = q.shape
-    SK, HKV = k.shape[1], k.shape[2]
+    B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
-    if dq.numel() == 0 or dk.numel() == 0:
+    if dq.numel() == 0 or dk.numel() == 0 or SK == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    common = _common(q, k, variant)
+    common = _common(q, varlen, SQ, SK, variant)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
+    stride_lb, stride_lh = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
 
+    # delta = rowsum(dO * O): packed sequences are one long batch element here.
     delta = _empty(lse.shape, torch.float32, lse.device)
+    rows = q.shape[1] if varlen is None else q.shape[0]
     prep_m = configs.candidates("prep")[0][0]
-    _attn_bwd_preprocess_kernel[(triton.cdiv(SQ, prep_m), B * H)](
-        out, dout, delta, *_strides(out), *_strides(dout), delta.stride(0), delta.stride(1),
-        H, SQ, D, BLOCK_D=common["BLOCK_D"], EVEN_D=common["EVEN_D"], BLOCK_M=prep_m,
+    _attn_bwd_preprocess_kernel[(triton.cdiv(rows, prep_m), (B if varlen is None else 1) * H)](
+        out, dout, delta, *_strides(out), *_strides(dout), stride_lb, stride_lh,
+        H, rows, D, BLOCK_D=common["BLOCK_D"], EVEN_D=common["EVEN_D"], BLOCK_M=prep_m,
     )
     _dkdv[lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV)](
-        q, k, v, dout, lse, delta, dk, dv, alibi,
+        q, k, v, dout, lse, delta, dk, dv, alibi, *_cu(varlen),
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-        lse.stride(0), lse.stride(1), stride_ab, stride_ah,
+        stride_lb, stride_lh, stride_ab, stride_ah,
         HKV, H // HKV, SQ, SK, sm_scale=variant.softmax_scale,
         **common,
     )
     _dq[lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H)](
-        q, k, v, dout, lse, delta, dq, alibi,
+        q, k, v, dout, lse, delta, dq, alibi, *_cu(varlen),
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        lse.stride(0), lse.stride(1), stride_ab, stride_ah,
+        stride_lb, stride_lh, stride_ab, stride_ah,
         H, H // HKV, SQ, SK, sm_scale=variant.softmax_scale,
         **common,
     )

@@ -76,7 +76,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         s = s - slopes[:, :, None, None] * (i - j).abs().to(dtype)
     if causal or tuple(window_size) != (-1, -1):
         s = s.masked_fill(~window_mask(SQ, SK, window_size, causal, q.device), float("-inf"))
-    m = s.amax(dim=-1, keepdim=True).detach()
+    if SK == 0:  # no key at all: every row is empty
+        m = s.new_zeros((*s.shape[:-1], 1))
+    else:
+        m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, 0.0)                       # empty rows: any finite shift
     e = torch.exp(s - m)
     l = e.sum(dim=-1, keepdim=True)                                  # (B, H, SQ, 1)

@@ -178,12 +178,19 @@ def test_sdpa_falls_back_to_torch(case):
 def test_custom_ops_opcheck():
     q, k, v = make_qkv(1, 20, 24, 2, 1, 32, torch.float32, DEVICE, requires_grad=False)
     slopes = torch.rand(2, device=DEVICE)
-    for alibi, opts in ((None, (0.2, True, -1, -1, 0.0)), (slopes, (0.2, False, 5, 3, 10.0))):
-        torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, (q, k, v, alibi) + opts)
-        out, lse = torch.ops.flashtriton.attn_fwd(q, k, v, alibi, *opts)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 11, 24], dtype=torch.int32, device=DEVICE)
+    cases = [
+        ((q, k, v, None, None, 0, 0, None), (0.2, True, -1, -1, 0.0)),
+        ((q, k, v, None, None, 0, 0, slopes), (0.2, False, 5, 3, 10.0)),
+        ((q[0], k[0], v[0], cu, cu_k, 13, 13, None), (0.3, True, 4, -1, 0.0)),
+    ]
+    for args, opts in cases:
+        torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, args + opts)
+        out, lse = torch.ops.flashtriton.attn_fwd(*args, *opts)
         dout = torch.randn_like(out)
         torch.library.opcheck(torch.ops.flashtriton.attn_bwd.default,
-                              (dout, q, k, v, out, lse, alibi) + opts)
+                              (dout,) + args[:3] + (out, lse) + args[3:] + opts)
 
 
 def test_compile_fullgraph_aot_eager():

@@ -6,24 +6,53 @@
 including the flag-dependent tuple of ``return_attn_probs``. Beyond
 flash-attn, float32 inputs are accepted.
 
-Not yet supported (raises NotImplementedError): dropout_p > 0.
+The varlen functions take packed (total_tokens, nheads, headdim) tensors and
+int32 cu_seqlens as flash-attn's do; ``flashtriton.compat.bert_padding`` has
+``unpad_input`` / ``pad_input``.
+
+Not yet supported (raises NotImplementedError): dropout_p > 0, block_table.
 """
 
 import torch
 
-from ..api import _run
+from ..api import _run, _run_varlen
 
 
-def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, names):
+def _no_dropout(dropout_p):
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not supported yet; use 0.0")
-    out, lse = _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, names)
+
+
+def _returns(out, lse, return_attn_probs):
     if not return_attn_probs:
         return out
     # flash-attn reports +inf (not -inf) as the LSE of rows that see no key.
     lse = torch.where(lse == float("-inf"), float("inf"), lse)
     return out, lse, None
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               return_attn_probs, names):
+    _no_dropout(dropout_p)
+    out, lse = _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, names)
+    return _returns(out, lse, return_attn_probs)
+
+
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                      softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs, block_table, names):
+    _no_dropout(dropout_p)
+    if block_table is not None:
+        raise NotImplementedError("block_table: paged KV caches are not supported yet; use None")
+    out, lse = _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal, softmax_scale, window_size, softcap, alibi_slopes, names)
+    return _returns(out, lse, return_attn_probs)
+
+
+def _check_packed(name, x, n, shape_doc):
+    if not isinstance(x, torch.Tensor) or x.dim() != len(shape_doc.split(",")) or x.shape[-3] != n:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a ({shape_doc}) tensor; got {got}")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -55,9 +84,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     k and v are read as strided views of kv (no copy). Otherwise as
     ``flash_attn_func``.
     """
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError("kv must be a (batch, seqlen_k, 2, nheads_k, headdim) tensor; got "
-                         f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
+    _check_packed("kv", kv, 2, "batch, seqlen_k, 2, nheads_k, headdim")
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                       softcap, alibi_slopes, return_attn_probs, ("q", "kv[:, :, 0]", "kv[:, :, 1]"))
 
@@ -69,9 +96,47 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 
     Otherwise as ``flash_attn_func``.
     """
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError("qkv must be a (batch, seqlen, 3, nheads, headdim) tensor; got "
-                         f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
+    _check_packed("qkv", qkv, 3, "batch, seqlen, 3, nheads, headdim")
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                       window_size, softcap, alibi_slopes, return_attn_probs,
                       ("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim).
+
+    cu_seqlens_q / cu_seqlens_k: (batch + 1,) int32 cumulative sequence lengths;
+    max_seqlen_q / max_seqlen_k: the longest lengths (int, or a 0-d tensor).
+    Masks and ALiBi positions are per sequence. Returns out (total_q, nheads,
+    headdim); with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with
+    softmax_lse (nheads, total_q) float32.
+    """
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                             return_attn_probs, block_table, ("q", "k", "v"))
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False):
+    """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim), read as views."""
+    _check_packed("kv", kv, 2, "total_k, 2, nheads_k, headdim")
+    return _attention_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, return_attn_probs, None, ("q", "kv[:, 0]", "kv[:, 1]"))
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv: (total, 3, nheads, headdim), read as views; one cu_seqlens for q and k."""
+    _check_packed("qkv", qkv, 3, "total, 3, nheads, headdim")
+    return _attention_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                             max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, return_attn_probs, None,
+                             ("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))

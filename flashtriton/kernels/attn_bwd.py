@@ -14,8 +14,8 @@ dS is multiplied by the tanh's derivative 1 - t^2 before the dQ/dK products.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, heavy_first, kv_range, load_tile, q_range, scores, store_tile,
-                     visible)
+from .common import (LOG2E, heavy_first, kv_range, load_tile, q_range, scores, seq_bounds,
+                     store_tile, visible)
 
 
 @triton.jit
@@ -94,7 +94,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI,
+    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, CU_Q, CU_K,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -103,9 +103,9 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvt, stride_dvh,
     stride_lb, stride_lh,
     stride_ab, stride_ah,
-    HKV, GROUP, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, sm_scale,
+    HKV, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -115,11 +115,16 @@ def _attn_bwd_dkdv_kernel(
     off_bh = tl.program_id(1)
     off_b = (off_bh // HKV).to(tl.int64)
     off_hk = (off_bh % HKV).to(tl.int64)
+    q_off, k_off, SQ, SK, LOWER, UPPER, DIAG = seq_bounds(CU_Q, CU_K, off_b, SQ, SK, WIN_LEFT,
+                                                          WIN_RIGHT, IS_VARLEN)
+    if IS_VARLEN:
+        if start_n >= SK:
+            return
 
     cols = start_n + tl.arange(0, BLOCK_N)                           # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)                                   # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)                                   # [BLOCK_D]
-    c64 = cols.to(tl.int64)[:, None]
+    c64 = (k_off + cols.to(tl.int64))[:, None]                       # rows of the packed K
     k = load_tile(K + off_b * stride_kb + off_hk * stride_kh + c64 * stride_kt + offs_d[None, :],
                   cols, SK, offs_d, HEAD_DIM, True, not EVEN_D)      # [BLOCK_N, BLOCK_D]
     v = load_tile(V + off_b * stride_vb + off_hk * stride_vh + c64 * stride_vt + offs_d[None, :],
@@ -134,10 +139,10 @@ def _attn_bwd_dkdv_kernel(
                                        BLOCK_M, BLOCK_N)
     for g in range(0, GROUP):
         off_h = off_hk * GROUP + g
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
-        lse = LSE + off_b * stride_lb + off_h * stride_lh
-        delta = DELTA + off_b * stride_lb + off_h * stride_lh
+        q_base = Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + q_off * stride_dot + off_h * stride_doh
+        lse = LSE + off_b * stride_lb + off_h * stride_lh + q_off
+        delta = DELTA + off_b * stride_lb + off_h * stride_lh + q_off
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
@@ -194,7 +199,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, ALIBI,
+    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -202,9 +207,9 @@ def _attn_bwd_dq_kernel(
     stride_dqb, stride_dqt, stride_dqh,
     stride_lb, stride_lh,
     stride_ab, stride_ah,
-    H, GROUP, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, sm_scale,
+    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -216,11 +221,16 @@ def _attn_bwd_dq_kernel(
     off_h = off_bh % H
     off_hk = (off_h // GROUP).to(tl.int64)
     off_h = off_h.to(tl.int64)
+    q_off, k_off, SQ, SK, LOWER, UPPER, DIAG = seq_bounds(CU_Q, CU_K, off_b, SQ, SK, WIN_LEFT,
+                                                          WIN_RIGHT, IS_VARLEN)
+    if IS_VARLEN:
+        if start_m >= SQ:
+            return
 
     rows = start_m + tl.arange(0, BLOCK_M)                           # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)                                   # [BLOCK_D]
-    r64 = rows.to(tl.int64)[:, None]
+    r64 = (q_off + rows.to(tl.int64))[:, None]                       # rows of the packed Q
     q = load_tile(Q + off_b * stride_qb + off_h * stride_qh + r64 * stride_qt + offs_d[None, :],
                   rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)      # [BLOCK_M, BLOCK_D]
     do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + r64 * stride_dot + offs_d[None, :],
@@ -228,15 +238,15 @@ def _attn_bwd_dq_kernel(
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse2, delta = _row_stats(LSE + off_b * stride_lb + off_h * stride_lh,
-                             DELTA + off_b * stride_lb + off_h * stride_lh, rows, SQ)
+    lse2, delta = _row_stats(LSE + off_b * stride_lb + off_h * stride_lh + q_off,
+                             DELTA + off_b * stride_lb + off_h * stride_lh + q_off, rows, SQ)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
     lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                         BLOCK_M, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,

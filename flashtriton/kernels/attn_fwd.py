@@ -4,15 +4,16 @@ One program per (query block, batch * head). S and P exist only as
 (BLOCK_M, BLOCK_N) register tiles; the program writes O and the natural-log
 LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
-Variants (constexpr): HAS_LOWER / HAS_UPPER (window bounds; causal is
-HAS_UPPER with UPPER = SK - SQ), HAS_SOFTCAP, HAS_ALIBI, EVEN_D.
+Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K),
+HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
+HAS_SOFTCAP, HAS_ALIBI, EVEN_D.
 """
 
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, NEG_BIG, heavy_first, kv_range, load_tile, scores, store_tile,
-                     visible)
+from .common import (LN2, LOG2E, NEG_BIG, heavy_first, kv_range, load_tile, scores, seq_bounds,
+                     store_tile, visible)
 
 
 @triton.jit
@@ -47,16 +48,16 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI,
+    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lh,
     stride_ab, stride_ah,
-    H, GROUP, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
+    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -68,14 +69,19 @@ def _attn_fwd_kernel(
     off_h = off_bh % H
     off_hk = (off_h // GROUP).to(tl.int64)
     off_h = off_h.to(tl.int64)
+    q_off, k_off, SQ, SK, LOWER, UPPER, DIAG = seq_bounds(CU_Q, CU_K, off_b, SQ, SK, WIN_LEFT,
+                                                          WIN_RIGHT, IS_VARLEN)
+    if IS_VARLEN:
+        if start_m >= SQ:
+            return
 
     rows = start_m + tl.arange(0, BLOCK_M)                           # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)                                   # [BLOCK_D]
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+    q_ptrs = (Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
               + rows.to(tl.int64)[:, None] * stride_qt + offs_d[None, :])
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
 
     q = load_tile(q_ptrs, rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
@@ -110,7 +116,7 @@ def _attn_fwd_kernel(
     out = acc * (1.0 / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
 
-    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
+    o_ptrs = (O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
               + rows.to(tl.int64)[:, None] * stride_ot + offs_d[None, :])
     store_tile(o_ptrs, out.to(O.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM, not EVEN_D)
-    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=rows < SQ)
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + q_off + rows, lse, mask=rows < SQ)

@@ -46,6 +46,29 @@ def store_tile(ptrs, x, rows, n_rows, cols, N_COLS, CHECK_COLS: tl.constexpr):
 
 
 @triton.jit
+def seq_bounds(CU_Q, CU_K, off_b, SQ, SK, WIN_LEFT, WIN_RIGHT, IS_VARLEN: tl.constexpr):
+    """Row offsets, lengths and mask bounds of batch element ``off_b``.
+
+    Dense: the sequences start at row 0 and are SQ / SK long. Varlen: they are
+    packed and delimited by the cumulative lengths CU_Q / CU_K (int32, B + 1).
+    Returns (q_off, k_off, SQ, SK, LOWER, UPPER, DIAG): query i sees key j iff
+    i + LOWER <= j <= i + UPPER, with DIAG = SK - SQ (bottom-right alignment).
+    """
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + off_b)
+        k_start = tl.load(CU_K + off_b)
+        SQ = tl.load(CU_Q + off_b + 1) - q_start
+        SK = tl.load(CU_K + off_b + 1) - k_start
+        q_off = q_start.to(tl.int64)
+        k_off = k_start.to(tl.int64)
+    else:
+        q_off = 0
+        k_off = 0
+    DIAG = SK - SQ
+    return q_off, k_off, SQ, SK, DIAG - WIN_LEFT, DIAG + WIN_RIGHT, DIAG
+
+
+@triton.jit
 def heavy_first(HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
     """Query-block index of this program. Under a causal mask the last query
     blocks see the most keys: launching them first shortens the grid's tail."""
