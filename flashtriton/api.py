@@ -113,14 +113,16 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-         names=("q", "k", "v")) -> AttentionOutput:
+         names=("q", "k", "v"), attn_mask=None) -> AttentionOutput:
+    """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
     check_qkv(q, k, v, names)
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size)
     softcap = _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), None, None, 0,
-                                       0, alibi_slopes, scale, bool(causal), left, right, softcap)
+                                       0, alibi_slopes, attn_mask, scale, bool(causal), left,
+                                       right, softcap)
     return AttentionOutput(out, lse)
 
 
@@ -172,8 +174,8 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softcap = _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, cu_q.numel() - 1, q.shape[1], q.device)
     out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), cu_q, cu_k,
-                                       max_q, max_k, alibi_slopes, scale, bool(causal), left,
-                                       right, softcap)
+                                       max_q, max_k, alibi_slopes, None, scale, bool(causal),
+                                       left, right, softcap)
     return AttentionOutput(out, lse)
 
 

@@ -26,17 +26,18 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Optional[
 @torch.library.custom_op("flashtriton::attn_fwd", mutates_args=())
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-             alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
-             window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+             alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], softmax_scale: float,
+             causal: bool, window_left: int, window_right: int,
+             softcap: float) -> Tuple[Tensor, Tensor]:
     """out in q's shape; lse fp32 (B, H, SQ), or (H, total_q) for packed sequences."""
     return launch.attention_forward(
-        q, k, v, Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes),
+        q, k, v, Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                         attn_mask),
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                   softmax_scale, causal, window_left, window_right, softcap):
+def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
     if cu_seqlens_q is None:
         B, SQ, H, _ = q.shape
         lse_shape = (B, H, SQ)
@@ -48,12 +49,14 @@ def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 @torch.library.custom_op("flashtriton::attn_bwd", mutates_args=())
 def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
-             max_seqlen_k: int, alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool,
-             window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
+             max_seqlen_k: int, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
+             softmax_scale: float, causal: bool, window_left: int, window_right: int,
+             softcap: float) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of attn_fwd, recomputed from q, k, v, out and lse."""
     return launch.attention_backward(
         dout, q, k, v, out, lse,
-        Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes),
+        Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                attn_mask),
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
@@ -64,18 +67,20 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
 
 class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap).
+    max_seqlen_k, alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right,
+    softcap).
 
     Only q, k, v are differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                alibi_slopes, softmax_scale, causal, window_left, window_right, softcap):
+                alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap):
         out, lse = torch.ops.flashtriton.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                   max_seqlen_q, max_seqlen_k, alibi_slopes,
-                                                  softmax_scale, causal, window_left,
+                                                  attn_mask, softmax_scale, causal, window_left,
                                                   window_right, softcap)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                              attn_mask)
         ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                        window_right, softcap)
         ctx.mark_non_differentiable(lse)
@@ -83,8 +88,8 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+        q, k, v, out, lse, cu_q, cu_k, alibi_slopes, attn_mask = ctx.saved_tensors
         max_q, max_k, *options = ctx.options
         dq, dk, dv = torch.ops.flashtriton.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q,
-                                                    max_k, alibi_slopes, *options)
-        return (dq, dk, dv) + (None,) * 10
+                                                    max_k, alibi_slopes, attn_mask, *options)
+        return (dq, dk, dv) + (None,) * 11

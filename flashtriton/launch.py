@@ -18,7 +18,7 @@ from .kernels.attn_fwd import _attn_fwd_kernel
 
 LOG2E = math.log2(math.e)
 _KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_VARLEN", "HAS_LOWER", "HAS_UPPER", "HAS_SOFTCAP",
-        "HAS_ALIBI"]
+        "HAS_ALIBI", "MASK_KIND"]
 
 
 def _autotuned(kind: str, kernel):
@@ -72,6 +72,7 @@ class Variant(NamedTuple):
     window_right: int = -1      # -1: unbounded (causal forces 0)
     softcap: float = 0.0        # 0: off
     alibi_slopes: Optional[torch.Tensor] = None  # (H,) or (B, H) float32
+    attn_mask: Optional[torch.Tensor] = None     # (B, H, SQ, SK) view (any strides): bool or float
 
 
 class Varlen(NamedTuple):
@@ -87,6 +88,13 @@ def _alibi_args(variant: Variant):
     if a is None:
         return None, 0, 0
     return (a, 0, a.stride(0)) if a.dim() == 1 else (a, a.stride(0), a.stride(1))
+
+
+def _mask_args(variant: Variant):
+    m = variant.attn_mask
+    if m is None:
+        return (None, 0, 0, 0, 0), 0
+    return (m, *m.stride()), (1 if m.dtype == torch.bool else 2)
 
 
 def _dims(q, k, varlen: Optional[Varlen]):
@@ -131,6 +139,7 @@ def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
         HAS_UPPER=right >= 0,
         HAS_SOFTCAP=has_softcap,
         HAS_ALIBI=variant.alibi_slopes is not None,
+        MASK_KIND=_mask_args(variant)[1],
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16,
         SQ_BUCKET=configs.bucket(SQ),
@@ -157,10 +166,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         return (triton.cdiv(SQ, meta["BLOCK_M"]), B * H)
 
     alibi, stride_ab, stride_ah = _alibi_args(variant)
+    (mask, *mask_strides), _ = _mask_args(variant)
     _fwd[grid](
-        q, k, v, out, lse, alibi, *_cu(varlen),
+        q, k, v, out, lse, alibi, mask, *_cu(varlen),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        stride_lb, stride_lh, stride_ab, stride_ah,
+        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         H, H // HKV, SQ, SK,
         **_common(q, varlen, SQ, SK, variant),
     )
@@ -180,6 +190,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         dout = dout.contiguous()
     common = _common(q, varlen, SQ, SK, variant)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
+    (mask, *mask_strides), _ = _mask_args(variant)
     stride_lb, stride_lh = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
 
     # delta = rowsum(dO * O): packed sequences are one long batch element here.
@@ -191,16 +202,16 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         H, rows, D, BLOCK_D=common["BLOCK_D"], EVEN_D=common["EVEN_D"], BLOCK_M=prep_m,
     )
     _dkdv[lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV)](
-        q, k, v, dout, lse, delta, dk, dv, alibi, *_cu(varlen),
+        q, k, v, dout, lse, delta, dk, dv, alibi, mask, *_cu(varlen),
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-        stride_lb, stride_lh, stride_ab, stride_ah,
+        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         HKV, H // HKV, SQ, SK, sm_scale=variant.softmax_scale,
         **common,
     )
     _dq[lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H)](
-        q, k, v, dout, lse, delta, dq, alibi, *_cu(varlen),
+        q, k, v, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        stride_lb, stride_lh, stride_ab, stride_ah,
+        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         H, H // HKV, SQ, SK, sm_scale=variant.softmax_scale,
         **common,
     )

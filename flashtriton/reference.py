@@ -49,12 +49,15 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                         softmax_scale: Optional[float] = None,
                         window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                         alibi_slopes: Optional[torch.Tensor] = None,
+                        attn_mask: Optional[torch.Tensor] = None,
                         dtype: torch.dtype = torch.float64) -> ReferenceOutput:
     """softmax(scores) v on (B, T, H, D) tensors, computed in ``dtype``.
 
     scores = q k^T * scale, then softcap * tanh(scores / softcap) if softcap > 0,
     then - slope * |i + SK - SQ - j| with ALiBi slopes of shape (H,) or (B, H),
-    then the causal / sliding-window mask (``window_mask``). K/V heads are
+    then the causal / sliding-window mask (``window_mask``), then an SDPA-style
+    ``attn_mask`` broadcastable to (B, H, SQ, SK): bool (True = attend) or
+    additive float. K/V heads are
     shared by groups of H // HKV query heads (GQA/MQA). A row with no visible
     key yields out = 0 and lse = -inf. Differentiable.
     """
@@ -76,6 +79,11 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         s = s - slopes[:, :, None, None] * (i - j).abs().to(dtype)
     if causal or tuple(window_size) != (-1, -1):
         s = s.masked_fill(~window_mask(SQ, SK, window_size, causal, q.device), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, float("-inf"))
+        else:
+            s = s + attn_mask.to(dtype)
     if SK == 0:  # no key at all: every row is empty
         m = s.new_zeros((*s.shape[:-1], 1))
     else:

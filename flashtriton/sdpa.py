@@ -9,8 +9,25 @@ from . import _env
 from .api import MAX_HEAD_DIM, SUPPORTED_DTYPES, _run
 
 
+def _mask_routable(attn_mask, query, key) -> bool:
+    """A mask the kernels read in place: bool or query's float dtype, broadcastable to
+    (B, H, L, S), not requiring grad, and not combined with is_causal (torch rejects that)."""
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.requires_grad:
+        return False
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+        return False
+    if attn_mask.device != query.device or not 1 <= attn_mask.dim() <= 4:
+        return False
+    B, H, L, _ = query.shape
+    try:
+        torch.broadcast_shapes(attn_mask.shape, (B, H, L, key.shape[2]))
+    except RuntimeError:
+        return False
+    return True
+
+
 def _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
-    if attn_mask is not None or dropout_p != 0.0:
+    if dropout_p != 0.0:
         return False
     ts = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in ts):
@@ -33,6 +50,8 @@ def _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) ->
     # bottom-right. The two agree only for square masks.
     if is_causal and L != key.shape[2]:
         return False
+    if attn_mask is not None and (is_causal or not _mask_routable(attn_mask, query, key)):
+        return False
     return True
 
 
@@ -46,20 +65,24 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     float16/bfloat16/float32, on one CUDA device (or the CPU under
     TRITON_INTERPRET=1), key and value of one shape with query's batch and
     head dim (<= 256), heads equal (or a multiple with ``enable_gqa=True``),
-    ``attn_mask is None``, ``dropout_p == 0`` and, if ``is_causal``, a square
-    score matrix (torch aligns a non-square causal mask to the top-left, the
-    kernels to the bottom-right).
+    ``dropout_p == 0``, if ``is_causal`` a square score matrix (torch aligns a
+    non-square causal mask to the top-left, the kernels to the bottom-right),
+    and ``attn_mask`` None or a mask the kernels read tile by tile in place:
+    boolean (True = attend) or additive in query's dtype, broadcastable to
+    (batch, heads, L, S) -- (L, S), (batch, 1, L, S), ... -- and not requiring
+    grad. A row that the mask empties gives 0, as torch's math path does.
 
     Everything else falls back to ``torch.nn.functional.scaled_dot_product_attention``
     with the same arguments, so behaviour matches torch's, errors included.
-    Masks, dropout and top-left causal masks come to the kernels with the
-    variants work (sliding windows, masks, dropout).
+    Dropout and top-left causal masks are not in the kernels yet.
     """
     if not _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         kwargs = {"enable_gqa": True} if enable_gqa else {}
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                               dropout_p=dropout_p, is_causal=is_causal,
                                               scale=scale, **kwargs)
+    if attn_mask is not None:  # a broadcast view: no (B, H, L, S) copy
+        attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     out = _run(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal,
-               scale, names=("query", "key", "value")).out
+               scale, names=("query", "key", "value"), attn_mask=attn_mask).out
     return out.transpose(1, 2)

@@ -149,12 +149,16 @@ def test_sdpa_routes_to_kernels(causal, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["mask", "dropout", "causal-nonsquare", "gqa-without-flag"])
+@pytest.mark.parametrize("case", ["mask-with-causal", "mask-requires-grad", "dropout",
+                                  "causal-nonsquare", "gqa-without-flag"])
 def test_sdpa_falls_back_to_torch(case):
     q, k, v = _t(1, 2, 5, 16, dtype=torch.float32), _t(1, 2, 7, 16, dtype=torch.float32), _t(1, 2, 7, 16, dtype=torch.float32)
     kwargs = {}
-    if case == "mask":
-        kwargs["attn_mask"] = torch.rand(5, 7, device=DEVICE) > 0.3
+    if case == "mask-with-causal":  # whatever torch does (an error on some backends), we do
+        q = _t(1, 2, 7, 16, dtype=torch.float32)
+        kwargs.update(is_causal=True, attn_mask=torch.rand(7, 7, device=DEVICE) > 0.5)
+    if case == "mask-requires-grad":
+        kwargs["attn_mask"] = torch.randn(5, 7, device=DEVICE, requires_grad=True)
     elif case == "causal-nonsquare":
         kwargs["is_causal"] = True  # torch aligns top-left: must be torch's answer
     elif case == "gqa-without-flag":
@@ -168,8 +172,13 @@ def test_sdpa_falls_back_to_torch(case):
         torch.manual_seed(1)
         ref = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
     else:
+        try:
+            ref = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        except RuntimeError as e:
+            with pytest.raises(RuntimeError, match=str(e)[:40]):
+                scaled_dot_product_attention(q, k, v, **kwargs)
+            return
         ours = scaled_dot_product_attention(q, k, v, **kwargs)
-        ref = F.scaled_dot_product_attention(q, k, v, **kwargs)
     assert torch.equal(ours, ref)
 
 
@@ -180,10 +189,12 @@ def test_custom_ops_opcheck():
     slopes = torch.rand(2, device=DEVICE)
     cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 11, 24], dtype=torch.int32, device=DEVICE)
+    mask = (torch.rand(20, 24, device=DEVICE) > 0.3).expand(1, 2, 20, 24)
     cases = [
-        ((q, k, v, None, None, 0, 0, None), (0.2, True, -1, -1, 0.0)),
-        ((q, k, v, None, None, 0, 0, slopes), (0.2, False, 5, 3, 10.0)),
-        ((q[0], k[0], v[0], cu, cu_k, 13, 13, None), (0.3, True, 4, -1, 0.0)),
+        ((q, k, v, None, None, 0, 0, None, None), (0.2, True, -1, -1, 0.0)),
+        ((q, k, v, None, None, 0, 0, slopes, None), (0.2, False, 5, 3, 10.0)),
+        ((q, k, v, None, None, 0, 0, None, mask), (0.2, False, -1, -1, 0.0)),
+        ((q[0], k[0], v[0], cu, cu_k, 13, 13, None, None), (0.3, True, 4, -1, 0.0)),
     ]
     for args, opts in cases:
         torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, args + opts)

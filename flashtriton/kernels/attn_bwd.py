@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, heavy_first, kv_range, load_tile, q_range, scores, seq_bounds,
-                     store_tile, visible)
+                     store_tile, visible, apply_attn_mask)
 
 
 @triton.jit
@@ -62,9 +62,10 @@ def _ds(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot,
                          cols, offs_m, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                         qk_scale, cap2, slope2,
+                         qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
                          EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
+                    MASK: tl.constexpr,
                          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m                                      # [BLOCK_M]
@@ -81,6 +82,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
         # ALiBi's |i + DIAG - j| is symmetric under (i, j, DIAG) -> (j, i, -DIAG).
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
         s_t, t_t = scores(qk_t, cols, rows, qk_scale, cap2, slope2, -DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        s_t = apply_attn_mask(s_t, mask_base, cols, rows, SK, SQ, stride_mn, stride_mm, MASK_KIND)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
             keep = visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER)
@@ -94,7 +96,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -103,11 +105,12 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvt, stride_dvh,
     stride_lb, stride_lh,
     stride_ab, stride_ah,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     HKV, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -146,21 +149,27 @@ def _attn_bwd_dkdv_kernel(
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
+        mask_base = AMASK
+        if MASK_KIND != 0:
+            mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                       stride_dot, cols, offs_m, offs_d, lo, full_lo, SQ, SK,
                                       HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, True,
-                                      DOT_PREC, UPCAST, BLOCK_M)
+                                      mask_base, stride_mm, stride_mn, EVEN_D, HAS_LOWER,
+                                      HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, True, DOT_PREC,
+                                      UPCAST, BLOCK_M)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                       stride_dot, cols, offs_m, offs_d, full_lo, full_hi, SQ, SK,
                                       HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, False,
+                                      mask_base, stride_mm, stride_mn, EVEN_D, HAS_LOWER,
+                                      HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, False,
                                       DOT_PREC, UPCAST, BLOCK_M)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                       stride_dot, cols, offs_m, offs_d, full_hi, hi, SQ, SK,
                                       HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, True,
-                                      DOT_PREC, UPCAST, BLOCK_M)
+                                      mask_base, stride_mm, stride_mn, EVEN_D, HAS_LOWER,
+                                      HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, True, DOT_PREC,
+                                      UPCAST, BLOCK_M)
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + c64 * stride_dvt + offs_d[None, :]
@@ -172,9 +181,10 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                        rows, offs_n, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                       qk_scale, cap2, slope2,
+                       qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
                        EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
+                    MASK: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
@@ -188,6 +198,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         s, t = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
             p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), p, 0.0)
@@ -199,7 +210,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -207,11 +218,12 @@ def _attn_bwd_dq_kernel(
     stride_dqb, stride_dqt, stride_dqh,
     stride_lb, stride_lh,
     stride_ab, stride_ah,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -243,6 +255,9 @@ def _attn_bwd_dq_kernel(
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
+    mask_base = AMASK
+    if MASK_KIND != 0:
+        mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
@@ -251,16 +266,19 @@ def _attn_bwd_dq_kernel(
                                         BLOCK_M, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                             offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                            qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                            HAS_ALIBI, True, DOT_PREC, UPCAST, BLOCK_N)
+                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, EVEN_D,
+                            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, True,
+                            DOT_PREC, UPCAST, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                            offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                            DIAG, qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER,
-                            HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC, UPCAST, BLOCK_N)
+                            offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, EVEN_D,
+                            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, False,
+                            DOT_PREC, UPCAST, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                             offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                            qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                            HAS_ALIBI, True, DOT_PREC, UPCAST, BLOCK_N)
+                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, EVEN_D,
+                            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, True,
+                            DOT_PREC, UPCAST, BLOCK_N)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,

@@ -13,15 +13,16 @@ import triton
 import triton.language as tl
 
 from .common import (LN2, LOG2E, NEG_BIG, heavy_first, kv_range, load_tile, scores, seq_bounds,
-                     store_tile, visible)
+                     store_tile, visible, apply_attn_mask)
 
 
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                     rows, offs_n, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                    qk_scale, cap2, slope2,
+                    qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
                     EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
+                    MASK: tl.constexpr,
                     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
@@ -34,6 +35,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
         if MASK:
             s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
                          float("-inf"))
@@ -48,18 +50,19 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
+    Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lh,
     stride_ab, stride_ah,
+    stride_mb, stride_mh, stride_mm, stride_mn,
     H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -89,6 +92,9 @@ def _attn_fwd_kernel(
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
+    mask_base = AMASK
+    if MASK_KIND != 0:
+        mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -99,17 +105,19 @@ def _attn_fwd_kernel(
     # right edge (the causal diagonal and the ragged end of the keys).
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
                                     offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                                    DIAG, qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                    HAS_SOFTCAP, HAS_ALIBI, True, DOT_PREC, UPCAST, BLOCK_N)
+                                    DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                    MASK_KIND, True, DOT_PREC, UPCAST, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
                                     offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER,
-                                    UPPER, DIAG, qk_scale, cap2, slope2, EVEN_D, HAS_LOWER,
-                                    HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, False, DOT_PREC, UPCAST,
-                                    BLOCK_N)
+                                    UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                    stride_mn, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                                    HAS_ALIBI, MASK_KIND, False, DOT_PREC, UPCAST, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
                                     offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                                    DIAG, qk_scale, cap2, slope2, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                    HAS_SOFTCAP, HAS_ALIBI, True, DOT_PREC, UPCAST, BLOCK_N)
+                                    DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                    MASK_KIND, True, DOT_PREC, UPCAST, BLOCK_N)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -184,3 +184,22 @@ def scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG,
     if HAS_ALIBI:
         s2 = s2 - slope2 * tl.abs(rows[:, None] + DIAG - cols[None, :]).to(tl.float32)
     return s2, t
+
+
+@triton.jit
+def apply_attn_mask(s, mask_base, rows, cols, n_rows, n_cols, stride_r, stride_c,
+                    MASK_KIND: tl.constexpr):
+    """An SDPA attn_mask tile on log2-domain scores s (rows x cols), read in place.
+
+    MASK_KIND 0: none; 1: boolean, True = attend; 2: additive float (natural log
+    units, so it is scaled by log2(e)). Broadcast masks arrive with stride 0.
+    """
+    if MASK_KIND != 0:
+        ptrs = (mask_base + rows.to(tl.int64)[:, None] * stride_r
+                + cols.to(tl.int64)[None, :] * stride_c)
+        inb = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        if MASK_KIND == 1:
+            s = tl.where(tl.load(ptrs, mask=inb, other=0) != 0, s, float("-inf"))
+        else:
+            s = s + tl.load(ptrs, mask=inb, other=0.0).to(tl.float32) * LOG2E
+    return s
