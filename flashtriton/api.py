@@ -108,21 +108,34 @@ def _check_alibi(alibi_slopes, B: int, H: int, device) -> Optional[torch.Tensor]
     return alibi_slopes
 
 
+def _check_dropout(dropout_p) -> Tuple[float, Optional[torch.Tensor]]:
+    """(p, seed): the seed is drawn from torch's default CPU generator, so
+    torch.manual_seed makes dropout reproducible; a CPU tensor, so no device sync."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p == 0.0:
+        return 0.0, None
+    return float(dropout_p), torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+
+
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-         names=("q", "k", "v"), attn_mask=None) -> AttentionOutput:
+         dropout_p=0.0, names=("q", "k", "v"), attn_mask=None) -> AttentionOutput:
     """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
     check_qkv(q, k, v, names)
     scale = _check_scale(softmax_scale, q.shape[-1])
     left, right = _check_window(window_size)
     softcap = _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    dropout_p, seed = _check_dropout(dropout_p)
     out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), None, None, 0,
                                        0, alibi_slopes, attn_mask, scale, bool(causal), left,
-                                       right, softcap)
+                                       right, softcap, dropout_p, seed)
     return AttentionOutput(out, lse)
 
 
@@ -150,7 +163,7 @@ def _check_cu(name, cu, device) -> torch.Tensor:
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                names=("q", "k", "v")) -> AttentionOutput:
+                dropout_p=0.0, names=("q", "k", "v")) -> AttentionOutput:
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -173,9 +186,10 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     left, right = _check_window(window_size)
     softcap = _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, cu_q.numel() - 1, q.shape[1], q.device)
+    dropout_p, seed = _check_dropout(dropout_p)
     out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), cu_q, cu_k,
                                        max_q, max_k, alibi_slopes, None, scale, bool(causal),
-                                       left, right, softcap)
+                                       left, right, softcap, dropout_p, seed)
     return AttentionOutput(out, lse)
 
 
@@ -210,21 +224,28 @@ _OPTIONS_DOC = """
            applied after the scale.
         alibi_slopes: float32 (nheads,) or (batch, nheads); adds
            -slope * |i + seqlen_k - seqlen_q - j| to the scaled scores.
+        dropout_p: probability of zeroing each attention weight (after the
+           softmax, survivors scaled by 1 / (1 - p)). The mask comes from a
+           counter-based RNG seeded from torch's default generator
+           (``torch.manual_seed`` makes it reproducible); the backward
+           regenerates the same mask. Applied whenever > 0 (no train/eval mode).
 """
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0,
-                    alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes).out
+                    softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                    dropout_p: float = 0.0) -> torch.Tensor:
+    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                dropout_p).out
 
 
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                              causal: bool = False, softmax_scale: Optional[float] = None,
                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                             alibi_slopes: Optional[torch.Tensor] = None) -> AttentionOutput:
-    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes)
+                             alibi_slopes: Optional[torch.Tensor] = None,
+                             dropout_p: float = 0.0) -> AttentionOutput:
+    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p)
 
 
 flash_attention.__doc__ = """Exact softmax attention, out = softmax(q k^T * softmax_scale) v, differentiable.
@@ -259,8 +280,8 @@ _VARLEN_DOC = """
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (they size the
            grid: rows beyond them are not computed). An int, or a 0-d tensor
            (a CUDA tensor costs one host sync: pass an int on hot paths).
-        causal, softmax_scale, window_size, softcap, alibi_slopes: as in
-           ``flash_attention`` (alibi_slopes (nheads,) or (batch, nheads)).
+        causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p:
+           as in ``flash_attention`` (alibi_slopes (nheads,) or (batch, nheads)).
 """
 
 
@@ -269,9 +290,10 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            max_seqlen_q, max_seqlen_k, *, causal: bool = False,
                            softmax_scale: Optional[float] = None,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                           alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           alibi_slopes: Optional[torch.Tensor] = None,
+                           dropout_p: float = 0.0) -> torch.Tensor:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                       softmax_scale, window_size, softcap, alibi_slopes).out
+                       softmax_scale, window_size, softcap, alibi_slopes, dropout_p).out
 
 
 def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -279,10 +301,10 @@ def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.T
                                     max_seqlen_q, max_seqlen_k, *, causal: bool = False,
                                     softmax_scale: Optional[float] = None,
                                     window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                                    alibi_slopes: Optional[torch.Tensor] = None
-                                    ) -> AttentionOutput:
+                                    alibi_slopes: Optional[torch.Tensor] = None,
+                                    dropout_p: float = 0.0) -> AttentionOutput:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                       softmax_scale, window_size, softcap, alibi_slopes)
+                       softmax_scale, window_size, softcap, alibi_slopes, dropout_p)
 
 
 flash_attention_varlen.__doc__ = """``flash_attention`` on packed sequences; returns out (total_q, nheads, headdim).

@@ -18,7 +18,7 @@ from .kernels.attn_fwd import _attn_fwd_kernel
 
 LOG2E = math.log2(math.e)
 _KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_VARLEN", "HAS_LOWER", "HAS_UPPER", "HAS_SOFTCAP",
-        "HAS_ALIBI", "MASK_KIND"]
+        "HAS_ALIBI", "MASK_KIND", "HAS_DROPOUT"]
 
 
 def _autotuned(kind: str, kernel):
@@ -73,6 +73,8 @@ class Variant(NamedTuple):
     softcap: float = 0.0        # 0: off
     alibi_slopes: Optional[torch.Tensor] = None  # (H,) or (B, H) float32
     attn_mask: Optional[torch.Tensor] = None     # (B, H, SQ, SK) view (any strides): bool or float
+    dropout_p: float = 0.0
+    seed: int = 0                                # Philox key of the dropout mask
 
 
 class Varlen(NamedTuple):
@@ -140,6 +142,9 @@ def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
         HAS_SOFTCAP=has_softcap,
         HAS_ALIBI=variant.alibi_slopes is not None,
         MASK_KIND=_mask_args(variant)[1],
+        HAS_DROPOUT=variant.dropout_p > 0.0,
+        dropout_p=variant.dropout_p,
+        seed=variant.seed,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16,
         SQ_BUCKET=configs.bucket(SQ),

@@ -50,6 +50,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                         window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                         alibi_slopes: Optional[torch.Tensor] = None,
                         attn_mask: Optional[torch.Tensor] = None,
+                        dropout_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                         dtype: torch.dtype = torch.float64) -> ReferenceOutput:
     """softmax(scores) v on (B, T, H, D) tensors, computed in ``dtype``.
 
@@ -57,7 +58,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     then - slope * |i + SK - SQ - j| with ALiBi slopes of shape (H,) or (B, H),
     then the causal / sliding-window mask (``window_mask``), then an SDPA-style
     ``attn_mask`` broadcastable to (B, H, SQ, SK): bool (True = attend) or
-    additive float. K/V heads are
+    additive float. With ``dropout_mask`` (bool, broadcastable to (B, H, SQ,
+    SK), True = kept) the probabilities are masked and scaled by 1 / (1 -
+    dropout_p) after the softmax; lse is unchanged. K/V heads are
     shared by groups of H // HKV query heads (GQA/MQA). A row with no visible
     key yields out = 0 and lse = -inf. Differentiable.
     """
@@ -92,6 +95,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     e = torch.exp(s - m)
     l = e.sum(dim=-1, keepdim=True)                                  # (B, H, SQ, 1)
     p = e / torch.where(l == 0, 1.0, l)
+    if dropout_mask is not None:
+        p = p * dropout_mask.to(dtype) / (1.0 - dropout_p)
     lse = (m + torch.log(l)).squeeze(-1)                             # (B, H, SQ); log(0) = -inf
     out = torch.matmul(p, vf).transpose(1, 2)                        # (B, SQ, H, D)
     return ReferenceOutput(out, lse)

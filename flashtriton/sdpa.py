@@ -27,7 +27,7 @@ def _mask_routable(attn_mask, query, key) -> bool:
 
 
 def _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
-    if dropout_p != 0.0:
+    if not 0.0 <= dropout_p < 1.0:
         return False
     ts = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in ts):
@@ -65,7 +65,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     float16/bfloat16/float32, on one CUDA device (or the CPU under
     TRITON_INTERPRET=1), key and value of one shape with query's batch and
     head dim (<= 256), heads equal (or a multiple with ``enable_gqa=True``),
-    ``dropout_p == 0``, if ``is_causal`` a square score matrix (torch aligns a
+    ``0 <= dropout_p < 1`` (the kernels' own RNG: statistically torch's dropout,
+    not its exact mask), if ``is_causal`` a square score matrix (torch aligns a
     non-square causal mask to the top-left, the kernels to the bottom-right),
     and ``attn_mask`` None or a mask the kernels read tile by tile in place:
     boolean (True = attend) or additive in query's dtype, broadcastable to
@@ -74,7 +75,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     Everything else falls back to ``torch.nn.functional.scaled_dot_product_attention``
     with the same arguments, so behaviour matches torch's, errors included.
-    Dropout and top-left causal masks are not in the kernels yet.
+    Top-left causal masks (non-square ``is_causal``) are not in the kernels yet.
     """
     if not _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         kwargs = {"enable_gqa": True} if enable_gqa else {}
@@ -84,5 +85,6 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if attn_mask is not None:  # a broadcast view: no (B, H, L, S) copy
         attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     out = _run(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal,
-               scale, names=("query", "key", "value"), attn_mask=attn_mask).out
+               scale, dropout_p=dropout_p, names=("query", "key", "value"),
+               attn_mask=attn_mask).out
     return out.transpose(1, 2)

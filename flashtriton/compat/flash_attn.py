@@ -10,17 +10,16 @@ The varlen functions take packed (total_tokens, nheads, headdim) tensors and
 int32 cu_seqlens as flash-attn's do; ``flashtriton.compat.bert_padding`` has
 ``unpad_input`` / ``pad_input``.
 
-Not yet supported (raises NotImplementedError): dropout_p > 0, block_table.
+Dropout draws its seed from torch's default generator (flash-attn uses the
+CUDA generator's Philox state), so masks differ from flash-attn's but are
+reproducible under torch.manual_seed. ``return_attn_probs=True`` returns None
+for the dropout mask. Not supported yet (raises NotImplementedError):
+block_table (paged KV caches).
 """
 
 import torch
 
 from ..api import _run, _run_varlen
-
-
-def _no_dropout(dropout_p):
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not supported yet; use 0.0")
 
 
 def _returns(out, lse, return_attn_probs):
@@ -33,19 +32,19 @@ def _returns(out, lse, return_attn_probs):
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                return_attn_probs, names):
-    _no_dropout(dropout_p)
-    out, lse = _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, names)
+    out, lse = _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                    dropout_p, names)
     return _returns(out, lse, return_attn_probs)
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes,
                       return_attn_probs, block_table, names):
-    _no_dropout(dropout_p)
     if block_table is not None:
         raise NotImplementedError("block_table: paged KV caches are not supported yet; use None")
     out, lse = _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           causal, softmax_scale, window_size, softcap, alibi_slopes, names)
+                           causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                           names)
     return _returns(out, lse, return_attn_probs)
 
 

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E, heavy_first, kv_range, load_tile, q_range, scores, seq_bounds,
-                     store_tile, visible, apply_attn_mask)
+                     store_tile, visible, apply_attn_mask,
+                     dropout_keep)
 
 
 @triton.jit
@@ -60,12 +61,12 @@ def _ds(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot,
-                         cols, offs_m, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                         qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot, cols,
+                         offs_m, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale,
+                         cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                          EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-                    MASK: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                         MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK: tl.constexpr,
                          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m                                      # [BLOCK_M]
@@ -87,8 +88,14 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
         if MASK:
             keep = visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER)
             p_t = tl.where(tl.trans(keep), p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)      # [BLOCK_N, BLOCK_D]
+        pd_t = p_t
+        if HAS_DROPOUT:  # the forward's mask, regenerated
+            keep_t = dropout_keep(seed, rng_bh, rows, cols, dropout_p, True)
+            pd_t = tl.where(keep_t, p_t * (1.0 / (1.0 - dropout_p)), 0.0)
+        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)     # [BLOCK_N, BLOCK_D]
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)             # [BLOCK_N, BLOCK_M]
+        if HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
         ds_t = _ds(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)       # [BLOCK_N, BLOCK_D]
     return dk, dv
@@ -106,12 +113,13 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    HKV, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
+    HKV, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale, dropout_p,
+    seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
@@ -152,24 +160,25 @@ def _attn_bwd_dkdv_kernel(
         mask_base = AMASK
         if MASK_KIND != 0:
             mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
+        rng_bh = (off_b * HKV * GROUP + off_h).to(tl.int32)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                       stride_dot, cols, offs_m, offs_d, lo, full_lo, SQ, SK,
                                       HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                      mask_base, stride_mm, stride_mn, EVEN_D, HAS_LOWER,
-                                      HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, True, DOT_PREC,
-                                      UPCAST, BLOCK_M)
+                                      mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                      MASK_KIND, HAS_DROPOUT, True, DOT_PREC, UPCAST, BLOCK_M)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                       stride_dot, cols, offs_m, offs_d, full_lo, full_hi, SQ, SK,
                                       HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                      mask_base, stride_mm, stride_mn, EVEN_D, HAS_LOWER,
-                                      HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, False,
-                                      DOT_PREC, UPCAST, BLOCK_M)
+                                      mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                      MASK_KIND, HAS_DROPOUT, False, DOT_PREC, UPCAST, BLOCK_M)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                       stride_dot, cols, offs_m, offs_d, full_hi, hi, SQ, SK,
                                       HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                      mask_base, stride_mm, stride_mn, EVEN_D, HAS_LOWER,
-                                      HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, True, DOT_PREC,
-                                      UPCAST, BLOCK_M)
+                                      mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                      MASK_KIND, HAS_DROPOUT, True, DOT_PREC, UPCAST, BLOCK_M)
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + c64 * stride_dvt + offs_d[None, :]
@@ -179,13 +188,13 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
-                       rows, offs_n, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                       qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, offs_n,
+                       offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
+                       slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                        EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-                    MASK: tl.constexpr,
-                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+                       HAS_DROPOUT: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
+                       UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
         c64 = cols.to(tl.int64)[:, None]
@@ -203,6 +212,9 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
         if MASK:
             p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = _ds(p, dp, delta[:, None], t, HAS_SOFTCAP)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_D]
     return dq
@@ -219,12 +231,13 @@ def _attn_bwd_dq_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
+    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale, dropout_p,
+    seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
@@ -258,6 +271,7 @@ def _attn_bwd_dq_kernel(
     mask_base = AMASK
     if MASK_KIND != 0:
         mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
+    rng_bh = (off_b * H + off_h).to(tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
@@ -266,19 +280,19 @@ def _attn_bwd_dq_kernel(
                                         BLOCK_M, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                             offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, EVEN_D,
-                            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, True,
-                            DOT_PREC, UPCAST, BLOCK_N)
+                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                            dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                            MASK_KIND, HAS_DROPOUT, True, DOT_PREC, UPCAST, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                             offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, EVEN_D,
-                            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, False,
-                            DOT_PREC, UPCAST, BLOCK_N)
+                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                            dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                            MASK_KIND, HAS_DROPOUT, False, DOT_PREC, UPCAST, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                             offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, EVEN_D,
-                            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, True,
-                            DOT_PREC, UPCAST, BLOCK_N)
+                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                            dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                            MASK_KIND, HAS_DROPOUT, True, DOT_PREC, UPCAST, BLOCK_N)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,

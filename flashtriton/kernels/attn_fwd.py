@@ -13,17 +13,18 @@ import triton
 import triton.language as tl
 
 from .common import (LN2, LOG2E, NEG_BIG, heavy_first, kv_range, load_tile, scores, seq_bounds,
-                     store_tile, visible, apply_attn_mask)
+                     store_tile, visible, apply_attn_mask,
+                     dropout_keep)
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                    rows, offs_n, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                    qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                    EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-                    MASK: tl.constexpr,
-                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows, offs_n, offs_d,
+                    lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                    mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, EVEN_D: tl.constexpr,
+                    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
         k = load_tile(k_base + cols.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
@@ -43,6 +44,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
         p = tl.math.exp2(s - m_new[:, None])                         # [BLOCK_M, BLOCK_N]
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:  # after the denominator: dropout acts on the normalised P
+            keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
+            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -58,12 +62,12 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
+    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
@@ -95,6 +99,7 @@ def _attn_fwd_kernel(
     mask_base = AMASK
     if MASK_KIND != 0:
         mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
+    rng_bh = (off_b * H + off_h).to(tl.int32)
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -106,18 +111,21 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
                                     offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER,
                                     DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                    MASK_KIND, True, DOT_PREC, UPCAST, BLOCK_N)
+                                    seed, rng_bh, dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, True, DOT_PREC,
+                                    UPCAST, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
                                     offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER,
                                     UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                    stride_mn, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                    HAS_ALIBI, MASK_KIND, False, DOT_PREC, UPCAST, BLOCK_N)
+                                    stride_mn, seed, rng_bh, dropout_p, EVEN_D, HAS_LOWER,
+                                    HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                    False, DOT_PREC, UPCAST, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
                                     offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
                                     DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                    MASK_KIND, True, DOT_PREC, UPCAST, BLOCK_N)
+                                    seed, rng_bh, dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, True, DOT_PREC,
+                                    UPCAST, BLOCK_N)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -203,3 +203,18 @@ def apply_attn_mask(s, mask_base, rows, cols, n_rows, n_cols, stride_r, stride_c
         else:
             s = s + tl.load(ptrs, mask=inb, other=0.0).to(tl.float32) * LOG2E
     return s
+
+
+@triton.jit
+def dropout_keep(seed, rng_bh, rows, cols, dropout_p, TRANSPOSED: tl.constexpr):
+    """Which (query, key) probabilities survive dropout: a [rows, cols] tile, or
+    [cols, rows] when TRANSPOSED. Counter-based (Philox keyed by ``seed``, counters
+    (key, query, batch * head)), so the backward regenerates the forward's mask."""
+    if TRANSPOSED:
+        r = rows[None, :] + 0 * cols[:, None]
+        c = cols[:, None] + 0 * rows[None, :]
+    else:
+        r = rows[:, None] + 0 * cols[None, :]
+        c = cols[None, :] + 0 * rows[:, None]
+    r0, _, _, _ = tl.philox(seed, c, r, r * 0 + rng_bh, r * 0)
+    return (r0 >> 8).to(tl.float32) * (1.0 / 16777216.0) >= dropout_p
