@@ -75,6 +75,9 @@ class Variant(NamedTuple):
     attn_mask: Optional[torch.Tensor] = None     # (B, H, SQ, SK) view (any strides): bool or float
     dropout_p: float = 0.0
     seed: int = 0                                # Philox key of the dropout mask
+    score_mod: Optional[object] = None           # @triton.jit (score, b, h, q_idx, kv_idx) -> score
+    score_mod_grad: Optional[object] = None      # @triton.jit d score_mod / d score, same arguments
+    mask_mod: Optional[object] = None            # @triton.jit (b, h, q_idx, kv_idx) -> bool
 
 
 class Varlen(NamedTuple):
@@ -127,12 +130,16 @@ def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
     head_dim = q.shape[-1]
     right = 0 if variant.causal else variant.window_right
     has_softcap = variant.softcap > 0.0
-    qk_scale = variant.softmax_scale * (1.0 / variant.softcap if has_softcap else LOG2E)
+    if variant.score_mod is not None:  # score_mod takes natural-log scores
+        qk_scale = variant.softmax_scale
+    else:
+        qk_scale = variant.softmax_scale * (1.0 / variant.softcap if has_softcap else LOG2E)
     return dict(
         HEAD_DIM=head_dim,
         WIN_LEFT=variant.window_left,
         WIN_RIGHT=right,
         qk_scale=qk_scale,
+        sm_scale=variant.softmax_scale,
         cap2=variant.softcap * LOG2E,
         IS_VARLEN=varlen is not None,
         BLOCK_D=configs.block_d(head_dim),
@@ -145,6 +152,9 @@ def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
         HAS_DROPOUT=variant.dropout_p > 0.0,
         dropout_p=variant.dropout_p,
         seed=variant.seed,
+        SCORE_MOD=variant.score_mod,
+        SCORE_GRAD=variant.score_mod_grad,
+        MASK_MOD=variant.mask_mod,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16,
         SQ_BUCKET=configs.bucket(SQ),
@@ -210,14 +220,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         q, k, v, dout, lse, delta, dk, dv, alibi, mask, *_cu(varlen),
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
-        HKV, H // HKV, SQ, SK, sm_scale=variant.softmax_scale,
+        HKV, H // HKV, SQ, SK,
         **common,
     )
     _dq[lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H)](
         q, k, v, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
-        H, H // HKV, SQ, SK, sm_scale=variant.softmax_scale,
+        H, H // HKV, SQ, SK,
         **common,
     )
     return dq, dk, dv

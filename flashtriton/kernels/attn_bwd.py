@@ -64,9 +64,11 @@ def _ds(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot, cols,
                          offs_m, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale,
                          cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                         EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                         MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK: tl.constexpr,
+                         off_b, off_h, sm_scale, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
+                         HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                         HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
+                         HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
+                         SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
                          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m                                      # [BLOCK_M]
@@ -83,7 +85,13 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
         # ALiBi's |i + DIAG - j| is symmetric under (i, j, DIAG) -> (j, i, -DIAG).
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
         s_t, t_t = scores(qk_t, cols, rows, qk_scale, cap2, slope2, -DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        if SCORE_MOD is not None:
+            t_t = s_t  # the natural-log score, argument of SCORE_GRAD
+            s_t = SCORE_MOD(s_t, off_b, off_h, rows[None, :], cols[:, None]) * LOG2E
         s_t = apply_attn_mask(s_t, mask_base, cols, rows, SK, SQ, stride_mn, stride_mm, MASK_KIND)
+        if MASK_MOD is not None:
+            s_t = tl.where(MASK_MOD(off_b, off_h, rows[None, :], cols[:, None]), s_t,
+                           float("-inf"))
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
             keep = visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER)
@@ -97,6 +105,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
         if HAS_DROPOUT:
             dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
         ds_t = _ds(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
+        if SCORE_GRAD is not None:
+            ds_t = ds_t * SCORE_GRAD(t_t, off_b, off_h, rows[None, :], cols[:, None])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)       # [BLOCK_N, BLOCK_D]
     return dk, dv
 
@@ -119,7 +129,8 @@ def _attn_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+    MASK_MOD: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
@@ -165,20 +176,23 @@ def _attn_bwd_dkdv_kernel(
                                       stride_dot, cols, offs_m, offs_d, lo, full_lo, SQ, SK,
                                       HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                                       mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                      MASK_KIND, HAS_DROPOUT, True, DOT_PREC, UPCAST, BLOCK_M)
+                                      off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                      HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
+                                      SCORE_GRAD, None, True, DOT_PREC, UPCAST, BLOCK_M)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                       stride_dot, cols, offs_m, offs_d, full_lo, full_hi, SQ, SK,
                                       HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                                       mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                      MASK_KIND, HAS_DROPOUT, False, DOT_PREC, UPCAST, BLOCK_M)
+                                      off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                      HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
+                                      SCORE_GRAD, None, False, DOT_PREC, UPCAST, BLOCK_M)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                       stride_dot, cols, offs_m, offs_d, full_hi, hi, SQ, SK,
                                       HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                                       mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                      EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                      MASK_KIND, HAS_DROPOUT, True, DOT_PREC, UPCAST, BLOCK_M)
+                                      off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                      HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
+                                      SCORE_GRAD, None, True, DOT_PREC, UPCAST, BLOCK_M)
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + c64 * stride_dvt + offs_d[None, :]
@@ -190,11 +204,12 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, offs_n,
                        offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
-                       slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                       EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-                       HAS_DROPOUT: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
-                       UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+                       slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                       off_h, sm_scale, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
+                       HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                       MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
+                       SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
+                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
         c64 = cols.to(tl.int64)[:, None]
@@ -207,7 +222,12 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         s, t = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        if SCORE_MOD is not None:
+            t = s  # the natural-log score, argument of SCORE_GRAD
+            s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
         s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
+        if MASK_MOD is not None:
+            s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
             p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), p, 0.0)
@@ -216,6 +236,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
             keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = _ds(p, dp, delta[:, None], t, HAS_SOFTCAP)
+        if SCORE_GRAD is not None:
+            ds = ds * SCORE_GRAD(t, off_b, off_h, rows[:, None], cols[None, :])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_D]
     return dq
 
@@ -237,7 +259,8 @@ def _attn_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+    MASK_MOD: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
@@ -281,18 +304,21 @@ def _attn_bwd_dq_kernel(
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                             offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
                             qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                            dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                            MASK_KIND, HAS_DROPOUT, True, DOT_PREC, UPCAST, BLOCK_N)
+                            dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
+                            MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                             offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
                             qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                            dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                            MASK_KIND, HAS_DROPOUT, False, DOT_PREC, UPCAST, BLOCK_N)
+                            dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
+                            MASK_MOD, False, DOT_PREC, UPCAST, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                             offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
                             qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                            dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                            MASK_KIND, HAS_DROPOUT, True, DOT_PREC, UPCAST, BLOCK_N)
+                            dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
+                            MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_N)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,

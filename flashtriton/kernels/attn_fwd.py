@@ -20,11 +20,12 @@ from .common import (LN2, LOG2E, NEG_BIG, heavy_first, kv_range, load_tile, scor
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows, offs_n, offs_d,
                     lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                    mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, EVEN_D: tl.constexpr,
-                    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                    MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
+                    sm_scale, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
+                    HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
+                    SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
+                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
         k = load_tile(k_base + cols.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
@@ -36,7 +37,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        if SCORE_MOD is not None:  # natural-log score in (qk_scale is the plain scale), log2 out
+            s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
         s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
+        if MASK_MOD is not None:
+            s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
         if MASK:
             s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
                          float("-inf"))
@@ -62,12 +67,13 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, dropout_p, seed,
+    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale, dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+    MASK_MOD: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
@@ -111,20 +117,23 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
                                     offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER,
                                     DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                                    seed, rng_bh, dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, True, DOT_PREC,
+                                    seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
+                                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                    HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
                                     UPCAST, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
                                     offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER,
                                     UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                    stride_mn, seed, rng_bh, dropout_p, EVEN_D, HAS_LOWER,
-                                    HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                    False, DOT_PREC, UPCAST, BLOCK_N)
+                                    stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
+                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                    MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, False,
+                                    DOT_PREC, UPCAST, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
                                     offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
                                     DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                                    seed, rng_bh, dropout_p, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                    HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, True, DOT_PREC,
+                                    seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
+                                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                    HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
                                     UPCAST, BLOCK_N)
 
     empty = l_i == 0.0
