@@ -10,6 +10,8 @@ import torch
 
 from . import _env
 from .autograd import FlashAttnFunction
+from .block_mask import BlockMask, create_block_mask
+from .launch import register_mods
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -120,12 +122,56 @@ def _check_dropout(dropout_p) -> Tuple[float, Optional[torch.Tensor]]:
     return float(dropout_p), torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
 
 
+def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_p, score_mod,
+                score_mod_grad, mask_mod, block_mask):
+    """(kv_blocks, q_blocks, block_size, mods key) for the custom ops."""
+    if score_mod is None and mask_mod is None and block_mask is None:
+        if score_mod_grad is not None:
+            raise ValueError("score_mod_grad was given without score_mod")
+        return None, None, 128, 0
+    others = dict(causal=bool(causal), window_size=window != (-1, -1), softcap=softcap > 0,
+                  alibi_slopes=alibi_slopes is not None, attn_mask=attn_mask is not None,
+                  dropout_p=dropout_p > 0)
+    clash = [name for name, used in others.items() if used]
+    if clash:
+        raise ValueError(f"score_mod / mask_mod / block_mask cannot be combined with {clash}; "
+                         "express them in the mods (e.g. causal as a mask_mod)")
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    if score_mod is not None and score_mod_grad is None and needs_grad:
+        raise ValueError("score_mod needs score_mod_grad (its derivative with respect to the "
+                         "score, same arguments) for the backward")
+    B, SQ, H = q.shape[0], q.shape[1], q.shape[2]
+    SK = k.shape[1]
+    if block_mask is None and mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, B, H, SQ, SK, q.device)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a BlockMask (create_block_mask), got "
+                            f"{type(block_mask).__name__}")
+        if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+            raise ValueError("mask_mod differs from block_mask.mask_mod; pass one of them")
+        Bm, Hm = block_mask.kv_blocks.shape[:2]
+        if (block_mask.seqlen_q, block_mask.seqlen_k) != (SQ, SK) or Bm not in (1, B) \
+                or Hm not in (1, H):
+            raise ValueError(f"block_mask was made for (B, H, seqlen_q, seqlen_k) = ({Bm}, {Hm}, "
+                             f"{block_mask.seqlen_q}, {block_mask.seqlen_k}); q {_describe(q)}, "
+                             f"k {_describe(k)}")
+        if block_mask.kv_blocks.device != q.device:
+            raise ValueError(f"block_mask is on {block_mask.kv_blocks.device}, q on {q.device}")
+        mask_mod = block_mask.mask_mod
+        blocks = (block_mask.kv_blocks, block_mask.q_blocks, block_mask.block_size)
+    else:
+        blocks = (None, None, 128)
+    return (*blocks, register_mods(score_mod, score_mod_grad, mask_mod))
+
+
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-         dropout_p=0.0, names=("q", "k", "v"), attn_mask=None) -> AttentionOutput:
+         dropout_p=0.0, names=("q", "k", "v"), attn_mask=None, score_mod=None,
+         score_mod_grad=None, mask_mod=None, block_mask=None) -> AttentionOutput:
     """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
     check_qkv(q, k, v, names)
     scale = _check_scale(softmax_scale, q.shape[-1])
@@ -133,9 +179,11 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
     softcap = _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     dropout_p, seed = _check_dropout(dropout_p)
+    blocks = _check_mods(q, k, causal, (left, right), softcap, alibi_slopes, attn_mask, dropout_p,
+                         score_mod, score_mod_grad, mask_mod, block_mask)
     out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), None, None, 0,
                                        0, alibi_slopes, attn_mask, scale, bool(causal), left,
-                                       right, softcap, dropout_p, seed)
+                                       right, softcap, dropout_p, seed, *blocks)
     return AttentionOutput(out, lse)
 
 
@@ -189,7 +237,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p, seed = _check_dropout(dropout_p)
     out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), cu_q, cu_k,
                                        max_q, max_k, alibi_slopes, None, scale, bool(causal),
-                                       left, right, softcap, dropout_p, seed)
+                                       left, right, softcap, dropout_p, seed, None, None, 128, 0)
     return AttentionOutput(out, lse)
 
 
@@ -229,23 +277,40 @@ _OPTIONS_DOC = """
            counter-based RNG seeded from torch's default generator
            (``torch.manual_seed`` makes it reproducible); the backward
            regenerates the same mask. Applied whenever > 0 (no train/eval mode).
+        score_mod: a ``@triton.jit`` function (score, b, h, q_idx, kv_idx) ->
+           score applied to the scaled scores (natural log units), as in
+           FlexAttention but compiled into flashtriton's kernels;
+           score_mod_grad: its derivative with respect to score (same
+           arguments), required for the backward.
+        mask_mod: a ``@triton.jit`` function (b, h, q_idx, kv_idx) -> bool
+           (True = attend). block_mask: ``create_block_mask(mask_mod, ...)``
+           computed once and reused: empty tiles are skipped, full tiles run
+           without calling mask_mod. mask_mod without block_mask builds one
+           per call. The mods do not combine with causal / window_size /
+           softcap / alibi_slopes / dropout_p (express those in the mods).
 """
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-                    dropout_p: float = 0.0) -> torch.Tensor:
-    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                dropout_p).out
+                    dropout_p: float = 0.0, score_mod=None, score_mod_grad=None, mask_mod=None,
+                    block_mask: Optional[BlockMask] = None) -> torch.Tensor:
+    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
+                block_mask=block_mask).out
 
 
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                              causal: bool = False, softmax_scale: Optional[float] = None,
                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[torch.Tensor] = None,
-                             dropout_p: float = 0.0) -> AttentionOutput:
-    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p)
+                             dropout_p: float = 0.0, score_mod=None, score_mod_grad=None,
+                             mask_mod=None, block_mask: Optional[BlockMask] = None
+                             ) -> AttentionOutput:
+    return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
+                block_mask=block_mask)
 
 
 flash_attention.__doc__ = """Exact softmax attention, out = softmax(q k^T * softmax_scale) v, differentiable.

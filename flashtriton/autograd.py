@@ -24,10 +24,11 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Optional[
 
 
 def _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
-             dropout_p, dropout_seed) -> Variant:
+             dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods) -> Variant:
     seed = 0 if dropout_seed is None else int(dropout_seed)  # a CPU tensor: no device sync
     return Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                   attn_mask, dropout_p, seed)
+                   attn_mask, dropout_p, seed, *launch.lookup_mods(mods), kv_blocks, q_blocks,
+                   block_size)
 
 
 @torch.library.custom_op("flashtriton::attn_fwd", mutates_args=())
@@ -35,13 +36,15 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
              alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], softmax_scale: float,
              causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
-             dropout_seed: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+             dropout_seed: Optional[Tensor], kv_blocks: Optional[Tensor],
+             q_blocks: Optional[Tensor], block_size: int, mods: int) -> Tuple[Tensor, Tensor]:
     """out in q's shape; lse fp32 (B, H, SQ), or (H, total_q) for packed sequences.
 
     dropout_seed: a CPU int64 tensor (drawn from torch's generator by the caller)."""
     return launch.attention_forward(
         q, k, v, _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left,
-                          window_right, softcap, dropout_p, dropout_seed),
+                          window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
+                          block_size, mods),
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
@@ -60,13 +63,14 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
              max_seqlen_k: int, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
              softmax_scale: float, causal: bool, window_left: int, window_right: int,
-             softcap: float, dropout_p: float,
-             dropout_seed: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+             softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
+             kv_blocks: Optional[Tensor], q_blocks: Optional[Tensor], block_size: int,
+             mods: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of attn_fwd, recomputed from q, k, v, out and lse."""
     return launch.attention_backward(
         dout, q, k, v, out, lse,
         _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right,
-                 softcap, dropout_p, dropout_seed),
+                 softcap, dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods),
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
@@ -78,29 +82,32 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
 class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k, alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right,
-    softcap, dropout_p, dropout_seed).
+    softcap, dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods).
 
     Only q, k, v are differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
-                dropout_p, dropout_seed):
+                dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods):
         out, lse = torch.ops.flashtriton.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                   max_seqlen_q, max_seqlen_k, alibi_slopes,
                                                   attn_mask, softmax_scale, causal, window_left,
-                                                  window_right, softcap, dropout_p, dropout_seed)
+                                                  window_right, softcap, dropout_p, dropout_seed,
+                                                  kv_blocks, q_blocks, block_size, mods)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                              attn_mask, dropout_seed)
+                              attn_mask, dropout_seed, kv_blocks, q_blocks)
         ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, softcap, dropout_p)
+                       window_right, softcap, dropout_p, block_size, mods)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_q, cu_k, alibi_slopes, attn_mask, seed = ctx.saved_tensors
-        max_q, max_k, *options = ctx.options
+        (q, k, v, out, lse, cu_q, cu_k, alibi_slopes, attn_mask, seed, kv_blocks,
+         q_blocks) = ctx.saved_tensors
+        max_q, max_k, *options, block_size, mods = ctx.options
         dq, dk, dv = torch.ops.flashtriton.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q,
-                                                    max_k, alibi_slopes, attn_mask, *options, seed)
-        return (dq, dk, dv) + (None,) * 13
+                                                    max_k, alibi_slopes, attn_mask, *options, seed,
+                                                    kv_blocks, q_blocks, block_size, mods)
+        return (dq, dk, dv) + (None,) * 17

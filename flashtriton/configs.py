@@ -79,15 +79,17 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
 
 
 def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: int,
-          elem_bytes: int) -> List[Tuple[int, int, int, int]]:
-    """The candidates that suit a call: its head-dim class, and small tiles for fp32."""
+          elem_bytes: int, max_block: int = 128) -> List[Tuple[int, int, int, int]]:
+    """The candidates that suit a call: its head-dim class, small tiles for fp32, and
+    tiles no larger than a block mask's blocks (``max_block``)."""
     if len(configs) <= 1 or kind == "prep":
         return configs[:1]
     wanted = _FP32 if elem_bytes >= 4 else _GPU[kind][_dim_class(head_dim_padded)]
+    wanted = [c for c in wanted if max(c[0], c[1]) <= max_block]
     kept = [c for c in wanted if c in configs]  # in order of preference
     if not _env.AUTOTUNE:
         kept = kept[:1]
-    return kept or configs[:1]
+    return kept or [c for c in configs if max(c[0], c[1]) <= max_block][:1] or configs[:1]
 
 
 def as_kwargs(cfg: Tuple[int, int, int, int]) -> Dict[str, int]:

@@ -18,7 +18,7 @@ from .kernels.attn_fwd import _attn_fwd_kernel
 
 LOG2E = math.log2(math.e)
 _KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_VARLEN", "HAS_LOWER", "HAS_UPPER", "HAS_SOFTCAP",
-        "HAS_ALIBI", "MASK_KIND", "HAS_DROPOUT"]
+        "HAS_ALIBI", "MASK_KIND", "HAS_DROPOUT", "HAS_BLOCK_MASK", "SPARSE"]
 
 
 def _autotuned(kind: str, kernel):
@@ -26,7 +26,7 @@ def _autotuned(kind: str, kernel):
 
     def early_prune(cfgs, named_args, **kwargs):
         keep = configs.prune(kind, [_cfg_tuple(c) for c in cfgs], kwargs["BLOCK_D"],
-                             named_args["Q"].element_size())
+                             named_args["Q"].element_size(), kwargs["SPARSE"])
         return [c for c in cfgs if _cfg_tuple(c) in keep]
 
     return triton.autotune(
@@ -78,6 +78,28 @@ class Variant(NamedTuple):
     score_mod: Optional[object] = None           # @triton.jit (score, b, h, q_idx, kv_idx) -> score
     score_mod_grad: Optional[object] = None      # @triton.jit d score_mod / d score, same arguments
     mask_mod: Optional[object] = None            # @triton.jit (b, h, q_idx, kv_idx) -> bool
+    kv_blocks: Optional[torch.Tensor] = None     # BlockMask lists (flashtriton.block_mask)
+    q_blocks: Optional[torch.Tensor] = None
+    block_size: int = 128
+
+
+# The @triton.jit modifiers cannot travel through torch.library schemas: the ops carry an
+# integer key into this table instead (a constant in a compiled graph).
+_MODS = {0: (None, None, None)}
+
+
+def register_mods(score_mod, score_mod_grad, mask_mod) -> int:
+    """Key of the (score_mod, score_mod_grad, mask_mod) triple, registered once."""
+    mods = (score_mod, score_mod_grad, mask_mod)
+    for key, value in _MODS.items():
+        if value == mods:
+            return key
+    _MODS[len(_MODS)] = mods
+    return len(_MODS) - 1
+
+
+def lookup_mods(key: int):
+    return _MODS[key]
 
 
 class Varlen(NamedTuple):
@@ -100,6 +122,15 @@ def _mask_args(variant: Variant):
     if m is None:
         return (None, 0, 0, 0, 0), 0
     return (m, *m.stride()), (1 if m.dtype == torch.bool else 2)
+
+
+def _block_args(blocks: Optional[torch.Tensor]):
+    """BMASK, its (b, h, block) strides (0 where shared) and the other dimension's block count."""
+    if blocks is None:
+        return None, 0, 0, 0, 0
+    Bm, Hm, _, width = blocks.shape
+    return (blocks, blocks.stride(0) if Bm > 1 else 0, blocks.stride(1) if Hm > 1 else 0,
+            blocks.stride(2), (width - 2) // 2)
 
 
 def _dims(q, k, varlen: Optional[Varlen]):
@@ -155,6 +186,8 @@ def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
         SCORE_MOD=variant.score_mod,
         SCORE_GRAD=variant.score_mod_grad,
         MASK_MOD=variant.mask_mod,
+        HAS_BLOCK_MASK=variant.kv_blocks is not None,
+        SPARSE=variant.block_size,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16,
         SQ_BUCKET=configs.bucket(SQ),
@@ -183,9 +216,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     _fwd[grid](
-        q, k, v, out, lse, alibi, mask, *_cu(varlen),
+        q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
+        *_block_args(variant.kv_blocks)[1:],
         H, H // HKV, SQ, SK,
         **_common(q, varlen, SQ, SK, variant),
     )
@@ -218,15 +252,19 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     )
     _dkdv[lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV)](
         q, k, v, dout, lse, delta, dk, dv, alibi, mask, *_cu(varlen),
+        *_block_args(variant.q_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
+        *_block_args(variant.q_blocks)[1:],
         HKV, H // HKV, SQ, SK,
         **common,
     )
     _dq[lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H)](
         q, k, v, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
+        *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
+        *_block_args(variant.kv_blocks)[1:],
         H, H // HKV, SQ, SK,
         **common,
     )

@@ -187,6 +187,7 @@ def test_custom_ops_opcheck():
         ((q[0], k[0], v[0], cu, cu_k, 13, 13, None, None), (0.3, True, 4, -1, 0.0, 0.0, None)),
     ]
     for args, opts in cases:
+        opts = opts + (None, None, 128, 0)  # no block mask, no mods
         torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, args + opts)
         out, lse = torch.ops.flashtriton.attn_fwd(*args, *opts)
         dout = torch.randn_like(out)

@@ -113,7 +113,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K, BMASK,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -123,6 +123,7 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_bb, stride_bh, stride_bq, BM_N,
     HKV, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale, dropout_p,
     seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
@@ -130,7 +131,8 @@ def _attn_bwd_dkdv_kernel(
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-    MASK_MOD: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
@@ -172,27 +174,57 @@ def _attn_bwd_dkdv_kernel(
         if MASK_KIND != 0:
             mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
         rng_bh = (off_b * HKV * GROUP + off_h).to(tl.int32)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                      stride_dot, cols, offs_m, offs_d, lo, full_lo, SQ, SK,
-                                      HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                      mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                      off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                      HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
-                                      SCORE_GRAD, None, True, DOT_PREC, UPCAST, BLOCK_M)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                      stride_dot, cols, offs_m, offs_d, full_lo, full_hi, SQ, SK,
-                                      HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                      mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                      off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                      HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
-                                      SCORE_GRAD, None, False, DOT_PREC, UPCAST, BLOCK_M)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                      stride_dot, cols, offs_m, offs_d, full_hi, hi, SQ, SK,
-                                      HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                      mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                      off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                      HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
-                                      SCORE_GRAD, None, True, DOT_PREC, UPCAST, BLOCK_M)
+        if HAS_BLOCK_MASK:
+            # query blocks of this key block: n_partial, n_full, partial indices, full indices
+            blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_n // SPARSE) * stride_bq
+            for i in range(0, tl.load(blocks + 1)):  # full blocks: no mask_mod
+                blk_lo = tl.load(blocks + 2 + BM_N + i) * SPARSE
+                blk_hi = tl.minimum(blk_lo + SPARSE, SQ)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
+                                              stride_dot, cols, offs_m, offs_d, blk_lo, blk_hi, SQ,
+                                              SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
+                                              slope2, mask_base, stride_mm, stride_mn, seed,
+                                              rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
+                                              HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                              MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None,
+                                              True, DOT_PREC, UPCAST, BLOCK_M)
+            for i in range(0, tl.load(blocks)):
+                blk_lo = tl.load(blocks + 2 + i) * SPARSE
+                blk_hi = tl.minimum(blk_lo + SPARSE, SQ)
+                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
+                                              stride_dot, cols, offs_m, offs_d, blk_lo, blk_hi, SQ,
+                                              SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
+                                              slope2, mask_base, stride_mm, stride_mn, seed,
+                                              rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
+                                              HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                              MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
+                                              MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_M)
+        else:
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
+                                          stride_dot, cols, offs_m, offs_d, lo, full_lo, SQ, SK,
+                                          HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                          mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
+                                          BLOCK_M)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
+                                          stride_dot, cols, offs_m, offs_d, full_lo, full_hi, SQ,
+                                          SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                          mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST,
+                                          BLOCK_M)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
+                                          stride_dot, cols, offs_m, offs_d, full_hi, hi, SQ, SK,
+                                          HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                          mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
+                                          BLOCK_M)
+
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + c64 * stride_dvt + offs_d[None, :]
@@ -244,7 +276,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K, BMASK,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -253,6 +285,7 @@ def _attn_bwd_dq_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_bb, stride_bh, stride_bq, BM_N,
     H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale, dropout_p,
     seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
@@ -260,7 +293,8 @@ def _attn_bwd_dq_kernel(
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-    MASK_MOD: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
@@ -299,26 +333,50 @@ def _attn_bwd_dq_kernel(
 
     k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
     v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
-    lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
-                                        BLOCK_M, BLOCK_N)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                            offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                            dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
-                            MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_N)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                            offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                            dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
-                            MASK_MOD, False, DOT_PREC, UPCAST, BLOCK_N)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                            offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                            dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
-                            MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_N)
+    if HAS_BLOCK_MASK:
+        # key blocks of this query block: n_partial, n_full, partial indices, full indices
+        blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_m // SPARSE) * stride_bq
+        for i in range(0, tl.load(blocks + 1)):  # full blocks: no mask_mod
+            blk_lo = tl.load(blocks + 2 + BM_N + i) * SPARSE
+            blk_hi = tl.minimum(blk_lo + SPARSE, SK)
+            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                                    rows, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM, LOWER,
+                                    UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                    stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
+                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                    MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None, True,
+                                    DOT_PREC, UPCAST, BLOCK_N)
+        for i in range(0, tl.load(blocks)):
+            blk_lo = tl.load(blocks + 2 + i) * SPARSE
+            blk_hi = tl.minimum(blk_lo + SPARSE, SK)
+            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                                    rows, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM, LOWER,
+                                    UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                    stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
+                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                    MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True,
+                                    DOT_PREC, UPCAST, BLOCK_N)
+    else:
+        lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
+                                            BLOCK_M, BLOCK_N)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
+                                offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+                                qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
+                                rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
+                                HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_N)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
+                                offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
+                                DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+                                seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
+                                HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST, BLOCK_N)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
+                                offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+                                qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
+                                rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
+                                HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_N)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,

@@ -59,7 +59,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K,
+    Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, BMASK,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -67,13 +67,15 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_bb, stride_bh, stride_bq, BM_N,
     H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale, dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-    MASK_MOD: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
@@ -110,31 +112,57 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
-                                        BLOCK_M, BLOCK_N)
-    # Masked blocks at the window's left edge, fully visible blocks, masked blocks at the
-    # right edge (the causal diagonal and the ragged end of the keys).
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
-                                    offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                                    DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                                    seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                    HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
-                                    UPCAST, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
-                                    offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER,
-                                    UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                    stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
-                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                    MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, False,
-                                    DOT_PREC, UPCAST, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows,
-                                    offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                                    DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                                    seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                    HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
-                                    UPCAST, BLOCK_N)
+    if HAS_BLOCK_MASK:
+        # key blocks of this query block: n_partial, n_full, partial indices, full indices
+        blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_m // SPARSE) * stride_bq
+        for i in range(0, tl.load(blocks + 1)):  # full blocks: no mask_mod
+            blk_lo = tl.load(blocks + 2 + BM_N + i) * SPARSE
+            blk_hi = tl.minimum(blk_lo + SPARSE, SK)
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                            rows, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM,
+                                            LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
+                                            stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                            off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                            SCORE_MOD, SCORE_GRAD, None, True, DOT_PREC, UPCAST,
+                                            BLOCK_N)
+        for i in range(0, tl.load(blocks)):
+            blk_lo = tl.load(blocks + 2 + i) * SPARSE
+            blk_hi = tl.minimum(blk_lo + SPARSE, SK)
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                            rows, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM,
+                                            LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
+                                            stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                            off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                            SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
+                                            UPCAST, BLOCK_N)
+    else:
+        lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
+                                            BLOCK_M, BLOCK_N)
+        # Masked blocks at the window's left edge, fully visible blocks, masked blocks at the
+        # right edge (the causal diagonal and the ragged end of the keys).
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                        rows, offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER,
+                                        UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                        stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
+                                        EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                        MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                                        True, DOT_PREC, UPCAST, BLOCK_N)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                        rows, offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM,
+                                        LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
+                                        stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                        off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                                        HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
+                                        MASK_MOD, False, DOT_PREC, UPCAST, BLOCK_N)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                        rows, offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER,
+                                        UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                        stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
+                                        EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                        MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                                        True, DOT_PREC, UPCAST, BLOCK_N)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
