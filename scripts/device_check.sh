@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: tests (with the pass count), long-sequence / memory /
-# compile tests, the demo and the benchmark. Logs under $OUT (or ./device_out).
+# compile tests, the demo, the benchmark and the variants benchmark. Logs under $OUT (or ./device_out).
 # Usage: bash scripts/device_check.sh [COMMIT] [bench args...]
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -16,7 +16,10 @@ FLASHTRITON_AUTOTUNE=0 timeout ${T_GPU:-120} python3 -m pytest tests/test_gpu.py
 timeout ${T_DEMO:-60} python3 -m flashtriton.demo > "$OUT/demo.log" 2>&1
 timeout ${T_BENCH:-300} python3 -m flashtriton.bench --commit "$commit" --out "$OUT/bench" "$@" \
   > "$OUT/bench.log" 2>&1
+timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit "$commit" --out "$OUT/bench" \
+  > "$OUT/bench_variants.log" 2>&1
 echo "== tests";     grep -E "passed|failed" "$OUT/tests.log" | tail -1
 echo "== gpu tests"; grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1
 echo "== demo";      grep -E "PASS|FAIL" "$OUT/demo.log"
 echo "== bench";     cat "$OUT/bench/results.md" 2>/dev/null || tail -5 "$OUT/bench.log"
+echo "== variants";  cat "$OUT/bench/variants.md" 2>/dev/null || tail -5 "$OUT/bench_variants.log"

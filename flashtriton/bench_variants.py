@@ -1,0 +1,149 @@
+"""Benchmark of the attention variants against FlexAttention on the same shapes.
+
+    python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out]
+
+Variants (bf16, batch * seqlen = 16K tokens, 16 heads of 128): causal sliding window
+of 1024, document masking (documents of 2048 tokens, through mask_mod + a block
+mask), causal + ALiBi, causal + softcap 30. TFLOP/s count only the visible
+(query, key) pairs: 4 * D * pairs forward, 2.5x that backward. flashtriton's
+output is checked against FlexAttention's before its speed is reported.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl  # noqa: F401  (the interpreter needs it beside @triton.jit code)
+
+from .bench import _measure, _meta
+
+WINDOW = 1024
+DOC = 2048
+
+
+@triton.jit
+def _document_mod(b, h, q_idx, kv_idx):
+    return (q_idx // 2048) == (kv_idx // 2048)
+
+
+def _pairs(name, N):
+    i = torch.arange(N, dtype=torch.float64)
+    if name == "window":
+        return float(torch.clamp(i + 1, max=WINDOW).sum())
+    if name == "document":
+        return float(N * DOC)
+    return float(N * (N + 1) / 2)
+
+
+def _ours(name, B, H, N, device):
+    from flashtriton import flash_attention
+    from flashtriton.block_mask import create_block_mask
+
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+    bm = create_block_mask(_document_mod, None, None, N, N, device) if name == "document" else None
+    opts = {"window": dict(causal=True, window_size=(WINDOW - 1, 0)),
+            "document": dict(block_mask=bm),
+            "alibi": dict(causal=True, alibi_slopes=slopes),
+            "softcap": dict(causal=True, softcap=30.0)}[name]
+
+    def run(q, k, v, _causal):
+        return flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               **opts).transpose(1, 2)
+    return run
+
+
+def _flex(name, B, H, N, device):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    for attr in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, attr):
+            setattr(torch._dynamo.config, attr, 256)
+    torch._functorch.config.donated_buffer = False
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+
+    def causal(b, h, q, k):
+        return q >= k
+
+    def window(b, h, q, k):
+        return (q >= k) & (q - k < WINDOW)
+
+    def document(b, h, q, k):
+        return (q // DOC) == (k // DOC)
+
+    def alibi(score, b, h, q, k):
+        return score - slopes[h] * (q - k)
+
+    def softcap(score, b, h, q, k):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    mask_mod = {"window": window, "document": document}.get(name, causal)
+    score_mod = {"alibi": alibi, "softcap": softcap}.get(name)
+    block_mask = create_block_mask(mask_mod, None, None, N, N, device=device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run(q, k, v, _causal):
+        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    return run
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--variants", nargs="+", default=["window", "document", "alibi", "softcap"])
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--commit", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("the benchmark needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    N, H, D = args.seqlen, args.heads, args.dim
+    B = max(1, args.tokens // N)
+    meta = _meta(args.commit)
+    rows, lines = [], ["| variant | flashtriton fwd / bwd | FlexAttention fwd / bwd | speed-up fwd / bwd |",
+                       "|---|---|---|---|"]
+    with open(os.path.join(args.out, "variants.jsonl"), "w") as f:
+        for name in args.variants:
+            res = {}
+            fns = {"flashtriton": _ours(name, B, H, N, "cuda"), "flex": _flex(name, B, H, N, "cuda")}
+            q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            a, b = fns["flashtriton"](q, k, v, None).float(), fns["flex"](q, k, v, None).float()
+            err = float((a - b).norm() / b.norm())
+            flop = 4 * B * H * D * _pairs(name, N)
+            for prov, fn in fns.items():
+                row = dict(meta, variant=name, provider=prov, B=B, H=H, N=N, D=D, rel_err=err)
+                if prov == "flashtriton" and not err < 2e-2:
+                    row["status"] = f"FAILED check (rel err {err:.2e})"
+                else:
+                    fwd, bwd, peak = _measure(fn, B, H, N, D, True, torch.bfloat16)
+                    row.update(status="ok", fwd_ms=fwd, bwd_ms=bwd, peak_extra_MiB=peak,
+                               fwd_tflops=flop / fwd * 1e-9, bwd_tflops=2.5 * flop / bwd * 1e-9)
+                res[prov] = row
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                print(name, prov, row.get("fwd_tflops"), row.get("bwd_tflops"), row["status"],
+                      flush=True)
+            o, x = res["flashtriton"], res["flex"]
+            if o["status"] == x["status"] == "ok":
+                lines.append(f"| {name} | {o['fwd_tflops']:.0f} / {o['bwd_tflops']:.0f} | "
+                             f"{x['fwd_tflops']:.0f} / {x['bwd_tflops']:.0f} | "
+                             f"{o['fwd_tflops'] / x['fwd_tflops']:.2f} / "
+                             f"{o['bwd_tflops'] / x['bwd_tflops']:.2f} |")
+            else:
+                lines.append(f"| {name} | {o['status']} | {x['status']} | |")
+    table = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
+             f"{meta['commit']}, {meta['date']}; B={B} H={H} N={N} D={D} bf16, TFLOP/s of visible "
+             f"pairs\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "variants.md"), "w") as f:
+        f.write(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
