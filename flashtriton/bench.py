@@ -1,29 +1,52 @@
-"""Benchmark: flashtriton against torch SDPA backends, FlexAttention and naive attention.
+"""Benchmark suite: flashtriton against torch SDPA backends, FlexAttention, flash-attn and naive attention.
 
-    python -m flashtriton.bench                      # the default sweep
-    python -m flashtriton.bench --dims 128 --seqlens 4096 8192 --causal 0 1 --out results
+    python -m flashtriton.bench                                  # training sweep + GQA sweep + host overhead
+    python -m flashtriton.bench --dims 128 --seqlens 4096 8192 --causal 1 --suites train
 
-Shapes keep batch * seqlen = --tokens (16K) and nheads * headdim = --dmodel
-(2048). Reports the median time of forward and backward (triton.testing.do_bench),
-TFLOP/s (forward 4*B*H*SQ*SK*D, halved when causal; backward 2.5x that) and the
-peak extra memory of forward + backward. flashtriton's output and gradients are
-checked against SDPA before its speed is reported. Writes JSON lines and a
-markdown table to --out.
+Suites:
+  train     batch * seqlen = --tokens (16K), nheads * headdim = --dmodel (2048), --dims x --seqlens x --causal
+  gqa       Llama-3 70B attention: batch 1, 64 query heads, 8 KV heads, headdim 128, causal, --gqa-seqlens
+  overhead  host time per call at a tiny shape (no CUDA graphs), each provider
+
+For every shape and provider: median times (triton.testing.do_bench) of forward, backward and
+forward + backward, TFLOP/s (forward 4 * B * H * SQ * SK * D, halved when causal; backward 2.5x
+that) and the peak extra memory of forward + backward. A shape that runs out of memory is a row
+that says so. flashtriton's output and gradients are checked against SDPA before its speed is
+reported. Writes results.jsonl (row by row), results.csv, results.md and, when matplotlib is
+installed, tflops.png and memory.png to --out; the GPU name, versions, commit and date are in
+every row.
 """
 
 import argparse
+import csv
 import datetime
 import json
 import os
 import subprocess
 import sys
+import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 
+class Shape(NamedTuple):
+    suite: str
+    B: int
+    H: int
+    HKV: int
+    N: int
+    D: int
+    causal: bool
+
+
+# Providers: fn(q, k, v, causal) on (B, H, N, D) tensors; k and v may have fewer heads (GQA).
+
 def _naive(q, k, v, causal):
-    # (B, H, T, D) layout, materialises S and P.
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     s = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if causal:
         n = s.shape[-1]
@@ -32,13 +55,11 @@ def _naive(q, k, v, causal):
 
 
 def _sdpa(backend):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    b = getattr(SDPBackend, backend)
-
     def run(q, k, v, causal):
-        with sdpa_kernel([b]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
     return run
 
 
@@ -58,12 +79,15 @@ def _flex(q, k, v, causal):
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     key = (q.shape[-2], k.shape[-2], causal)
     if key not in _FLEX:
-        mask = None
-        if causal:
-            mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, q.shape[-2],
-                                     k.shape[-2], device=q.device)
-        _FLEX[key] = mask
-    return _FLEX["fn"](q, k, v, block_mask=_FLEX[key])
+        _FLEX[key] = (create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, q.shape[-2],
+                                        k.shape[-2], device=q.device) if causal else None)
+    return _FLEX["fn"](q, k, v, block_mask=_FLEX[key], enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _flash_attn(q, k, v, causal):
+    from flash_attn import flash_attn_func  # only when installed
+    return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           causal=causal).transpose(1, 2)
 
 
 def _flashtriton(q, k, v, causal):
@@ -75,10 +99,22 @@ def _flashtriton(q, k, v, causal):
 PROVIDERS = {
     "flashtriton": _flashtriton,
     "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
-    "sdpa_flash": _sdpa("FLASH_ATTENTION"),
     "flex": _flex,
+    "sdpa_flash": _sdpa("FLASH_ATTENTION"),
+    "sdpa_efficient": _sdpa("EFFICIENT_ATTENTION"),
+    "flash_attn": _flash_attn,
     "naive": _naive,
 }
+
+
+def _available(name):
+    if name != "flash_attn":
+        return True
+    try:
+        import flash_attn  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 def flops_fwd(B, H, SQ, SK, D, causal):
@@ -86,42 +122,61 @@ def flops_fwd(B, H, SQ, SK, D, causal):
     return f / 2 if causal else f
 
 
-def _measure(fn, B, H, N, D, causal, dtype):
+def _inputs(shape: Shape, dtype, requires_grad=True):
+    def t(heads):
+        return torch.randn(shape.B, heads, shape.N, shape.D, device="cuda", dtype=dtype,
+                           requires_grad=requires_grad)
+    return t(shape.H), t(shape.HKV), t(shape.HKV)
+
+
+def _measure(fn, shape: Shape, dtype):
+    """Median ms of forward, backward, forward + backward, and peak extra MiB."""
     import triton
 
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, requires_grad=True)
-               for _ in range(3))
-    dout = torch.randn(B, H, N, D, device="cuda", dtype=dtype)
-    out = fn(q, k, v, causal)  # compile / autotune outside the timings
-    out.backward(dout)
-    del out
+    q, k, v = _inputs(shape, dtype)
+    dout = torch.randn_like(q)
+    c = shape.causal
+    fn(q, k, v, c).backward(dout)  # compile / autotune outside the timings
     q.grad = k.grad = v.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = fn(q, k, v, causal)
-    out.backward(dout)
+    fn(q, k, v, c).backward(dout)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    q.grad = k.grad = v.grad = None
-    fwd_ms = triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=50, rep=200,
-                                     return_mode="median")
-    out = fn(q, k, v, causal)
-    bwd_ms = triton.testing.do_bench(lambda: out.backward(dout, retain_graph=True), warmup=50,
-                                     rep=200, grad_to_none=[q, k, v], return_mode="median")
-    return fwd_ms, bwd_ms, peak
+    bench = dict(warmup=50, rep=200, return_mode="median")
+    fwd = triton.testing.do_bench(lambda: fn(q, k, v, c), **bench)
+    out = fn(q, k, v, c)
+    bwd = triton.testing.do_bench(lambda: out.backward(dout, retain_graph=True),
+                                  grad_to_none=[q, k, v], **bench)
+    both = triton.testing.do_bench(lambda: fn(q, k, v, c).backward(dout), grad_to_none=[q, k, v],
+                                   **bench)
+    return dict(fwd_ms=fwd, bwd_ms=bwd, fwdbwd_ms=both, peak_extra_MiB=peak)
 
 
-def _check(B, H, N, D, causal, dtype):
-    """flashtriton vs SDPA (flash backend) on the bench shape; relative errors."""
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, requires_grad=True)
-               for _ in range(3))
+def _check(shape: Shape, dtype):
+    """Largest relative error of flashtriton's out, dq, dk, dv against SDPA (flash backend)."""
+    q, k, v = _inputs(shape, dtype)
     dout = torch.randn_like(q)
     res = []
     for fn in (_flashtriton, _sdpa("FLASH_ATTENTION")):
-        out = fn(q, k, v, causal)
+        out = fn(q, k, v, shape.causal)
         res.append([out.detach()] + list(torch.autograd.grad(out, (q, k, v), dout)))
     return max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(*res))
+
+
+def host_overhead_us(fn, calls=300):
+    """Host microseconds per call at a tiny shape, no CUDA graphs: the GPU work is smaller
+    than the launch cost, so the wall time of many back-to-back calls is the host's."""
+    q, k, v = _inputs(Shape("overhead", 1, 4, 4, 128, 64, False), torch.bfloat16, False)
+    for _ in range(20):
+        fn(q, k, v, False)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn(q, k, v, False)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
 
 
 def _git_commit():
@@ -140,13 +195,137 @@ def _meta(commit=None):
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def shapes(args):
+    out = []
+    if "train" in args.suites:
+        out += [Shape("train", max(1, args.tokens // N), args.dmodel // D, args.dmodel // D, N, D,
+                      bool(c)) for D in args.dims for N in args.seqlens for c in args.causal]
+    if "gqa" in args.suites:
+        out += [Shape("gqa", 1, 64, 8, N, 128, True) for N in args.gqa_seqlens]
+    return out
+
+
+def run_shape(shape: Shape, providers, dtype, meta):
+    """One row per provider; flashtriton's speed only after its check passes."""
+    rows = []
+    err = _check(shape, dtype) if "flashtriton" in providers else None
+    for prov in providers:
+        row = dict(meta, provider=prov, dtype=str(dtype).split(".")[-1], **shape._asdict())
+        if prov == "flashtriton":
+            row["rel_err_vs_sdpa"] = err
+        if prov == "flashtriton" and not err < 2e-2:
+            row["status"] = f"FAILED check (rel err {err:.2e}); speed not reported"
+        else:
+            try:
+                row.update(_measure(PROVIDERS[prov], shape, dtype), status="ok")
+                f = flops_fwd(shape.B, shape.H, shape.N, shape.N, shape.D, shape.causal)
+                row.update(fwd_tflops=f / row["fwd_ms"] * 1e-9,
+                           bwd_tflops=2.5 * f / row["bwd_ms"] * 1e-9,
+                           fwdbwd_tflops=3.5 * f / row["fwdbwd_ms"] * 1e-9)
+            except torch.cuda.OutOfMemoryError:
+                row["status"] = "out of memory"
+            except Exception as e:  # a provider that cannot run this shape
+                row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+def markdown(rows, providers, meta):
+    head = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
+            f"{meta['commit']}, {meta['date']}. TFLOP/s forward / backward (peak extra MiB)\n\n")
+    lines = ["| suite | B | H/HKV | D | N | causal | " + " | ".join(providers) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(providers)]
+    keys = sorted({(r["suite"], r["B"], r["H"], r["HKV"], r["D"], r["N"], r["causal"])
+                   for r in rows if "N" in r})
+    for key in keys:
+        cells = []
+        for prov in providers:
+            r = next((r for r in rows if r["provider"] == prov and
+                      (r["suite"], r["B"], r["H"], r["HKV"], r["D"], r["N"], r["causal"]) == key),
+                     None)
+            cells.append("" if r is None else
+                         f"{r['fwd_tflops']:.0f} / {r['bwd_tflops']:.0f} ({r['peak_extra_MiB']:.0f})"
+                         if r.get("status") == "ok" else r["status"][:30])
+        s, B, H, HKV, D, N, c = key
+        lines.append(f"| {s} | {B} | {H}/{HKV} | {D} | {N} | {int(c)} | " + " | ".join(cells) + " |")
+    over = [r for r in rows if r.get("suite") == "overhead"]
+    if over:
+        lines += ["", "| host overhead per call (us) | " + " | ".join(r["provider"] for r in over)
+                  + " |", "|---|" + "---|" * len(over),
+                  "| B=1 H=4 N=128 D=64 bf16 | " + " | ".join(
+                      f"{r['host_us']:.1f}" if "host_us" in r else r["status"][:30] for r in over)
+                  + " |"]
+    return head + "\n".join(lines) + "\n"
+
+
+def write_csv(rows, path):
+    fields = sorted({k for r in rows for k in r})
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(rows, out_dir):
+    """tflops.png (forward and backward TFLOP/s against seqlen, a panel per (suite, D, causal))
+    and memory.png (peak extra memory against seqlen). Needs matplotlib; else nothing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("suite") != "overhead"]
+    panels = sorted({(r["suite"], r["D"], r["causal"]) for r in ok})
+    if not panels:
+        return []
+    written = []
+    for name, metrics in (("tflops.png", ("fwd_tflops", "bwd_tflops")),
+                          ("memory.png", ("peak_extra_MiB",))):
+        fig, axes = plt.subplots(len(metrics), len(panels), squeeze=False,
+                                 figsize=(4 * len(panels), 3.2 * len(metrics)))
+        for j, (suite, D, c) in enumerate(panels):
+            for i, metric in enumerate(metrics):
+                ax = axes[i][j]
+                for prov in sorted({r["provider"] for r in ok}):
+                    pts = sorted((r["N"], r[metric]) for r in ok if r["provider"] == prov and
+                                 (r["suite"], r["D"], r["causal"]) == (suite, D, c))
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=prov)
+                ax.set_xscale("log", base=2)
+                if metric == "peak_extra_MiB":
+                    ax.set_yscale("log")
+                ax.set_title(f"{suite} D={D} {'causal' if c else 'full'}: {metric}", fontsize=9)
+                ax.set_xlabel("seqlen")
+                ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _progress(items):
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc="bench", file=sys.stdout)
+    except ImportError:
+        return items
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--providers", nargs="+", default=["flashtriton", "sdpa_cudnn", "flex",
-                                                      "sdpa_flash", "naive"],
+                                                      "sdpa_flash", "flash_attn", "naive"],
                    choices=list(PROVIDERS))
-    p.add_argument("--dims", nargs="+", type=int, default=[64, 128])
-    p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--suites", nargs="+", default=["train", "gqa", "overhead"],
+                   choices=["train", "gqa", "overhead"])
+    p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
+    p.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--gqa-seqlens", nargs="+", type=int, default=[2048, 8192, 32768])
     p.add_argument("--causal", nargs="+", type=int, default=[0, 1])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--dmodel", type=int, default=2048)
@@ -157,60 +336,36 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU (python -m flashtriton.demo runs on the CPU)")
     dtype = getattr(torch, args.dtype)
+    providers = [prov for prov in args.providers if _available(prov)]
     os.makedirs(args.out, exist_ok=True)
     meta = _meta(args.commit)
     rows = []
-    jsonl = open(os.path.join(args.out, "results.jsonl"), "w")  # row by row: a timeout keeps what ran
-    shapes = [(D, N, c) for D in args.dims for N in args.seqlens for c in args.causal]
-    for i, (D, N, causal) in enumerate(shapes):
-        B, H = max(1, args.tokens // N), args.dmodel // D
-        err = _check(B, H, N, D, bool(causal), dtype) if "flashtriton" in args.providers else None
-        for prov in args.providers:
-            row = dict(meta, provider=prov, B=B, H=H, N=N, D=D, causal=bool(causal),
-                       dtype=args.dtype)
-            if prov == "flashtriton":
-                row["rel_err_vs_sdpa"] = err
-            if prov == "flashtriton" and not err < 2e-2:
-                row["status"] = f"FAILED check (rel err {err:.2e}); speed not reported"
-            else:
+    with open(os.path.join(args.out, "results.jsonl"), "w") as jsonl:  # row by row
+        for shape in _progress(shapes(args)):
+            for row in run_shape(shape, providers, dtype, meta):
+                rows.append(row)
+                jsonl.write(json.dumps(row) + "\n")
+                jsonl.flush()
+                print(f"{row['provider']:14s} {shape.suite} B={shape.B} H={shape.H}/{shape.HKV} "
+                      f"D={shape.D} N={shape.N} causal={int(shape.causal)} "
+                      + (f"fwd {row['fwd_tflops']:6.1f} bwd {row['bwd_tflops']:6.1f} TFLOP/s "
+                         f"mem {row['peak_extra_MiB']:9.1f} MiB" if row["status"] == "ok"
+                         else row["status"]), flush=True)
+        if "overhead" in args.suites:
+            for prov in providers:
+                row = dict(meta, provider=prov, suite="overhead")
                 try:
-                    fwd, bwd, peak = _measure(PROVIDERS[prov], B, H, N, D, bool(causal), dtype)
-                    f = flops_fwd(B, H, N, N, D, bool(causal))
-                    row.update(status="ok", fwd_ms=fwd, bwd_ms=bwd, peak_extra_MiB=peak,
-                               fwd_tflops=f / fwd * 1e-9, bwd_tflops=2.5 * f / bwd * 1e-9)
-                except torch.cuda.OutOfMemoryError:
-                    row["status"] = "out of memory"
-                except Exception as e:  # a provider that cannot run this shape
+                    row.update(host_us=host_overhead_us(PROVIDERS[prov]), status="ok")
+                except Exception as e:
                     row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
-                torch.cuda.empty_cache()
-            rows.append(row)
-            jsonl.write(json.dumps(row) + "\n")
-            jsonl.flush()
-            print(f"[{i + 1}/{len(shapes)}] {prov:12s} D={D:3d} N={N:6d} causal={causal} "
-                  + (f"fwd {row['fwd_tflops']:6.1f} bwd {row['bwd_tflops']:6.1f} TFLOP/s "
-                     f"mem {row['peak_extra_MiB']:8.1f} MiB" if row.get("status") == "ok"
-                     else row["status"]), flush=True)
-    jsonl.close()
-    table = _markdown(rows, args.providers, meta)
+                rows.append(row)
+                jsonl.write(json.dumps(row) + "\n")
+    write_csv(rows, os.path.join(args.out, "results.csv"))
+    table = markdown(rows, providers, meta)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
+    plot(rows, args.out)
     print(table)
-
-
-def _markdown(rows, providers, meta):
-    head = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
-            f"{meta['commit']}, {meta['date']}. TFLOP/s forward / backward (peak extra MiB)\n\n")
-    lines = ["| D | N | causal | " + " | ".join(providers) + " |",
-             "|---|---|---|" + "---|" * len(providers)]
-    keys = sorted({(r["D"], r["N"], r["causal"]) for r in rows})
-    for D, N, c in keys:
-        cells = []
-        for prov in providers:
-            r = next(r for r in rows if (r["provider"], r["D"], r["N"], r["causal"]) == (prov, D, N, c))
-            cells.append(f"{r['fwd_tflops']:.0f} / {r['bwd_tflops']:.0f} ({r['peak_extra_MiB']:.0f})"
-                         if r.get("status") == "ok" else r["status"][:30])
-        lines.append(f"| {D} | {N} | {int(c)} | " + " | ".join(cells) + " |")
-    return head + "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""The benchmark's pure-Python parts: shapes, FLOP counts and the writers (no GPU needed)."""
+
+import csv
+import importlib.util
+
+from flashtriton import bench
+
+
+def _args(**kw):
+    ns = dict(suites=["train", "gqa"], dims=[64, 128], seqlens=[1024, 4096], causal=[0, 1],
+              gqa_seqlens=[2048], tokens=16384, dmodel=2048)
+    ns.update(kw)
+    return type("Args", (), ns)
+
+
+def test_shapes_keep_tokens_and_dmodel():
+    shapes = bench.shapes(_args())
+    train = [s for s in shapes if s.suite == "train"]
+    assert len(train) == 2 * 2 * 2
+    assert all(s.B * s.N == 16384 and s.H * s.D == 2048 and s.H == s.HKV for s in train)
+    (gqa,) = [s for s in shapes if s.suite == "gqa"]
+    assert (gqa.B, gqa.H, gqa.HKV, gqa.D, gqa.causal) == (1, 64, 8, 128, True)
+
+
+def test_flops():
+    assert bench.flops_fwd(2, 3, 5, 7, 11, False) == 4 * 2 * 3 * 5 * 7 * 11
+    assert bench.flops_fwd(2, 3, 5, 7, 11, True) == 2 * 2 * 3 * 5 * 7 * 11
+
+
+def _rows():
+    meta = dict(gpu="test-gpu", torch="t", triton="tr", commit="c", date="d")
+    rows = []
+    for prov, speed in (("flashtriton", 2.0), ("sdpa_flash", 1.0)):
+        for N in (1024, 4096):
+            rows.append(dict(meta, provider=prov, suite="train", B=16384 // N, H=16, HKV=16, N=N,
+                             D=128, causal=True, status="ok", fwd_tflops=100 * speed * N / 1024,
+                             bwd_tflops=80 * speed, peak_extra_MiB=N / 8))
+    rows.append(dict(meta, provider="naive", suite="train", B=4, H=16, HKV=16, N=4096, D=128,
+                     causal=True, status="out of memory"))
+    rows.append(dict(meta, provider="flashtriton", suite="overhead", status="ok", host_us=12.5))
+    return meta, rows
+
+
+def test_markdown_csv_and_plots(tmp_path):
+    meta, rows = _rows()
+    md = bench.markdown(rows, ["flashtriton", "sdpa_flash", "naive"], meta)
+    assert "| train | 4 | 16/16 | 128 | 4096 | 1 | 800 / 160 (512) | 400 / 80 (512) | out of memory |" in md
+    assert "12.5" in md and "test-gpu" in md
+    bench.write_csv(rows, tmp_path / "r.csv")
+    with open(tmp_path / "r.csv") as f:
+        got = list(csv.DictReader(f))
+    assert len(got) == len(rows) and got[-1]["host_us"] == "12.5"
+    written = bench.plot(rows, str(tmp_path))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert written == []
+    else:
+        assert sorted(p.split("/")[-1] for p in written) == ["memory.png", "tflops.png"]
+        assert all((tmp_path / n).stat().st_size > 1000 for n in ("memory.png", "tflops.png"))
