@@ -1,0 +1,196 @@
+"""Attention over a KV cache: in-place appends, contiguous or paged caches, split-KV decoding.
+
+Inference only (no autograd). Launcher and API in one module: the kernels live in
+``kernels/decode.py``.
+"""
+
+import functools
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+import triton
+
+from . import _env, configs
+from .api import AttentionOutput, _check_alibi, _check_scale, _check_softcap, _check_window, \
+    _describe, check_qkv
+from .kernels.decode import _attn_decode_kernel, _attn_merge_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx):
+    """Write the new keys/values at positions cache_seqlens[b] + i, in place (no host sync)."""
+    B, S_new = k.shape[0], k.shape[1]
+    pos = cache_seqlens[:, None].long() + torch.arange(S_new, device=k.device)  # (B, S_new)
+    if block_table is None:
+        rows = (cache_batch_idx.long() if cache_batch_idx is not None
+                else torch.arange(B, device=k.device))[:, None].expand(B, S_new)
+        index = (rows.reshape(-1), pos.reshape(-1))
+    else:
+        page_size = k_cache.shape[1]
+        pages = torch.gather(block_table.long(), 1, pos // page_size)
+        index = (pages.reshape(-1), (pos % page_size).reshape(-1))
+    k_cache.index_put_(index, k.reshape(B * S_new, *k.shape[2:]))
+    v_cache.index_put_(index, v.reshape(B * S_new, *v.shape[2:]))
+
+
+def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device) -> int:
+    """Enough (split, batch * kv head) programs for two waves of the GPU, one tile each at least."""
+    max_splits = max(1, triton.cdiv(capacity, block_n))
+    if num_splits > 0:
+        return min(num_splits, max_splits)
+    sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
+    return max(1, min(max_splits, triton.cdiv(2 * sms, B * HKV), 128))
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
+                           cache_seqlens: Union[int, torch.Tensor, None] = None,
+                           block_table: Optional[torch.Tensor] = None,
+                           cache_batch_idx: Optional[torch.Tensor] = None,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[torch.Tensor] = None,
+                           num_splits: int = 0) -> AttentionOutput:
+    """Attention of a few query tokens over a KV cache, after appending k, v to it.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), seqlen_q small (decoding, speculative
+           tokens, chunked prefill).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged:
+           (num_blocks, page_size, nheads_k, headdim) with ``block_table``; any strides
+           with a unit stride on headdim (e.g. K and V as views of one buffer).
+        k, v: (batch, seqlen_new, nheads_k, headdim) or None: written into the cache at
+           positions cache_seqlens[b] ... (in place, also into pages), then attended.
+        cache_seqlens: int or (batch,) int32: keys in the cache before the append
+           (None: the whole cache).
+        block_table: (batch, max_blocks) int32 page indices, in any order; page_size a
+           power of two >= 8.
+        cache_batch_idx: (batch,) int32, the cache row of each sequence (contiguous caches).
+        causal / window_size: aligned to the end of the cache: query token t sits at
+           position cache_len - seqlen_q + t.
+        num_splits: KV splits per sequence (0: enough to fill the GPU); partial results
+           are merged by their LSEs.
+
+    Returns ``AttentionOutput(out, lse)``: out (batch, seqlen_q, nheads, headdim), lse
+    (batch, nheads, seqlen_q) float32. Not differentiable.
+    """
+    paged = block_table is not None
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must be 4-D of one shape; got k_cache "
+                         f"{_describe(k_cache)}, v_cache {_describe(v_cache)}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError("q must be a 4-D (batch, seqlen_q, nheads, headdim) tensor")
+    B, SQ, H, D = q.shape
+    # Validate q against a (B, 1, HKV, D) view of the cache: dtypes, devices, heads, head dim.
+    check_qkv(q, k_cache[:1, :1].expand(q.shape[0], 1, -1, -1),
+              v_cache[:1, :1].expand(q.shape[0], 1, -1, -1), ("q", "k_cache", "v_cache"))
+    HKV = k_cache.shape[2]
+    if paged:
+        page_size = k_cache.shape[1]
+        if page_size < 8 or page_size & (page_size - 1):
+            raise ValueError(f"page_size (k_cache.shape[1]) must be a power of two >= 8; got "
+                             f"{page_size}")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
+            raise ValueError(f"block_table must be (batch, max_blocks) int32; got "
+                             f"{_describe(block_table)}")
+        capacity = block_table.shape[1] * page_size
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx applies to contiguous caches, not paged ones")
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] < B:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {B}; pass "
+                             f"cache_batch_idx or a larger cache")
+    if cache_seqlens is None:
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (B,):
+        raise ValueError(f"cache_seqlens must be an int or (batch,) int32; got "
+                         f"{_describe(cache_seqlens)}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    s_new = 0
+    if k is not None:
+        check_qkv(q, k, v, ("q", "k", "v"))
+        if k.shape[2] != HKV:
+            raise ValueError(f"k has {k.shape[2]} heads, the cache {HKV}")
+        s_new = k.shape[1]
+        _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
+    seqlens = (cache_seqlens + s_new).to(torch.int32)
+    scale = _check_scale(softmax_scale, D)
+    left, right = _check_window(window_size)
+    right = 0 if causal else right
+    softcap = _check_softcap(softcap)
+    alibi = _check_alibi(alibi_slopes, B, H, q.device)
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((B, H, SQ), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return AttentionOutput(out, lse)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_n = 16 if _env.INTERPRET else 64
+    splits = _splits(num_splits, B, HKV, capacity, block_n, q.device)
+    split_size = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    o_part = torch.empty((splits, B, H, SQ, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((splits, B, H, SQ), dtype=torch.float32, device=q.device)
+    block_m = max(16, triton.next_power_of_2((H // HKV) * SQ))
+    bd = configs.block_d(D)
+    has_softcap = softcap > 0
+    _attn_decode_kernel[(splits, B * HKV)](
+        q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, alibi, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
+        alibi.stride(-1) if alibi is not None else 0,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        HKV, H // HKV, SQ, D, left, right,
+        scale * (1.0 / softcap if has_softcap else math.log2(math.e)), softcap * math.log2(math.e),
+        split_size, k_cache.shape[1] if paged else 1,
+        BLOCK_D=bd, EVEN_D=bd == D, PAGED=paged, HAS_LOWER=left >= 0, HAS_UPPER=right >= 0,
+        HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
+        HAS_BATCH_IDX=cache_batch_idx is not None,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1 if _env.INTERPRET else 3,
+    )
+    merge_partials(o_part, lse_part, out, lse)
+    return AttentionOutput(out, lse)
+
+
+def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor) -> None:
+    """out (B, SQ, H, D), lse (B, H, SQ) <- S partial results o_part (S, B, H, SQ, D) fp32
+    and lse_part (S, B, H, SQ), weighted by exp(lse_s - lse). Empty partials (lse -inf)
+    weigh 0; all empty gives out 0, lse -inf."""
+    S, B, H, SQ, D = o_part.shape
+    _attn_merge_kernel[(B * H * SQ,)](
+        o_part, lse_part, out, lse, o_part.stride(0), lse_part.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
+        BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=configs.block_d(D))
+
+
+def merge_attention_states(outs, lses) -> AttentionOutput:
+    """Merge attention over disjoint key sets (e.g. a cached prefix and a suffix).
+
+    outs: list of (B, SQ, H, D) outputs; lses: list of (B, H, SQ) float32 LSEs, each from
+    flash_attention_with_lse or attention_with_kvcache over its own keys. Returns the
+    attention over the union of the keys, and its LSE.
+    """
+    if not outs or len(outs) != len(lses):
+        raise ValueError("merge_attention_states needs as many outputs as LSEs, at least one")
+    o_part = torch.stack([o.float().transpose(1, 2) for o in outs]).contiguous()
+    lse_part = torch.stack([x.float() for x in lses]).contiguous()
+    out = torch.empty_like(outs[0], memory_format=torch.contiguous_format)
+    lse = torch.empty_like(lse_part[0])
+    merge_partials(o_part, lse_part, out, lse)
+    return AttentionOutput(out, lse)

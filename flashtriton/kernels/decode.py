@@ -1,0 +1,135 @@
+"""Decoding kernels: split-KV attention over a KV cache (contiguous or paged) and the merge
+of partial results by their LSEs (flash decoding).
+
+_attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP query heads
+                      sharing the kv head and the SQ query tokens are packed into the rows of
+                      one tile (row r: head r // SQ, token r % SQ), so each K/V byte is read
+                      once. Writes the split's normalised partial output and its LSE.
+_attn_merge_kernel    one program per (batch * head * query token): out = sum_s w_s o_s with
+                      w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s).
+
+Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
+position SK - SQ + t: causal and window masks are aligned to the end of the cache.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, NEG_BIG, load_tile, scores, visible
+
+
+@triton.jit
+def _attn_decode_kernel(
+    Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, ALIBI, O_PART, LSE_PART,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ab, stride_ah,
+    stride_os, stride_ob, stride_oh, stride_ot,
+    stride_ls, stride_lb, stride_lh,
+    HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE, PAGE_SIZE,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr,
+    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    split = tl.program_id(0)
+    off_b = tl.program_id(1) // HKV
+    off_hk = (tl.program_id(1) % HKV).to(tl.int64)
+    SK = tl.load(CACHE_SEQLENS + off_b)
+    DIAG = SK - SQ
+    LOWER = DIAG - WIN_LEFT
+    UPPER = DIAG + WIN_RIGHT
+    cache_b = off_b.to(tl.int64)
+    if HAS_BATCH_IDX:
+        cache_b = tl.load(BATCH_IDX + off_b).to(tl.int64)
+
+    r = tl.arange(0, BLOCK_M)                                        # packed (head, token) rows
+    g = r // SQ
+    t = r % SQ                                                       # query token of each row
+    row_ok = g < GROUP
+    heads = (off_hk * GROUP + g).to(tl.int64)                        # [BLOCK_M] query heads
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + t.to(tl.int64)[:, None] * stride_qt
+              + heads[:, None] * stride_qh + offs_d[None, :])
+    q = load_tile(q_ptrs, g, GROUP, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = (tl.load(ALIBI + off_b * stride_ab + heads * stride_ah, mask=row_ok, other=0.0)
+                  * LOG2E)[:, None]
+
+    lo = split * SPLIT_SIZE
+    hi = tl.minimum(lo + SPLIT_SIZE, SK)
+    if HAS_LOWER:  # keys below every row's window are skipped
+        lo = tl.maximum(lo, ((DIAG - WIN_LEFT) // BLOCK_N) * BLOCK_N)
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n                                      # [BLOCK_N] cache positions
+        if PAGED:
+            page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_bt + cols // PAGE_SIZE,
+                           mask=cols < SK, other=0).to(tl.int64)
+            k_rows = page * stride_kb + (cols % PAGE_SIZE).to(tl.int64) * stride_kt
+            v_rows = page * stride_vb + (cols % PAGE_SIZE).to(tl.int64) * stride_vt
+        else:
+            k_rows = cache_b * stride_kb + cols.to(tl.int64) * stride_kt
+            v_rows = cache_b * stride_vb + cols.to(tl.int64) * stride_vt
+        k = load_tile(K + off_hk * stride_kh + k_rows[:, None] + offs_d[None, :], cols, hi, offs_d,
+                      HEAD_DIM, True, not EVEN_D)                    # [BLOCK_N, BLOCK_D]
+        v = load_tile(V + off_hk * stride_vh + v_rows[:, None] + offs_d[None, :], cols, hi, offs_d,
+                      HEAD_DIM, True, not EVEN_D)                    # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
+        s, _ = scores(qk, t, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        s = tl.where(visible(t, cols, SQ, hi, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
+                     float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    o_ptrs = (O_PART + split * stride_os + off_b * stride_ob + heads[:, None] * stride_oh
+              + t.to(tl.int64)[:, None] * stride_ot + offs_d[None, :])
+    tl.store(o_ptrs, acc * (1.0 / l_safe)[:, None], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(LSE_PART + split * stride_ls + off_b * stride_lb + heads * stride_lh + t, lse,
+             mask=row_ok)
+
+
+@triton.jit
+def _attn_merge_kernel(
+    O_PART, LSE_PART, OUT, LSE,
+    stride_os, stride_ls, stride_ob, stride_ot, stride_oh,
+    H, SQ, N_SPLITS, HEAD_DIM, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Partials O_PART (S, B, H, SQ, D) fp32 and LSE_PART (S, B, H, SQ), contiguous; OUT
+    (B, SQ, H, D) strided; LSE (B, H, SQ) contiguous."""
+    pid = tl.program_id(0).to(tl.int64)                              # ((b * H) + h) * SQ + t
+    t = pid % SQ
+    bh = pid // SQ
+    b = bh // H
+    h = bh % H
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lses = tl.load(LSE_PART + offs_s * stride_ls + pid, mask=offs_s < N_SPLITS,
+                   other=float("-inf"))                              # [BLOCK_S]
+    m = tl.max(lses, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2((lses - m_safe) * LOG2E)                        # 0 for empty splits
+    total = tl.sum(w, 0)
+    parts = tl.load(O_PART + offs_s[:, None] * stride_os + pid * HEAD_DIM + offs_d[None, :],
+                    mask=(offs_s[:, None] < N_SPLITS) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d,
+             out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE + pid, tl.where(total == 0.0, float("-inf"), m_safe + tl.log2(total) * LN2))

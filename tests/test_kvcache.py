@@ -1,0 +1,138 @@
+"""KV-cache decoding: contiguous and paged caches, appends, splits, against the float64 reference."""
+
+import pytest
+import torch
+
+from accuracy import assert_rule
+from conftest import DEVICE, ON_GPU
+from flashtriton import flash_attention_with_lse
+from flashtriton.compat import flash_attn as fa
+from flashtriton.decode import attention_with_kvcache, merge_attention_states
+from flashtriton.reference import attention_reference
+
+DT = torch.bfloat16
+CAP = 1024 if ON_GPU else 96  # cache capacity per sequence
+
+
+def _paged(k_full, v_full, page_size, gen):
+    """Contiguous (B, CAP, HKV, D) caches scattered into shuffled pages, and the block table."""
+    B, cap, HKV, D = k_full.shape
+    n = cap // page_size
+    perm = torch.randperm(B * n, generator=gen).to(DEVICE)
+    pages = []
+    for full in (k_full, v_full):
+        p = torch.zeros(B * n, page_size, HKV, D, dtype=full.dtype, device=DEVICE)
+        p[perm] = full.reshape(B * n, page_size, HKV, D)
+        pages.append(p)
+    return pages[0], pages[1], perm.view(B, n).to(torch.int32)
+
+
+def _reference(q, k_full, v_full, lens, causal, **opts):
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        args = (q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n])
+        ref = attention_reference(*args, causal=causal, **opts)
+        pt = attention_reference(*args, causal=causal, dtype=q.dtype, **opts)
+        outs.append((ref, pt))
+    cat = lambda i, f: torch.cat([f(o[i]) for o in outs])  # noqa: E731
+    return (cat(0, lambda r: r.out), cat(0, lambda r: r.lse), cat(1, lambda r: r.out),
+            cat(1, lambda r: r.lse))
+
+
+@pytest.mark.parametrize("paged", [0, 8, 32], ids=["contiguous", "page8", "page32"])
+@pytest.mark.parametrize("sq,causal", [(1, False), (4, True), (3, False)],
+                         ids=["decode", "spec4-causal", "chunk3"])
+def test_kvcache_matches_reference(paged, sq, causal):
+    gen = torch.Generator().manual_seed(0)
+    B, H, HKV, D = 3, 8, 2, 64
+    k_full = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    v_full = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    lens = torch.tensor([CAP // 3 + 5, 1, CAP - 7], dtype=torch.int32)  # ragged, one with 1 key
+    q = torch.randn(B, sq, H, D, generator=gen).to(DEVICE, DT)
+    if paged:
+        k_cache, v_cache, table = _paged(k_full, v_full, paged, gen)
+    else:
+        k_cache, v_cache, table = k_full.clone(), v_full.clone(), None
+    ref_out, ref_lse, pt_out, pt_lse = _reference(q, k_full, v_full, lens, causal)
+    results = []
+    for splits in (1, 3, 0):
+        out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens.to(DEVICE),
+                                          block_table=table, causal=causal, num_splits=splits)
+        assert_rule(f"out[splits={splits}]", out, ref_out, pt_out, 2, DT)
+        assert_rule(f"lse[splits={splits}]", lse, ref_lse, pt_lse, 2, DT)
+        results.append(out)
+    # Splits change only the summation order.
+    torch.testing.assert_close(results[0], results[1], atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("paged", [0, 16], ids=["contiguous", "page16"])
+def test_append_then_attend(paged):
+    gen = torch.Generator().manual_seed(1)
+    B, H, HKV, D, new = 2, 4, 4, 32, 5
+    lens = torch.tensor([13, 14], dtype=torch.int32)     # appends cross page boundaries (16)
+    k_full = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    v_full = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    k_new = torch.randn(B, new, HKV, D, generator=gen).to(DEVICE, DT)
+    v_new = torch.randn(B, new, HKV, D, generator=gen).to(DEVICE, DT)
+    q = torch.randn(B, new, H, D, generator=gen).to(DEVICE, DT)
+    if paged:
+        k_cache, v_cache, table = _paged(k_full, v_full, paged, gen)
+    else:
+        table, k_cache, v_cache = None, k_full.clone(), v_full.clone()
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                          cache_seqlens=lens.to(DEVICE), block_table=table,
+                                          causal=True, return_softmax_lse=True)
+    for b in range(B):  # the reference cache after the append
+        k_full[b, lens[b]:lens[b] + new] = k_new[b]
+        v_full[b, lens[b]:lens[b] + new] = v_new[b]
+    if paged:  # the new tokens landed in the right pages
+        got = k_cache[table.long()].reshape(B, CAP, HKV, D)
+        assert torch.equal(got, k_full)
+    else:
+        assert torch.equal(k_cache, k_full)
+    ref_out, ref_lse, pt_out, pt_lse = _reference(q, k_full, v_full, lens + new, True)
+    assert_rule("out", out, ref_out, pt_out, 2, DT)
+    assert_rule("lse", lse, ref_lse, pt_lse, 2, DT)
+
+
+def test_variants_and_batch_idx():
+    gen = torch.Generator().manual_seed(2)
+    B, H, HKV, D = 2, 4, 2, 32
+    k_cache = torch.randn(4, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    v_cache = torch.randn(4, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    idx = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([50, 77], dtype=torch.int32)
+    q = torch.randn(B, 2, H, D, generator=gen).to(DEVICE, DT)
+    slopes = torch.rand(H, generator=gen).to(DEVICE) * 0.2
+    opts = dict(window_size=(20, 0), softcap=15.0, alibi_slopes=slopes)
+    out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens.to(DEVICE),
+                                      cache_batch_idx=idx, causal=True, num_splits=2, **opts)
+    ref_out, ref_lse, pt_out, pt_lse = _reference(q, k_cache[idx.long()], v_cache[idx.long()],
+                                                  lens, True, **opts)
+    assert_rule("out", out, ref_out, pt_out, 2, DT)
+    assert_rule("lse", lse, ref_lse, pt_lse, 2, DT)
+
+
+def test_merge_attention_states_equals_attention_over_the_union():
+    q = torch.randn(2, 7, 4, 32, device=DEVICE, dtype=DT)
+    k = torch.randn(2, 50, 2, 32, device=DEVICE, dtype=DT)
+    v = torch.randn(2, 50, 2, 32, device=DEVICE, dtype=DT)
+    a = flash_attention_with_lse(q, k[:, :20], v[:, :20])
+    b = flash_attention_with_lse(q, k[:, 20:], v[:, 20:])
+    merged = merge_attention_states([a.out, b.out], [a.lse, b.lse])
+    whole = flash_attention_with_lse(q, k, v)
+    torch.testing.assert_close(merged.out, whole.out, atol=1e-2, rtol=0)
+    torch.testing.assert_close(merged.lse, whole.lse, atol=1e-4, rtol=0)
+
+
+def test_kvcache_bad_input():
+    q = torch.randn(1, 1, 4, 32, device=DEVICE, dtype=DT)
+    cache = torch.randn(1, 64, 2, 32, device=DEVICE, dtype=DT)
+    with pytest.raises(ValueError, match="page_size"):
+        attention_with_kvcache(q, cache[:, :12], cache[:, :12], cache_seqlens=5,
+                               block_table=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        attention_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([5], device=DEVICE))
+    with pytest.raises(NotImplementedError, match="rotary"):
+        fa.flash_attn_with_kvcache(q, cache, cache, rotary_cos=cache, rotary_sin=cache)
