@@ -38,6 +38,24 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
     v_cache.index_put_(index, v.reshape(B * S_new, *v.shape[2:]))
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of x (B, S, H, D) at positions (B, S), on its first 2 * cos.shape[1]
+    dims; cos, sin: (seqlen_ro, rotary_dim / 2). interleaved: rotate pairs (x0, x1), (x2, x3)
+    (GPT-J); else the two halves (GPT-NeoX). Computed in float32, returned in x's dtype."""
+    rd = 2 * cos.shape[1]
+    c = cos[positions.long()].float()[:, :, None, :]                  # (B, S, 1, rd / 2)
+    s = sin[positions.long()].float()[:, :, None, :]
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([rot.to(x.dtype), x[..., rd:]], dim=-1)
+
+
 def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device) -> int:
     """Enough (split, batch * kv head) programs for two waves of the GPU, one tile each at least."""
     max_splits = max(1, triton.cdiv(capacity, block_n))
@@ -55,6 +73,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None,
+                           rotary_cos: Optional[torch.Tensor] = None,
+                           rotary_sin: Optional[torch.Tensor] = None,
+                           rotary_interleaved: bool = True,
                            num_splits: int = 0) -> AttentionOutput:
     """Attention of a few query tokens over a KV cache, after appending k, v to it.
 
@@ -73,6 +94,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         cache_batch_idx: (batch,) int32, the cache row of each sequence (contiguous caches).
         causal / window_size: aligned to the end of the cache: query token t sits at
            position cache_len - seqlen_q + t.
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotary embedding applied to
+           the new k at positions cache_seqlens[b] + i and to q at the same positions if
+           causal or windowed, else at cache_seqlens[b] for every query token (flash-attn's
+           rule); rotary_interleaved as in flash-attn.
         num_splits: KV splits per sequence (0: enough to fill the GPU); partial results
            are merged by their LSEs.
 
@@ -115,6 +140,21 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"{_describe(cache_seqlens)}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 \
+                or 2 * rotary_cos.shape[1] > D:
+            raise ValueError(f"rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) with "
+                             f"rotary_dim <= headdim {D}; got {_describe(rotary_cos)} and "
+                             f"{_describe(rotary_sin)}")
+        steps = torch.arange(SQ, device=q.device)
+        local = causal or tuple(window_size) != (-1, -1)
+        q_pos = cache_seqlens[:, None] + (steps if local else 0 * steps)
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        if k is not None:
+            k_pos = cache_seqlens[:, None] + torch.arange(k.shape[1], device=q.device)
+            k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
     s_new = 0
     if k is not None:
         check_qkv(q, k, v, ("q", "k", "v"))

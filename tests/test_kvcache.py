@@ -134,5 +134,55 @@ def test_kvcache_bad_input():
                                block_table=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="cache_seqlens"):
         attention_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([5], device=DEVICE))
-    with pytest.raises(NotImplementedError, match="rotary"):
-        fa.flash_attn_with_kvcache(q, cache, cache, rotary_cos=cache, rotary_sin=cache)
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        fa.flash_attn_with_kvcache(q, cache, cache, cache_leftpad=torch.zeros(1, device=DEVICE))
+    with pytest.raises(ValueError, match="rotary_cos"):
+        attention_with_kvcache(q, cache, cache, rotary_cos=torch.ones(8, 20, device=DEVICE),
+                               rotary_sin=torch.ones(8, 20, device=DEVICE))
+
+
+def _rotate_complex(x, pos, theta, rd, interleaved):
+    """Independent rotary reference: channel pairs as complex numbers times e^(i * pos * theta)."""
+    xr = x[..., :rd].double()
+    if interleaved:
+        z = torch.complex(xr[..., 0::2], xr[..., 1::2])
+    else:
+        z = torch.complex(xr[..., : rd // 2], xr[..., rd // 2:])
+    z = z * torch.polar(torch.ones_like(theta), pos.double()[:, :, None, None] * theta)
+    rot = (torch.stack([z.real, z.imag], -1).flatten(-2) if interleaved
+           else torch.cat([z.real, z.imag], -1))
+    return torch.cat([rot, x[..., rd:].double()], -1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_rotary_on_q_and_new_k(interleaved, causal):
+    gen = torch.Generator().manual_seed(3)
+    B, H, HKV, D, rd, new = 2, 4, 2, 32, 16, 3
+    theta = 1.0 / (10000 ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)).to(DEVICE)
+    pos_all = torch.arange(CAP, device=DEVICE, dtype=torch.float64)[:, None] * theta
+    cos, sin = pos_all.cos().float(), pos_all.sin().float()
+    k_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, torch.float32)
+    v_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, torch.float32)
+    lens = torch.tensor([10, 31], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(B, new, H, D, generator=gen).to(DEVICE)
+    k_new = torch.randn(B, new, HKV, D, generator=gen).to(DEVICE)
+    v_new = torch.randn(B, new, HKV, D, generator=gen).to(DEVICE)
+    steps = torch.arange(new, device=DEVICE)
+    q_pos = lens[:, None] + (steps if causal else 0 * steps)
+    k_pos = lens[:, None] + steps
+    k_ref, v_ref = k_cache.clone().double(), v_cache.clone().double()
+    k_rot = _rotate_complex(k_new, k_pos, theta, rd, interleaved)
+    for b in range(B):
+        k_ref[b, lens[b]:lens[b] + new] = k_rot[b]
+        v_ref[b, lens[b]:lens[b] + new] = v_new[b].double()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos,
+                                     rotary_sin=sin, cache_seqlens=lens, causal=causal,
+                                     rotary_interleaved=interleaved)
+    torch.testing.assert_close(k_cache.double(), k_ref, atol=1e-5, rtol=0)  # rotated k stored
+    q_rot = _rotate_complex(q, q_pos, theta, rd, interleaved)
+    for b in range(B):
+        n = int(lens[b]) + new
+        ref = attention_reference(q_rot[b:b + 1], k_ref[b:b + 1, :n], v_ref[b:b + 1, :n],
+                                  causal=causal)
+        torch.testing.assert_close(out[b:b + 1].double(), ref.out, atol=2e-5, rtol=0)
