@@ -234,3 +234,73 @@ def merge_attention_states(outs, lses) -> AttentionOutput:
     lse = torch.empty_like(lse_part[0])
     merge_partials(o_part, lse_part, out, lse)
     return AttentionOutput(out, lse)
+
+
+class PagedKVCache:
+    """A paged KV cache for a changing batch of sequences (vLLM-style pages).
+
+        cache = PagedKVCache(num_pages=1024, page_size=16, num_kv_heads=8, head_dim=128,
+                             dtype=torch.bfloat16, device="cuda")
+        cache.add(seq_id)                                  # new sequence
+        out = cache.attend(q, k, v, [seq_a, seq_b], causal=True)   # append, then attend
+        cache.free(seq_id)                                 # its pages go back to the pool
+
+    Page bookkeeping is host-side (Python lists); the pages themselves and the block
+    tables live on the device. Pages of one sequence need not be contiguous.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype=torch.bfloat16, device=None):
+        if page_size < 8 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 8, got {page_size}")
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._pages = {}
+        self._lengths = {}
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def add(self, seq_id) -> None:
+        if seq_id in self._pages:
+            raise ValueError(f"sequence {seq_id!r} is already in the cache")
+        self._pages[seq_id], self._lengths[seq_id] = [], 0
+
+    def free(self, seq_id) -> None:
+        self._free.extend(reversed(self._pages.pop(seq_id)))
+        del self._lengths[seq_id]
+
+    def length(self, seq_id) -> int:
+        return self._lengths[seq_id]
+
+    def _reserve(self, seq_id, n_new: int) -> None:
+        need = triton.cdiv(self._lengths[seq_id] + n_new, self.page_size) - len(self._pages[seq_id])
+        if need > len(self._free):
+            raise MemoryError(f"PagedKVCache: {need} more pages needed for sequence {seq_id!r}, "
+                              f"{len(self._free)} free")
+        self._pages[seq_id].extend(self._free.pop() for _ in range(need))
+
+    def block_table(self, seq_ids) -> torch.Tensor:
+        """(batch, max_pages) int32 on the cache's device (unused slots 0)."""
+        width = max(1, max(len(self._pages[s]) for s in seq_ids))
+        rows = [self._pages[s] + [0] * (width - len(self._pages[s])) for s in seq_ids]
+        return torch.tensor(rows, dtype=torch.int32, device=self.k.device)
+
+    def attend(self, q, k, v, seq_ids, **options) -> torch.Tensor:
+        """Append k, v (batch, n_new, nheads_k, headdim) to the sequences ``seq_ids`` (one per
+        batch row) and attend q (batch, seqlen_q, nheads, headdim) over their caches.
+        ``options`` go to ``attention_with_kvcache`` (causal, window_size, softcap, ...)."""
+        n_new = 0 if k is None else k.shape[1]
+        for s in seq_ids:
+            self._reserve(s, n_new)
+        lens = torch.tensor([self._lengths[s] for s in seq_ids], dtype=torch.int32,
+                            device=self.k.device)
+        out, _ = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=lens,
+                                        block_table=self.block_table(seq_ids), **options)
+        for s in seq_ids:
+            self._lengths[s] += n_new
+        return out

@@ -186,3 +186,42 @@ def test_rotary_on_q_and_new_k(interleaved, causal):
         ref = attention_reference(q_rot[b:b + 1], k_ref[b:b + 1, :n], v_ref[b:b + 1, :n],
                                   causal=causal)
         torch.testing.assert_close(out[b:b + 1].double(), ref.out, atol=2e-5, rtol=0)
+
+
+def test_paged_kv_cache_helper():
+    from flashtriton.decode import PagedKVCache
+    gen = torch.Generator().manual_seed(4)
+    H, HKV, D = 4, 2, 32
+    cache = PagedKVCache(num_pages=12, page_size=8, num_kv_heads=HKV, head_dim=D, dtype=DT,
+                         device=DEVICE)
+    history = {"a": [], "b": []}
+    for s in history:
+        cache.add(s)
+
+    def step(seq_ids, n):
+        q = torch.randn(len(seq_ids), n, H, D, generator=gen).to(DEVICE, DT)
+        k = torch.randn(len(seq_ids), n, HKV, D, generator=gen).to(DEVICE, DT)
+        v = torch.randn(len(seq_ids), n, HKV, D, generator=gen).to(DEVICE, DT)
+        out = cache.attend(q, k, v, seq_ids, causal=True)
+        for i, s in enumerate(seq_ids):  # dense reference over the whole history
+            history[s].append((k[i], v[i]))
+            kk = torch.cat([x[0] for x in history[s]])[None]
+            vv = torch.cat([x[1] for x in history[s]])[None]
+            ref = attention_reference(q[i:i + 1], kk, vv, causal=True)
+            pt = attention_reference(q[i:i + 1], kk, vv, causal=True, dtype=DT)
+            assert_rule(f"out[{s}]", out[i:i + 1], ref.out, pt.out, 2, DT)
+
+    step(["a", "b"], 11)       # prefill: 2 pages each
+    step(["a", "b"], 1)        # decode steps, ragged afterwards
+    step(["b"], 6)             # b crosses into its third page
+    assert cache.length("a") == 12 and cache.length("b") == 18
+    assert cache.free_pages == 12 - 2 - 3
+    cache.free("a")
+    assert cache.free_pages == 12 - 3
+    cache.add("c")
+    history["c"] = []
+    step(["c", "b"], 9)        # c reuses a's pages
+    with pytest.raises(MemoryError):
+        cache.attend(torch.zeros(1, 1, H, D, dtype=DT, device=DEVICE),
+                     torch.zeros(1, 100, HKV, D, dtype=DT, device=DEVICE),
+                     torch.zeros(1, 100, HKV, D, dtype=DT, device=DEVICE), ["c"])
