@@ -7,6 +7,10 @@ Suites:
   train     batch * seqlen = --tokens (16K), nheads * headdim = --dmodel (2048), --dims x --seqlens x --causal
   gqa       Llama-3 70B attention: batch 1, 64 query heads, 8 KV heads, headdim 128, causal, --gqa-seqlens
   overhead  host time per call at a tiny shape (no CUDA graphs), each provider
+  decode    one query token over a KV cache (32 query heads, 8 KV heads, headdim 128, bf16):
+            --decode-batches x --decode-lens; GB/s of K and V read and % of the copy
+            bandwidth measured in the same run; flashtriton contiguous and paged (16-token
+            pages) against torch SDPA with GQA
 
 For every shape and provider: median times (triton.testing.do_bench) of forward, backward and
 forward + backward, TFLOP/s (forward 4 * B * H * SQ * SK * D, halved when causal; backward 2.5x
@@ -179,6 +183,64 @@ def host_overhead_us(fn, calls=300):
     return (time.perf_counter() - t) / calls * 1e6
 
 
+def decode_bytes(B, N, HKV=8, D=128, itemsize=2):
+    """Bytes of K and V one decoding step must read."""
+    return 2 * B * N * HKV * D * itemsize
+
+
+def copy_bandwidth_gbps(nbytes=2**31):
+    """Device-to-device copy, bytes read plus written per second (the memory ceiling)."""
+    import triton
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * 2 / ms * 1e-6
+
+
+def run_decode(batches, lens, meta, copy_gbps):
+    import triton
+    from flashtriton.decode import attention_with_kvcache
+    H, HKV, D, page = 32, 8, 128, 16
+    rows = []
+    for B in batches:
+        for N in lens:
+            base = dict(meta, suite="decode", B=B, H=H, HKV=HKV, N=N, D=D, causal=False)
+            try:
+                q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+                kc = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
+                vc = torch.randn_like(kc)
+                table = torch.randperm(B * N // page, device="cuda").view(B, -1).to(torch.int32)
+                kp = torch.empty(B * N // page, page, HKV, D, device="cuda", dtype=torch.bfloat16)
+                vp = torch.empty_like(kp)
+                kp[table.view(-1).long()] = kc.view(-1, page, HKV, D)
+                vp[table.view(-1).long()] = vc.view(-1, page, HKV, D)
+                lens_t = torch.full((B,), N, dtype=torch.int32, device="cuda")
+                qs, ks, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+                fns = {
+                    "flashtriton": lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens_t),
+                    "flashtriton_paged16": lambda: attention_with_kvcache(
+                        q, kp, vp, cache_seqlens=lens_t, block_table=table),
+                    "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
+                }
+                ref = fns["sdpa"]().transpose(1, 2).float()
+                for prov, fn in fns.items():
+                    row = dict(base, provider=prov)
+                    err = float((fn()[0] if prov != "sdpa" else ref).float().sub(ref).norm()
+                                / ref.norm())
+                    if err > 2e-2:
+                        row["status"] = f"FAILED check (rel err {err:.2e})"
+                    else:
+                        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                        gbps = decode_bytes(B, N, HKV, D) / ms * 1e-6
+                        row.update(status="ok", decode_ms=ms, decode_GBps=gbps,
+                                   pct_of_copy=100 * gbps / copy_gbps)
+                    rows.append(row)
+            except torch.cuda.OutOfMemoryError:
+                rows.append(dict(base, provider="all", status="out of memory"))
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _git_commit():
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
@@ -236,12 +298,13 @@ def markdown(rows, providers, meta):
             f"{meta['commit']}, {meta['date']}. TFLOP/s forward / backward (peak extra MiB)\n\n")
     lines = ["| suite | B | H/HKV | D | N | causal | " + " | ".join(providers) + " |",
              "|---|---|---|---|---|---|" + "---|" * len(providers)]
+    train = [r for r in rows if r.get("suite") in ("train", "gqa")]
     keys = sorted({(r["suite"], r["B"], r["H"], r["HKV"], r["D"], r["N"], r["causal"])
-                   for r in rows if "N" in r})
+                   for r in train})
     for key in keys:
         cells = []
         for prov in providers:
-            r = next((r for r in rows if r["provider"] == prov and
+            r = next((r for r in train if r["provider"] == prov and
                       (r["suite"], r["B"], r["H"], r["HKV"], r["D"], r["N"], r["causal"]) == key),
                      None)
             cells.append("" if r is None else
@@ -249,6 +312,18 @@ def markdown(rows, providers, meta):
                          if r.get("status") == "ok" else r["status"][:30])
         s, B, H, HKV, D, N, c = key
         lines.append(f"| {s} | {B} | {H}/{HKV} | {D} | {N} | {int(c)} | " + " | ".join(cells) + " |")
+    dec = [r for r in rows if r.get("suite") == "decode"]
+    if dec:
+        dprov = sorted({r["provider"] for r in dec})
+        lines += ["", "| decode B | cache | " + " | ".join(f"{p} GB/s (% copy)" for p in dprov)
+                  + " |", "|---|---|" + "---|" * len(dprov)]
+        for B, N in sorted({(r["B"], r["N"]) for r in dec}):
+            cells = []
+            for prov in dprov:
+                r = next((r for r in dec if (r["provider"], r["B"], r["N"]) == (prov, B, N)), None)
+                cells.append("" if r is None else f"{r['decode_GBps']:.0f} ({r['pct_of_copy']:.0f}%)"
+                             if r.get("status") == "ok" else r["status"][:30])
+            lines.append(f"| {B} | {N} | " + " | ".join(cells) + " |")
     over = [r for r in rows if r.get("suite") == "overhead"]
     if over:
         lines += ["", "| host overhead per call (us) | " + " | ".join(r["provider"] for r in over)
@@ -276,7 +351,7 @@ def plot(rows, out_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    ok = [r for r in rows if r.get("status") == "ok" and r.get("suite") != "overhead"]
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("suite") in ("train", "gqa")]
     panels = sorted({(r["suite"], r["D"], r["causal"]) for r in ok})
     if not panels:
         return []
@@ -321,8 +396,10 @@ def main(argv=None):
     p.add_argument("--providers", nargs="+", default=["flashtriton", "sdpa_cudnn", "flex",
                                                       "sdpa_flash", "flash_attn", "naive"],
                    choices=list(PROVIDERS))
-    p.add_argument("--suites", nargs="+", default=["train", "gqa", "overhead"],
-                   choices=["train", "gqa", "overhead"])
+    p.add_argument("--suites", nargs="+", default=["train", "gqa", "overhead", "decode"],
+                   choices=["train", "gqa", "overhead", "decode"])
+    p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64])
+    p.add_argument("--decode-lens", nargs="+", type=int, default=[1024, 8192, 65536, 131072])
     p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
     p.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--gqa-seqlens", nargs="+", type=int, default=[2048, 8192, 32768])
@@ -360,6 +437,15 @@ def main(argv=None):
                     row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
                 rows.append(row)
                 jsonl.write(json.dumps(row) + "\n")
+        if "decode" in args.suites:
+            copy = copy_bandwidth_gbps()
+            for row in run_decode(args.decode_batches, args.decode_lens, meta, copy):
+                row["copy_GBps"] = copy
+                rows.append(row)
+                jsonl.write(json.dumps(row) + "\n")
+                print(f"decode {row['provider']:20s} B={row['B']} N={row['N']} "
+                      + (f"{row['decode_GBps']:7.0f} GB/s ({row['pct_of_copy']:.0f}% of copy)"
+                         if row["status"] == "ok" else row["status"]), flush=True)
     write_csv(rows, os.path.join(args.out, "results.csv"))
     table = markdown(rows, providers, meta)
     with open(os.path.join(args.out, "results.md"), "w") as f:
