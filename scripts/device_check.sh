@@ -6,6 +6,9 @@ set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 commit=${1:-unknown}; shift || true
+# A sweep that fits one call; pass bench arguments to choose another.
+[ $# -gt 0 ] || set -- --dims 64 128 --seqlens 1024 4096 16384 --gqa-seqlens 8192 \
+  --decode-batches 1 16 --decode-lens 8192 65536
 # Correctness runs use each kernel's default config (compiling every autotuning candidate
 # for every dtype and head dim would take most of the run); the benchmark autotunes and
 # checks the tuned kernels against SDPA before it reports their speed.
