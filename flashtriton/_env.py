@@ -1,13 +1,16 @@
 """The one place that reads flashtriton's environment variables.
 
-| variable              | values                    | effect                                                    |
-|-----------------------|---------------------------|-----------------------------------------------------------|
-| ``TRITON_INTERPRET``  | ``1`` / unset             | run the kernels on the CPU through Triton's interpreter   |
-| ``FLASHTRITON_AUTOTUNE`` | ``1`` (default) / ``0`` | ``0`` uses the first candidate config instead of a search |
+| variable                 | values                          | effect                                                       |
+|--------------------------|---------------------------------|--------------------------------------------------------------|
+| ``TRITON_INTERPRET``     | ``1`` / unset                   | run the kernels on the CPU through Triton's interpreter      |
+| ``FLASHTRITON_AUTOTUNE`` | ``1`` (default) / ``0``         | ``0``: each kernel's default config instead of a search      |
+| ``FLASHTRITON_LOG``      | ``debug`` / ``info`` / unset    | log through ``logging`` (logger ``flashtriton``) to stderr;   |
+|                          |                                 | ``debug`` logs every launch and every autotuning decision    |
 
-Read once at import; tests change them with ``monkeypatch`` before importing.
+Read once at import; tests change them with ``monkeypatch``.
 """
 
+import logging
 import os
 
 
@@ -20,3 +23,14 @@ def _flag(name: str, default: bool) -> bool:
 
 INTERPRET: bool = _flag("TRITON_INTERPRET", False)
 AUTOTUNE: bool = _flag("FLASHTRITON_AUTOTUNE", True) and not INTERPRET
+LOG_LEVEL: str = os.environ.get("FLASHTRITON_LOG", "").strip().lower()
+
+logger = logging.getLogger("flashtriton")
+if LOG_LEVEL:
+    if LOG_LEVEL.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"FLASHTRITON_LOG={LOG_LEVEL!r}: use debug, info, warning or error")
+    logger.setLevel(LOG_LEVEL.upper())
+    if not logger.handlers:
+        _handler = logging.StreamHandler()
+        _handler.setFormatter(logging.Formatter("[flashtriton %(levelname)s] %(message)s"))
+        logger.addHandler(_handler)

@@ -5,6 +5,7 @@ autograd and no input validation here (``flashtriton.api`` validates). Every
 tensor is (B, T, H, D) with a unit stride on D; everything else may be strided.
 """
 
+import logging
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -36,6 +37,23 @@ def _autotuned(kind: str, kernel):
         prune_configs_by={"early_config_prune": early_prune},
         cache_results=True,
     )(kernel)
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    """Launch an autotuned kernel; at debug level, log its config, grid and new tunings."""
+    if not _env.logger.isEnabledFor(logging.DEBUG):
+        return kernel[grid](*args, **kwargs)
+    known = len(getattr(kernel, "cache", {}))
+    kernel[grid](*args, **kwargs)
+    cfg = kernel.best_config if hasattr(kernel, "best_config") else None
+    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+    meta = dict(kwargs, **(cfg.kwargs if cfg else {}))
+    shown = grid(meta) if callable(grid) else grid
+    if len(getattr(kernel, "cache", {})) > known:
+        _env.logger.debug("autotuned %s for key %s: %s", name, list(kernel.cache)[-1], cfg)
+    _env.logger.debug("launch %s grid=%s BLOCK_M=%s BLOCK_N=%s num_warps=%s num_stages=%s", name,
+                      tuple(shown), meta.get("BLOCK_M"), meta.get("BLOCK_N"),
+                      getattr(cfg, "num_warps", None), getattr(cfg, "num_stages", None))
 
 
 def _cfg_tuple(cfg) -> Tuple[int, int, int, int]:
@@ -215,7 +233,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
 
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
-    _fwd[grid](
+    _launch(
+        _fwd, grid,
         q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
@@ -250,7 +269,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         out, dout, delta, *_strides(out), *_strides(dout), stride_lb, stride_lh,
         H, rows, D, BLOCK_D=common["BLOCK_D"], EVEN_D=common["EVEN_D"], BLOCK_M=prep_m,
     )
-    _dkdv[lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV)](
+    _launch(
+        _dkdv, lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV),
         q, k, v, dout, lse, delta, dk, dv, alibi, mask, *_cu(varlen),
         *_block_args(variant.q_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
@@ -259,7 +279,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         HKV, H // HKV, SQ, SK,
         **common,
     )
-    _dq[lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H)](
+    _launch(
+        _dq, lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H),
         q, k, v, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
         *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),

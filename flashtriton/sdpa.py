@@ -8,6 +8,9 @@ import torch.nn.functional as F
 from . import _env
 from .api import MAX_HEAD_DIM, SUPPORTED_DTYPES, _run
 
+# torch's own function, captured at import: the fall-back target, also while patched.
+_TORCH_SDPA = F.scaled_dot_product_attention
+
 
 def _mask_routable(attn_mask, query, key) -> bool:
     """A mask the kernels read in place: bool or query's float dtype, broadcastable to
@@ -79,12 +82,44 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """
     if not _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         kwargs = {"enable_gqa": True} if enable_gqa else {}
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
-                                              dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale, **kwargs)
+        return _TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                           is_causal=is_causal, scale=scale, **kwargs)
     if attn_mask is not None:  # a broadcast view: no (B, H, L, S) copy
         attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     out = _run(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal,
                scale, dropout_p=dropout_p, names=("query", "key", "value"),
                attn_mask=attn_mask).out
     return out.transpose(1, 2)
+
+
+class _SDPAPatch:
+    """Handle of ``patch_sdpa``: ``restore()``, or use it as a context manager."""
+
+    def __init__(self):
+        self._previous = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = scaled_dot_product_attention
+
+    def restore(self) -> None:
+        F.scaled_dot_product_attention = self._previous
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
+
+
+def patch_sdpa() -> _SDPAPatch:
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` through flashtriton.
+
+        flashtriton.patch_sdpa()             # from here on (handle.restore() undoes it)
+        with flashtriton.patch_sdpa():       # or only inside the block
+            model(x)
+
+    Calls the kernels support go to them; the rest go to torch's original function (see
+    ``scaled_dot_product_attention``). Code that imported the function itself
+    (``from torch.nn.functional import scaled_dot_product_attention``) before the patch
+    keeps torch's.
+    """
+    return _SDPAPatch()

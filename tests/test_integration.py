@@ -1,0 +1,84 @@
+"""patch_sdpa, logging, the env report and profiler names."""
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+import flashtriton
+import flashtriton.sdpa as sdpa_mod
+from accuracy import assert_rule
+from conftest import DEVICE
+from flashtriton.reference import attention_reference
+
+
+class _Attn(torch.nn.Module):
+    """A plain torch block that calls F.scaled_dot_product_attention (looked up at call time)."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_patch_sdpa_routes_and_restores(monkeypatch):
+    original = F.scaled_dot_product_attention
+    model = _Attn().to(DEVICE)
+    x = torch.randn(2, 21, 64, device=DEVICE)
+    expected = model(x)
+    calls = []
+    real_run = sdpa_mod._run
+    monkeypatch.setattr(sdpa_mod, "_run", lambda *a, **k: calls.append(1) or real_run(*a, **k))
+    with flashtriton.patch_sdpa():
+        assert F.scaled_dot_product_attention is flashtriton.scaled_dot_product_attention
+        got = model(x)
+    assert F.scaled_dot_product_attention is original and calls == [1]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    handle = flashtriton.patch_sdpa()
+    # Unsupported calls fall back to torch's original, also while patched (no recursion).
+    q = torch.randn(1, 2, 5, 16, device=DEVICE)
+    out = F.scaled_dot_product_attention(q, q, q, attn_mask=torch.randn(5, 5, device=DEVICE,
+                                                                        requires_grad=True))
+    handle.restore()
+    assert F.scaled_dot_product_attention is original and out.shape == q.shape
+
+
+def test_debug_logging_names_each_launch(caplog):
+    q = torch.randn(1, 20, 2, 16, device=DEVICE, requires_grad=True)
+    with caplog.at_level(logging.DEBUG, logger="flashtriton"):
+        flashtriton.flash_attention(q, q, q, causal=True).sum().backward()
+    names = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("launch")]
+    assert names == ["_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"]
+    assert all("BLOCK_M=" in r.getMessage() and "grid=" in r.getMessage() for r in caplog.records)
+
+
+def test_env_report():
+    from flashtriton.env import report
+    text = report()
+    assert f"torch {torch.__version__}" in text and "triton" in text and "kernels:" in text
+
+
+def test_ops_have_their_own_names_in_profiler_traces():
+    q = torch.randn(1, 20, 2, 16, device=DEVICE, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        flashtriton.flash_attention(q, q, q).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert {"flashtriton::attn_fwd", "flashtriton::attn_bwd"} <= names
+
+
+def test_patched_model_matches_reference():
+    torch.manual_seed(0)
+    model = _Attn().to(DEVICE).to(torch.bfloat16)
+    x = torch.randn(2, 33, 64, device=DEVICE, dtype=torch.bfloat16)
+    with flashtriton.patch_sdpa():
+        got = model(x)
+    B, T, C = x.shape
+    q, k, v = model.qkv(x).view(B, T, 3, 4, 16).permute(2, 0, 1, 3, 4)
+    ref = attention_reference(q.detach(), k.detach(), v.detach(), causal=True)
+    pt = attention_reference(q.detach(), k.detach(), v.detach(), causal=True, dtype=torch.bfloat16)
+    assert_rule("out", got.transpose(1, 2), ref.out, pt.out, 2, torch.bfloat16)
