@@ -82,3 +82,35 @@ def test_patched_model_matches_reference():
     ref = attention_reference(q.detach(), k.detach(), v.detach(), causal=True)
     pt = attention_reference(q.detach(), k.detach(), v.detach(), causal=True, dtype=torch.bfloat16)
     assert_rule("out", got.transpose(1, 2), ref.out, pt.out, 2, torch.bfloat16)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.heads, C // self.heads)
+        o = flashtriton.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+        return self.proj(o.reshape(B, T, C))
+
+
+def test_torch_export_for_inference():
+    model = _Block().to(DEVICE).eval()
+    x = torch.randn(2, 19, 64, device=DEVICE)
+    exported = torch.export.export(model, (x,))
+    assert any("flashtriton.attn_fwd" in str(n.target) for n in exported.graph.nodes)
+    torch.testing.assert_close(exported.module()(x), model(x), atol=1e-6, rtol=1e-6)
+
+
+def test_autocast():
+    model = _Block().to(DEVICE)
+    x = torch.randn(2, 19, 64, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
