@@ -70,6 +70,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            cache_seqlens: Union[int, torch.Tensor, None] = None,
                            block_table: Optional[torch.Tensor] = None,
                            cache_batch_idx: Optional[torch.Tensor] = None,
+                           cache_leftpad: Optional[torch.Tensor] = None,
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None,
@@ -92,6 +93,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_table: (batch, max_blocks) int32 page indices, in any order; page_size a
            power of two >= 8.
         cache_batch_idx: (batch,) int32, the cache row of each sequence (contiguous caches).
+        cache_leftpad: (batch,) int32, the first valid cache position of each sequence
+           (left-padded caches): keys before it are ignored and rotary positions count
+           from it.
         causal / window_size: aligned to the end of the cache: query token t sits at
            position cache_len - seqlen_q + t.
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotary embedding applied to
@@ -142,6 +146,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("k and v must be given together")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
+    if cache_leftpad is not None and (cache_leftpad.dtype != torch.int32
+                                      or cache_leftpad.shape != (B,)):
+        raise ValueError(f"cache_leftpad must be (batch,) int32; got {_describe(cache_leftpad)}")
     if rotary_cos is not None:
         if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 \
                 or 2 * rotary_cos.shape[1] > D:
@@ -150,10 +157,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                              f"{_describe(rotary_sin)}")
         steps = torch.arange(SQ, device=q.device)
         local = causal or tuple(window_size) != (-1, -1)
-        q_pos = cache_seqlens[:, None] + (steps if local else 0 * steps)
+        start = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
+        q_pos = start[:, None] + (steps if local else 0 * steps)
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         if k is not None:
-            k_pos = cache_seqlens[:, None] + torch.arange(k.shape[1], device=q.device)
+            k_pos = start[:, None] + torch.arange(k.shape[1], device=q.device)
             k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
     s_new = 0
     if k is not None:
@@ -184,7 +192,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bd = configs.block_d(D)
     has_softcap = softcap > 0
     _attn_decode_kernel[(splits, B * HKV)](
-        q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, alibi, o_part, lse_part,
+        q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi, o_part,
+        lse_part,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -198,7 +207,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         split_size, k_cache.shape[1] if paged else 1,
         BLOCK_D=bd, EVEN_D=bd == D, PAGED=paged, HAS_LOWER=left >= 0, HAS_UPPER=right >= 0,
         HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
-        HAS_BATCH_IDX=cache_batch_idx is not None,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1 if _env.INTERPRET else 3,

@@ -134,7 +134,7 @@ def test_kvcache_bad_input():
                                block_table=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="cache_seqlens"):
         attention_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([5], device=DEVICE))
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+    with pytest.raises(ValueError, match="cache_leftpad"):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_leftpad=torch.zeros(1, device=DEVICE))
     with pytest.raises(ValueError, match="rotary_cos"):
         attention_with_kvcache(q, cache, cache, rotary_cos=torch.ones(8, 20, device=DEVICE),
@@ -225,3 +225,20 @@ def test_paged_kv_cache_helper():
         cache.attend(torch.zeros(1, 1, H, D, dtype=DT, device=DEVICE),
                      torch.zeros(1, 100, HKV, D, dtype=DT, device=DEVICE),
                      torch.zeros(1, 100, HKV, D, dtype=DT, device=DEVICE), ["c"])
+
+
+def test_cache_leftpad():
+    gen = torch.Generator().manual_seed(6)
+    B, H, HKV, D, new = 2, 4, 2, 32, 2
+    k_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    v_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    lens = torch.tensor([40, 60], dtype=torch.int32, device=DEVICE)
+    pad = torch.tensor([7, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(B, new, H, D, generator=gen).to(DEVICE, DT)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pad,
+                                     causal=True, num_splits=3)
+    for b in range(B):  # the same as an unpadded cache holding keys pad[b]:lens[b]
+        kk, vv = k_cache[b:b + 1, pad[b]:lens[b]], v_cache[b:b + 1, pad[b]:lens[b]]
+        ref = attention_reference(q[b:b + 1], kk, vv, causal=True)
+        pt = attention_reference(q[b:b + 1], kk, vv, causal=True, dtype=DT)
+        assert_rule(f"out[{b}]", out[b:b + 1], ref.out, pt.out, 2, DT)

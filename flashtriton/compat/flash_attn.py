@@ -150,14 +150,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     pages with block_table), then attends q over it. See
     ``flashtriton.decode.attention_with_kvcache`` for shapes. Page sizes: any power of two
     >= 8 (flash-attn needs multiples of 256). Rotary embeddings are applied to q and the
-    new k as flash-attn does. Not supported yet (NotImplementedError): cache_leftpad.
-    Returns out, or (out, softmax_lse) with ``return_softmax_lse=True``.
+    new k as flash-attn does. Returns out, or (out, softmax_lse) with
+    ``return_softmax_lse=True``.
     """
     from ..decode import attention_with_kvcache
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad is not supported yet")
     out, lse = attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                       block_table=block_table, cache_batch_idx=cache_batch_idx,
+                                      cache_leftpad=cache_leftpad,
                                       softmax_scale=softmax_scale, causal=causal,
                                       window_size=window_size, softcap=softcap,
                                       alibi_slopes=alibi_slopes, rotary_cos=rotary_cos,

@@ -20,7 +20,7 @@ from .common import LN2, LOG2E, NEG_BIG, load_tile, scores, visible
 
 @triton.jit
 def _attn_decode_kernel(
-    Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, ALIBI, O_PART, LSE_PART,
+    Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, O_PART, LSE_PART,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -30,7 +30,8 @@ def _attn_decode_kernel(
     HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE, PAGE_SIZE,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -65,6 +66,10 @@ def _attn_decode_kernel(
     hi = tl.minimum(lo + SPLIT_SIZE, SK)
     if HAS_LOWER:  # keys below every row's window are skipped
         lo = tl.maximum(lo, ((DIAG - WIN_LEFT) // BLOCK_N) * BLOCK_N)
+    first = 0  # the cache's first valid key (left padding)
+    if HAS_LEFTPAD:
+        first = tl.load(LEFTPAD + off_b)
+        lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -87,8 +92,10 @@ def _attn_decode_kernel(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         s, _ = scores(qk, t, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
-        s = tl.where(visible(t, cols, SQ, hi, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
-                     float("-inf"))
+        keep = visible(t, cols, SQ, hi, LOWER, UPPER, HAS_LOWER, HAS_UPPER)
+        if HAS_LEFTPAD:
+            keep = keep & (cols[None, :] >= first)
+        s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
