@@ -9,6 +9,7 @@ import torch
 from accuracy import check_against_reference, make_qkv
 from conftest import ON_GPU
 from flashtriton import flash_attention, flash_attention_with_lse
+from modules import AttentionBlock
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
@@ -46,21 +47,8 @@ def test_memory_is_linear_in_seqlen():
 
 
 def test_torch_compile_fullgraph():
-    class Block(torch.nn.Module):
-        def __init__(self, dim=256, heads=4):
-            super().__init__()
-            self.heads = heads
-            self.qkv = torch.nn.Linear(dim, 3 * dim)
-            self.proj = torch.nn.Linear(dim, dim)
-
-        def forward(self, x):
-            B, T, C = x.shape
-            qkv = self.qkv(x).view(B, T, 3, self.heads, C // self.heads)
-            o = flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
-            return self.proj(o.reshape(B, T, C))
-
     torch._dynamo.reset()
-    model = Block().cuda().to(torch.bfloat16)
+    model = AttentionBlock(dim=256).cuda().to(torch.bfloat16)
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
     eager = model(x)
     eager.float().pow(2).sum().backward()

@@ -10,6 +10,7 @@ import flashtriton.sdpa as sdpa_mod
 from accuracy import assert_rule
 from conftest import DEVICE
 from flashtriton.reference import attention_reference
+from modules import AttentionBlock
 
 
 class _Attn(torch.nn.Module):
@@ -84,22 +85,8 @@ def test_patched_model_matches_reference():
     assert_rule("out", got.transpose(1, 2), ref.out, pt.out, 2, torch.bfloat16)
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, dim=64, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.heads, C // self.heads)
-        o = flashtriton.flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
-        return self.proj(o.reshape(B, T, C))
-
-
 def test_torch_export_for_inference():
-    model = _Block().to(DEVICE).eval()
+    model = AttentionBlock().to(DEVICE).eval()
     x = torch.randn(2, 19, 64, device=DEVICE)
     exported = torch.export.export(model, (x,))
     assert any("flashtriton.attn_fwd" in str(n.target) for n in exported.graph.nodes)
@@ -107,7 +94,7 @@ def test_torch_export_for_inference():
 
 
 def test_autocast():
-    model = _Block().to(DEVICE)
+    model = AttentionBlock().to(DEVICE)
     x = torch.randn(2, 19, 64, device=DEVICE)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         out = model(x)
