@@ -1,0 +1,112 @@
+"""Compile every kernel variant of flashtriton for Hopper (sm_90) on any machine, GPU or not.
+
+    python scripts/compile_check.py        # TRITON_INTERPRET must be unset
+
+Triton's wheel carries ptxas, so this catches compile errors that the interpreter cannot see
+(types that only the compiler checks, shared memory over the limit) and reports the shared
+memory of each kernel and whether its matrix products use Hopper's wgmma. CI runs it.
+"""
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+    sys.exit("compile_check: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from flashtriton.kernels.attn_fwd import _attn_fwd_kernel  # noqa: E402
+from flashtriton.kernels.attn_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,  # noqa: E402
+                                          _attn_bwd_preprocess_kernel)
+from flashtriton.kernels.decode import _attn_decode_kernel, _attn_merge_kernel  # noqa: E402
+from flashtriton.kernels.block_mask import _block_mask_kernel  # noqa: E402
+
+@triton.jit
+def causal_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+@triton.jit
+def bias_mod(score, b, h, q_idx, kv_idx):
+    return score - 0.1 * tl.abs(q_idx - kv_idx).to(tl.float32)
+
+@triton.jit
+def bias_grad(score, b, h, q_idx, kv_idx):
+    return score * 0.0 + 1.0
+
+target = GPUTarget("cuda", 90, 32)
+
+def sig_for(fn, consts, ptr_dtypes):
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptr_dtypes:
+            sig[name] = ptr_dtypes[name]
+        else:
+            sig[name] = "i32"
+    return sig
+
+def compile_one(fn, consts, ptrs, floats=()):
+    sig = sig_for(fn, consts, ptrs)
+    for f in floats:
+        sig[f] = "fp32"
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
+    return k
+
+bf = "*bf16"
+base_ptr = dict(Q=bf, K=bf, V=bf, O=bf, LSE="*fp32", ALIBI="*fp32", AMASK="*i1", CU_Q="*i32",
+                CU_K="*i32", BMASK="*i32", DO=bf, DELTA="*fp32", DK=bf, DV=bf, DQ=bf)
+variants = {
+    "plain-causal": dict(HAS_UPPER=True),
+    "window": dict(HAS_LOWER=True, HAS_UPPER=True),
+    "softcap-alibi": dict(HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_UPPER=True),
+    "varlen": dict(IS_VARLEN=True, HAS_UPPER=True),
+    "mask-bool": dict(MASK_KIND=1),
+    "dropout": dict(HAS_DROPOUT=True),
+    "mods-blockmask": dict(SCORE_MOD=bias_mod, SCORE_GRAD=bias_grad, MASK_MOD=causal_mod,
+                           HAS_BLOCK_MASK=True),
+}
+defaults = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False,
+                HAS_ALIBI=False, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
+                MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False,
+                DOT_PREC="tf32", UPCAST=False, BLOCK_M=128, BLOCK_N=64)
+fails = 0
+for kname, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("dq", _attn_bwd_dq_kernel)):
+    for vname, v in variants.items():
+        consts = dict(defaults, **v)
+        if kname == "dkdv":
+            consts.update(BLOCK_M=64, BLOCK_N=128)
+        consts = {k: c for k, c in consts.items() if k in fn.arg_names}
+        try:
+            k = compile_one(fn, consts, {p: t for p, t in base_ptr.items() if p in fn.arg_names},
+                            floats=[a for a in ("qk_scale", "cap2", "sm_scale", "dropout_p") if a in fn.arg_names])
+            ptx = k.asm["ptx"]
+            ok = "wgmma" in ptx and ".local" not in ptx
+            fails += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {kname:5s} {vname:15s} shared={k.metadata.shared} "
+                  f"wgmma={'wgmma' in ptx} local_memory={'.local' in ptx}")
+        except Exception as e:
+            fails += 1
+            print(f"FAIL {kname:5s} {vname:15s} {type(e).__name__}: {str(e)[:300]}")
+# decode, merge, preprocess, block mask
+extra = [
+    ("decode", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True, HAS_LOWER=False, HAS_UPPER=True,
+        HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=True, DOT_PREC="tf32", UPCAST=False,
+        BLOCK_M=16, BLOCK_N=64),
+     dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", ALIBI="*fp32",
+          O_PART="*fp32", LSE_PART="*fp32"), ["qk_scale", "cap2"]),
+    ("merge", _attn_merge_kernel, dict(BLOCK_S=8, BLOCK_D=128), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32"), []),
+    ("prep", _attn_bwd_preprocess_kernel, dict(BLOCK_D=128, EVEN_D=True, BLOCK_M=128), dict(O=bf, DO=bf, DELTA="*fp32"), []),
+    ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8"), []),
+]
+for name, fn, consts, ptrs, floats in extra:
+    try:
+        k = compile_one(fn, consts, ptrs, floats)
+        print(f"ok   {name:9s} shared={k.metadata.shared} local_spill={'.local' in k.asm['ptx']}")
+    except Exception as e:
+        fails += 1
+        print(f"FAIL {name:9s} {type(e).__name__}: {str(e)[:400]}")
+sys.exit(1 if fails else 0)
