@@ -54,12 +54,12 @@ def create_block_mask(mask_mod, B: Optional[int], H: Optional[int], seqlen_q: in
     """Evaluate ``mask_mod`` once over all tiles. B or H None (or 1): the mask does not
     depend on that index and is shared (b / h passed to mask_mod as 0).
 
-    block_size: a power of two >= 16; the kernels' tiles divide it.
+    block_size: a power of two >= 32; the kernels pick tiles that divide it.
     """
     if not isinstance(mask_mod, triton.runtime.JITFunction) and not hasattr(mask_mod, "fn"):
         raise TypeError(f"mask_mod must be a @triton.jit function, got {type(mask_mod).__name__}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    if block_size < 32 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 32, got {block_size}")
     Bm, Hm = B or 1, H or 1
     nqb, nkb = triton.cdiv(seqlen_q, block_size), triton.cdiv(seqlen_k, block_size)
     cls = torch.empty((Bm, Hm, nqb, nkb), dtype=torch.int8, device=device)

@@ -73,8 +73,9 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
                 seen.add(c)
                 out.append(c)
     if not _env.AUTOTUNE:
-        # One default per head-dim class and the fp32 fallback; prune() picks.
-        out = [cfgs[0] for cfgs in _GPU[kind].values()] + [_FP32[0]]
+        # One default per head-dim class and the fp32 tiles (also the fallback for block
+        # masks of 32); prune() picks.
+        out = [cfgs[0] for cfgs in _GPU[kind].values()] + _FP32
     return out
 
 

@@ -41,3 +41,16 @@ def test_interpreter_runs_one_config():
         assert len(configs.candidates(kind, interpret=True)) == 1
     with pytest.raises(ValueError, match="unknown kernel kind"):
         configs.candidates("nope")
+
+
+@pytest.mark.parametrize("autotune", [True, False])
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("max_block", [32, 64, 128])
+def test_tiles_fit_block_masks(kind, max_block, autotune, monkeypatch):
+    # A block mask of max_block x max_block tiles needs kernel tiles that divide it.
+    monkeypatch.setattr(configs._env, "AUTOTUNE", autotune)
+    cands = configs.candidates(kind, interpret=False)
+    for bd in (64, 128, 256):
+        for elem in (2, 4):
+            kept = configs.prune(kind, cands, bd, elem, max_block)
+            assert kept and all(max(c[0], c[1]) <= max_block for c in kept), (bd, elem, kept)

@@ -28,7 +28,7 @@ def _paged(k_full, v_full, page_size, gen):
 
 
 def _reference(q, k_full, v_full, lens, causal, **opts):
-    outs, lses = [], []
+    outs = []
     for b in range(q.shape[0]):
         n = int(lens[b])
         args = (q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n])
