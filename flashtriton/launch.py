@@ -99,6 +99,7 @@ class Variant(NamedTuple):
     kv_blocks: Optional[torch.Tensor] = None     # BlockMask lists (flashtriton.block_mask)
     q_blocks: Optional[torch.Tensor] = None
     block_size: int = 128
+    diag_offset: int = 0                         # shifts the window's diagonal (ring attention)
 
 
 # The @triton.jit modifiers cannot travel through torch.library schemas: the ops carry an
@@ -173,11 +174,14 @@ def _lse_buffer(q, varlen: Optional[Varlen]):
 def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
     """Constexpr and runtime arguments shared by every kernel of one call.
 
-    The mask: query i sees key j iff i + d - WIN_LEFT <= j <= i + d + WIN_RIGHT
-    with d = SK - SQ of the sequence (bottom-right alignment, flash-attn's rule).
+    The mask: query i sees key j iff i + d - left <= j <= i + d + right, with
+    d = SK - SQ of the sequence (bottom-right alignment, flash-attn's rule) plus
+    ``variant.diag_offset``; a bound of -1 is absent. The kernels take the bounds
+    relative to SK - SQ (WIN_LEFT, WIN_RIGHT), so the offset moves into them.
     """
     head_dim = q.shape[-1]
     right = 0 if variant.causal else variant.window_right
+    shift = variant.diag_offset
     has_softcap = variant.softcap > 0.0
     if variant.score_mod is not None:  # score_mod takes natural-log scores
         qk_scale = variant.softmax_scale
@@ -185,8 +189,8 @@ def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
         qk_scale = variant.softmax_scale * (1.0 / variant.softcap if has_softcap else LOG2E)
     return dict(
         HEAD_DIM=head_dim,
-        WIN_LEFT=variant.window_left,
-        WIN_RIGHT=right,
+        WIN_LEFT=variant.window_left - shift,
+        WIN_RIGHT=right + shift,
         qk_scale=qk_scale,
         sm_scale=variant.softmax_scale,
         cap2=variant.softcap * LOG2E,
@@ -256,6 +260,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    lse = lse.contiguous()  # delta below shares its strides
     common = _common(q, varlen, SQ, SK, variant)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
