@@ -3,6 +3,10 @@
 The ops make flashtriton opaque to torch.compile (no graph break, no tracing
 into Triton); the Function saves what the backward needs: q, k, v, out and the
 LSE (and the ALiBi slopes and sequence offsets), never an N x N tensor.
+In plain eager mode the Function calls the ops' implementations directly: the
+dispatcher's route through a custom op costs tens of microseconds per call, more
+than the kernels of a small attention take on the GPU. Under torch.compile,
+export, fake tensors or any dispatch mode, it goes through the ops.
 
 Dense calls pass cu_seqlens_q = cu_seqlens_k = None and max_seqlen_* = 0;
 packed (varlen) calls pass (total, H, D) tensors and int32 offsets.
@@ -31,8 +35,7 @@ def _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window
                    block_size)
 
 
-@torch.library.custom_op("flashtriton::attn_fwd", mutates_args=())
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
              alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], softmax_scale: float,
              causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
@@ -48,6 +51,9 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
+attn_fwd = torch.library.custom_op("flashtriton::attn_fwd", _attn_fwd, mutates_args=())
+
+
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
     if cu_seqlens_q is None:
@@ -58,8 +64,7 @@ def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("flashtriton::attn_bwd", mutates_args=())
-def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int,
              max_seqlen_k: int, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
              softmax_scale: float, causal: bool, window_left: int, window_right: int,
@@ -74,9 +79,29 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
+attn_bwd = torch.library.custom_op("flashtriton::attn_bwd", _attn_bwd, mutates_args=())
+
+
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _plain_eager(q: Tensor) -> bool:
+    """True when nothing traces or intercepts the call: real tensors, no compile, no modes."""
+    return (type(q) is Tensor and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def _call(op, impl, name, *args):
+    """The op, or its implementation directly in plain eager mode (under the op's name in
+    profiler traces)."""
+    if not _plain_eager(args[0]):
+        return op(*args)
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(name):
+            return impl(*args)
+    return impl(*args)
 
 
 class FlashAttnFunction(torch.autograd.Function):
@@ -90,11 +115,11 @@ class FlashAttnFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
                 dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods):
-        out, lse = torch.ops.flashtriton.attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                  max_seqlen_q, max_seqlen_k, alibi_slopes,
-                                                  attn_mask, softmax_scale, causal, window_left,
-                                                  window_right, softcap, dropout_p, dropout_seed,
-                                                  kv_blocks, q_blocks, block_size, mods)
+        out, lse = _call(torch.ops.flashtriton.attn_fwd, _attn_fwd, "flashtriton::attn_fwd",
+                         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         alibi_slopes, attn_mask, softmax_scale, causal, window_left,
+                         window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
+                         block_size, mods)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                               attn_mask, dropout_seed, kv_blocks, q_blocks)
         ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
@@ -107,7 +132,7 @@ class FlashAttnFunction(torch.autograd.Function):
         (q, k, v, out, lse, cu_q, cu_k, alibi_slopes, attn_mask, seed, kv_blocks,
          q_blocks) = ctx.saved_tensors
         max_q, max_k, *options, block_size, mods = ctx.options
-        dq, dk, dv = torch.ops.flashtriton.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q,
-                                                    max_k, alibi_slopes, attn_mask, *options, seed,
-                                                    kv_blocks, q_blocks, block_size, mods)
+        dq, dk, dv = _call(torch.ops.flashtriton.attn_bwd, _attn_bwd, "flashtriton::attn_bwd",
+                           dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes,
+                           attn_mask, *options, seed, kv_blocks, q_blocks, block_size, mods)
         return (dq, dk, dv) + (None,) * 17

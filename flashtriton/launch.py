@@ -39,21 +39,31 @@ def _autotuned(kind: str, kernel):
     )(kernel)
 
 
+# (kernel, dtype, tuning key) -> its tuned triton.Config. Triton's Autotuner.run rebuilds its
+# key from every argument on every call (~100 us of host time for these kernels): after the
+# first call for a key, launch the JIT function with the tuned config directly.
+_TUNED = {}
+
+
 def _launch(kernel, grid, *args, **kwargs):
     """Launch an autotuned kernel; at debug level, log its config, grid and new tunings."""
-    if not _env.logger.isEnabledFor(logging.DEBUG):
-        return kernel[grid](*args, **kwargs)
-    known = len(getattr(kernel, "cache", {}))
-    kernel[grid](*args, **kwargs)
-    cfg = kernel.best_config if hasattr(kernel, "best_config") else None
-    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
-    meta = dict(kwargs, **(cfg.kwargs if cfg else {}))
-    shown = grid(meta) if callable(grid) else grid
-    if len(getattr(kernel, "cache", {})) > known:
-        _env.logger.debug("autotuned %s for key %s: %s", name, list(kernel.cache)[-1], cfg)
-    _env.logger.debug("launch %s grid=%s BLOCK_M=%s BLOCK_N=%s num_warps=%s num_stages=%s", name,
-                      tuple(shown), meta.get("BLOCK_M"), meta.get("BLOCK_N"),
-                      getattr(cfg, "num_warps", None), getattr(cfg, "num_stages", None))
+    key = (id(kernel), args[0].dtype, *[kwargs[k] for k in _KEY])
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        kernel.fn[grid](*args, **kwargs, **cfg.all_kwargs())
+    else:
+        known = len(kernel.cache)
+        kernel[grid](*args, **kwargs)
+        cfg = _TUNED[key] = kernel.best_config
+        if len(kernel.cache) > known:
+            _env.logger.debug("autotuned %s for key %s: %s", kernel.fn.__name__,
+                              list(kernel.cache)[-1], cfg)
+    if _env.logger.isEnabledFor(logging.DEBUG):
+        meta = dict(kwargs, **cfg.kwargs)
+        shown = grid(meta) if callable(grid) else grid
+        _env.logger.debug("launch %s grid=%s BLOCK_M=%s BLOCK_N=%s num_warps=%s num_stages=%s",
+                          kernel.fn.__name__, tuple(shown), meta.get("BLOCK_M"),
+                          meta.get("BLOCK_N"), cfg.num_warps, cfg.num_stages)
 
 
 def _cfg_tuple(cfg) -> Tuple[int, int, int, int]:

@@ -3,6 +3,8 @@
 # compile tests, the demo, the benchmark and the variants benchmark. Logs under $OUT (or ./device_out).
 # Usage: [PARTS="tests gpu demo bench variants"] bash scripts/device_check.sh [COMMIT] [bench args...]
 # The whole set takes longer than one 10-minute device call: run PARTS=tests, then the rest.
+# Other parts: ring (NCCL ring tests and bench_ring; 2+ GPUs), host (host-overhead profile and
+# decode split sweep), only (tests named by $ONLY).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -24,6 +26,19 @@ has bench && timeout ${T_BENCH:-300} python3 -m flashtriton.bench --commit "$com
   --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
 has variants && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit "$commit" \
   --out "$OUT/bench" > "$OUT/bench_variants.log" 2>&1
+has only && FLASHTRITON_AUTOTUNE=0 timeout ${T_ONLY:-120} python3 -m pytest $ONLY -q \
+  -p no:cacheprovider -rf --tb=short > "$OUT/only.log" 2>&1
+has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_TESTS:-200} python3 -m pytest tests/test_ring.py \
+  -k nccl -q -p no:cacheprovider -rf --tb=short > "$OUT/ring_tests.log" 2>&1
+has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_BENCH:-200} python3 -m flashtriton.bench_ring \
+  --out "$OUT/bench" ${RING_ARGS:-} > "$OUT/bench_ring.log" 2>&1
+has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
+has host && timeout ${T_DECODE:-90} python3 scripts/sweep_decode.py > "$OUT/decode_sweep.log" 2>&1
+has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cut -c1-300;
+                  grep -E "passed|failed" "$OUT/only.log" | tail -1; }
+has ring     && { echo "== ring"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ring_tests.log" | tail -5;
+                  cat "$OUT/bench/ring.md" 2>/dev/null || tail -15 "$OUT/bench_ring.log"; }
+has host     && { echo "== host"; head -6 "$OUT/host.log"; cat "$OUT/decode_sweep.log"; }
 has tests    && { echo "== tests"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -40;
                   grep -E "passed|failed" "$OUT/tests.log" | tail -1; }
 has gpu      && { echo "== gpu tests"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-300;

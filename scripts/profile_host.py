@@ -1,0 +1,60 @@
+"""Where the host time of one call goes (a tuning aid for docs/perf.md).
+
+    python scripts/profile_host.py
+
+At a tiny shape (the GPU work is far shorter than the launch path), prints the wall time per
+call of flashtriton's forward, forward + backward and decode step beside SDPA's, then a
+cProfile of the forward by own time.
+"""
+
+import cProfile
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flashtriton import flash_attention
+from flashtriton.decode import attention_with_kvcache
+
+
+def per_call_us(fn, calls=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def main():
+    q, k, v = (torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    kc, vc = (torch.randn(1, 8192, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q1 = q[:, :1]
+    lens = torch.full((1,), 8192, dtype=torch.int32, device="cuda")
+    rows = {
+        "flashtriton fwd": lambda: flash_attention(q, k, v),
+        "sdpa fwd": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                           v.transpose(1, 2)),
+        "flashtriton fwd+bwd": lambda: flash_attention(qg, kg, vg).sum().backward(),
+        "sdpa fwd+bwd": lambda: F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2)).sum().backward(),
+        "flashtriton decode (8K cache)": lambda: attention_with_kvcache(q1, kc, vc,
+                                                                         cache_seqlens=lens),
+    }
+    for name, fn in rows.items():
+        print(f"{name:32s} {per_call_us(fn):8.1f} us/call", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        flash_attention(q, k, v)
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
+if __name__ == "__main__":
+    main()
