@@ -5,6 +5,7 @@ autograd and no input validation here (``flashtriton.api`` validates). Every
 tensor is (B, T, H, D) with a unit stride on D; everything else may be strided.
 """
 
+import functools
 import logging
 import math
 from typing import NamedTuple, Optional, Tuple
@@ -45,9 +46,9 @@ def _autotuned(kind: str, kernel):
 _TUNED = {}
 
 
-def _launch(kernel, grid, *args, **kwargs):
+def _launch(kernel, grid, tuning_key, *args, **kwargs):
     """Launch an autotuned kernel; at debug level, log its config, grid and new tunings."""
-    key = (id(kernel), args[0].dtype, *[kwargs[k] for k in _KEY])
+    key = (id(kernel), tuning_key)
     cfg = _TUNED.get(key)
     if cfg is not None:
         kernel.fn[grid](*args, **kwargs, **cfg.all_kwargs())
@@ -86,10 +87,9 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def _strides(x: torch.Tensor):
     """(batch, token, head) strides of a (B, T, H, D) tensor or a packed (T, H, D) one."""
-    assert x.stride(-1) == 1, "launchers expect a unit stride on the head dim"
-    if x.dim() == 3:
-        return 0, x.stride(0), x.stride(1)
-    return x.stride(0), x.stride(1), x.stride(2)
+    s = x.stride()
+    assert s[-1] == 1, "launchers expect a unit stride on the head dim"
+    return (0, s[0], s[1]) if len(s) == 3 else s[:3]
 
 
 class Variant(NamedTuple):
@@ -182,49 +182,64 @@ def _lse_buffer(q, varlen: Optional[Varlen]):
 
 
 def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
-    """Constexpr and runtime arguments shared by every kernel of one call.
+    """Constexpr and runtime arguments shared by every kernel of one call, and the tuning key
+    (dtype and the autotuner's key values). Computed once per distinct call signature.
 
     The mask: query i sees key j iff i + d - left <= j <= i + d + right, with
     d = SK - SQ of the sequence (bottom-right alignment, flash-attn's rule) plus
     ``variant.diag_offset``; a bound of -1 is absent. The kernels take the bounds
     relative to SK - SQ (WIN_LEFT, WIN_RIGHT), so the offset moves into them.
     """
-    head_dim = q.shape[-1]
-    right = 0 if variant.causal else variant.window_right
-    shift = variant.diag_offset
-    has_softcap = variant.softcap > 0.0
-    if variant.score_mod is not None:  # score_mod takes natural-log scores
-        qk_scale = variant.softmax_scale
+    v = variant
+    common, key = _common_cached(
+        q.shape[-1], q.dtype, varlen is not None, configs.bucket(SQ), configs.bucket(SK),
+        v.softmax_scale, v.causal, v.window_left, v.window_right, v.diag_offset, v.softcap,
+        v.alibi_slopes is not None, _mask_args(v)[1], v.dropout_p, v.score_mod,
+        v.score_mod_grad, v.mask_mod, v.kv_blocks is not None, v.block_size)
+    if v.seed:
+        common = dict(common, seed=v.seed)
+    return common, key
+
+
+@functools.lru_cache(maxsize=1024)
+def _common_cached(head_dim, dtype, is_varlen, sq_bucket, sk_bucket, softmax_scale, causal,
+                   window_left, window_right, diag_offset, softcap, has_alibi, mask_kind,
+                   dropout_p, score_mod, score_mod_grad, mask_mod, has_block_mask, block_size):
+    right = 0 if causal else window_right
+    has_softcap = softcap > 0.0
+    if score_mod is not None:  # score_mod takes natural-log scores
+        qk_scale = softmax_scale
     else:
-        qk_scale = variant.softmax_scale * (1.0 / variant.softcap if has_softcap else LOG2E)
-    return dict(
+        qk_scale = softmax_scale * (1.0 / softcap if has_softcap else LOG2E)
+    common = dict(
         HEAD_DIM=head_dim,
-        WIN_LEFT=variant.window_left - shift,
-        WIN_RIGHT=right + shift,
+        WIN_LEFT=window_left - diag_offset,
+        WIN_RIGHT=right + diag_offset,
         qk_scale=qk_scale,
-        sm_scale=variant.softmax_scale,
-        cap2=variant.softcap * LOG2E,
-        IS_VARLEN=varlen is not None,
+        sm_scale=softmax_scale,
+        cap2=softcap * LOG2E,
+        IS_VARLEN=is_varlen,
         BLOCK_D=configs.block_d(head_dim),
         EVEN_D=configs.block_d(head_dim) == head_dim,
-        HAS_LOWER=variant.window_left >= 0,
+        HAS_LOWER=window_left >= 0,
         HAS_UPPER=right >= 0,
         HAS_SOFTCAP=has_softcap,
-        HAS_ALIBI=variant.alibi_slopes is not None,
-        MASK_KIND=_mask_args(variant)[1],
-        HAS_DROPOUT=variant.dropout_p > 0.0,
-        dropout_p=variant.dropout_p,
-        seed=variant.seed,
-        SCORE_MOD=variant.score_mod,
-        SCORE_GRAD=variant.score_mod_grad,
-        MASK_MOD=variant.mask_mod,
-        HAS_BLOCK_MASK=variant.kv_blocks is not None,
-        SPARSE=variant.block_size,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16,
-        SQ_BUCKET=configs.bucket(SQ),
-        SK_BUCKET=configs.bucket(SK),
+        HAS_ALIBI=has_alibi,
+        MASK_KIND=mask_kind,
+        HAS_DROPOUT=dropout_p > 0.0,
+        dropout_p=dropout_p,
+        seed=0,
+        SCORE_MOD=score_mod,
+        SCORE_GRAD=score_mod_grad,
+        MASK_MOD=mask_mod,
+        HAS_BLOCK_MASK=has_block_mask,
+        SPARSE=block_size,
+        DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
+        UPCAST=_env.INTERPRET and dtype == torch.bfloat16,
+        SQ_BUCKET=sq_bucket,
+        SK_BUCKET=sk_bucket,
     )
+    return common, (dtype, *[common[k] for k in _KEY])
 
 
 def _cu(varlen: Optional[Varlen]):
@@ -247,14 +262,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
 
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
+    common, key = _common(q, varlen, SQ, SK, variant)
     _launch(
-        _fwd, grid,
+        _fwd, grid, key,
         q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.kv_blocks)[1:],
         H, H // HKV, SQ, SK,
-        **_common(q, varlen, SQ, SK, variant),
+        **common,
     )
     return out, lse
 
@@ -271,7 +287,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     lse = lse.contiguous()  # delta below shares its strides
-    common = _common(q, varlen, SQ, SK, variant)
+    common, key = _common(q, varlen, SQ, SK, variant)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     stride_lb, stride_lh = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
@@ -285,7 +301,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         H, rows, D, BLOCK_D=common["BLOCK_D"], EVEN_D=common["EVEN_D"], BLOCK_M=prep_m,
     )
     _launch(
-        _dkdv, lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV),
+        _dkdv, lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV), key,
         q, k, v, dout, lse, delta, dk, dv, alibi, mask, *_cu(varlen),
         *_block_args(variant.q_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
@@ -295,7 +311,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         **common,
     )
     _launch(
-        _dq, lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H),
+        _dq, lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H), key,
         q, k, v, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
         *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
