@@ -4,7 +4,7 @@
 
 At a tiny shape (the GPU work is far shorter than the launch path), prints the wall time per
 call of flashtriton's forward, forward + backward and decode step beside SDPA's, then a
-cProfile of the forward by own time.
+cProfile of the forward, and of forward + backward, by own time.
 """
 
 import cProfile
@@ -53,6 +53,14 @@ def main():
         flash_attention(q, k, v)
     torch.cuda.synchronize()
     prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(100):
+        flash_attention(qg, kg, vg).sum().backward()
+    torch.cuda.synchronize()
+    prof.disable()
+    print("== forward + backward")
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
