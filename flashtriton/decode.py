@@ -58,11 +58,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device) -> int:
     """Enough (split, batch * kv head) programs for two waves of the GPU, one tile each at least."""
-    max_splits = max(1, triton.cdiv(capacity, block_n))
+    max_splits = max(1, configs.cdiv(capacity, block_n))
     if num_splits > 0:
         return min(num_splits, max_splits)
     sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
-    return max(1, min(max_splits, triton.cdiv(2 * sms, B * HKV), 128))
+    return max(1, min(max_splits, configs.cdiv(2 * sms, B * HKV), 128))
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -170,7 +170,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"k has {k.shape[2]} heads, the cache {HKV}")
         s_new = k.shape[1]
         _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
-    seqlens = (cache_seqlens + s_new).to(torch.int32)
+    seqlens = cache_seqlens if s_new == 0 else (cache_seqlens + s_new).to(torch.int32)
     scale = _check_scale(softmax_scale, D)
     left, right = _check_window(window_size)
     right = 0 if causal else right
@@ -185,23 +185,20 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q = q.contiguous()
     block_n = 16 if _env.INTERPRET else 64
     splits = _splits(num_splits, B, HKV, capacity, block_n, q.device)
-    split_size = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    split_size = configs.cdiv(configs.cdiv(capacity, splits), block_n) * block_n
     o_part = torch.empty((splits, B, H, SQ, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits, B, H, SQ), dtype=torch.float32, device=q.device)
-    block_m = max(16, triton.next_power_of_2((H // HKV) * SQ))
+    block_m = max(16, configs.next_pow2((H // HKV) * SQ))
     bd = configs.block_d(D)
     has_softcap = softcap > 0
     _attn_decode_kernel[(splits, B * HKV)](
         q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi, o_part,
         lse_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0) if paged else 0,
         (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
         alibi.stride(-1) if alibi is not None else 0,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        *o_part.stride()[:4], *lse_part.stride()[:3],
         HKV, H // HKV, SQ, D, left, right,
         scale * (1.0 / softcap if has_softcap else math.log2(math.e)), softcap * math.log2(math.e),
         split_size, k_cache.shape[1] if paged else 1,
@@ -225,7 +222,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     _attn_merge_kernel[(B * H * SQ,)](
         o_part, lse_part, out, lse, o_part.stride(0), lse_part.stride(0),
         out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
-        BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=configs.block_d(D))
+        BLOCK_S=max(2, configs.next_pow2(S)), BLOCK_D=configs.block_d(D))
 
 
 def merge_attention_states(outs, lses) -> AttentionOutput:
@@ -287,7 +284,7 @@ class PagedKVCache:
         return self._lengths[seq_id]
 
     def _reserve(self, seq_id, n_new: int) -> None:
-        need = triton.cdiv(self._lengths[seq_id] + n_new, self.page_size) - len(self._pages[seq_id])
+        need = configs.cdiv(self._lengths[seq_id] + n_new, self.page_size) - len(self._pages[seq_id])
         if need > len(self._free):
             raise MemoryError(f"PagedKVCache: {need} more pages needed for sequence {seq_id!r}, "
                               f"{len(self._free)} free")

@@ -258,7 +258,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         return out.zero_(), lse.fill_(float("-inf"))
 
     def grid(meta):
-        return (triton.cdiv(SQ, meta["BLOCK_M"]), B * H)
+        return (configs.cdiv(SQ, meta["BLOCK_M"]), B * H)
 
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
@@ -296,12 +296,12 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     delta = _empty(lse.shape, torch.float32, lse.device)
     rows = q.shape[1] if varlen is None else q.shape[0]
     prep_m = configs.candidates("prep")[0][0]
-    _attn_bwd_preprocess_kernel[(triton.cdiv(rows, prep_m), (B if varlen is None else 1) * H)](
+    _attn_bwd_preprocess_kernel[(configs.cdiv(rows, prep_m), (B if varlen is None else 1) * H)](
         out, dout, delta, *_strides(out), *_strides(dout), stride_lb, stride_lh,
         H, rows, D, BLOCK_D=common["BLOCK_D"], EVEN_D=common["EVEN_D"], BLOCK_M=prep_m,
     )
     _launch(
-        _dkdv, lambda meta: (triton.cdiv(SK, meta["BLOCK_N"]), B * HKV), key,
+        _dkdv, lambda meta: (configs.cdiv(SK, meta["BLOCK_N"]), B * HKV), key,
         q, k, v, dout, lse, delta, dk, dv, alibi, mask, *_cu(varlen),
         *_block_args(variant.q_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
@@ -311,7 +311,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         **common,
     )
     _launch(
-        _dq, lambda meta: (triton.cdiv(SQ, meta["BLOCK_M"]), B * H), key,
+        _dq, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), key,
         q, k, v, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
         *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),

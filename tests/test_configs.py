@@ -54,3 +54,12 @@ def test_tiles_fit_block_masks(kind, max_block, autotune, monkeypatch):
         for elem in (2, 4):
             kept = configs.prune(kind, cands, bd, elem, max_block)
             assert kept and all(max(c[0], c[1]) <= max_block for c in kept), (bd, elem, kept)
+
+
+def test_host_arithmetic_matches_triton():
+    import triton
+    for a in range(0, 300, 7):
+        for b in (1, 16, 64, 128):
+            assert configs.cdiv(a, b) == triton.cdiv(a, b)
+    for n in range(1, 1100, 13):
+        assert configs.next_pow2(n) == triton.next_power_of_2(n)
