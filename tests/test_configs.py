@@ -27,6 +27,7 @@ def test_gpu_candidates_and_pruning(kind, monkeypatch):
         assert kept and set(kept) <= set(cands)
         assert set(kept) == set(configs._GPU[kind][configs._dim_class(bd)])
     assert set(configs.prune(kind, cands, 128, 4)) == set(configs._FP32)
+    assert configs.prune(kind, cands, 256, 4) == configs._FP32_WIDE  # compile time of fp32 FMA
 
 
 def test_autotune_off_keeps_one_default(monkeypatch):
