@@ -34,8 +34,8 @@ _GPU = {
     },
 }
 # fp32 tiles hold twice the bytes: small tiles only. fp32 runs its products on the FMA units
-# (no tf32), which the compiler unrolls: at head dims over 128 only 32 x 32 tiles (compiling
-# the dK/dV kernel with 64 x 32 tiles at BLOCK_D 256 takes ptxas ~4.6 minutes, 32 x 32 ~1.4).
+# (no tf32), which the compiler unrolls: from BLOCK_D 128 up only 32 x 32 tiles (ptxas on the
+# dK/dV kernel with 64 x 32 tiles: 86 s at BLOCK_D 128, 276 s at 256; with 32 x 32: 24 s, 84 s).
 _FP32 = [(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)]
 _FP32_WIDE = [(32, 32, 4, 2)]
 # The interpreter runs one config (Triton's autotuner cannot run several there);
@@ -99,7 +99,7 @@ def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: 
     if len(configs) <= 1 or kind == "prep":
         return configs[:1]
     if elem_bytes >= 4:
-        wanted = _FP32_WIDE if head_dim_padded > 128 else _FP32
+        wanted = _FP32_WIDE if head_dim_padded >= 128 else _FP32
     else:
         wanted = _GPU[kind][_dim_class(head_dim_padded)]
     wanted = [c for c in wanted if max(c[0], c[1]) <= max_block]

@@ -26,15 +26,17 @@ def test_gpu_candidates_and_pruning(kind, monkeypatch):
         kept = configs.prune(kind, cands, bd, 2)
         assert kept and set(kept) <= set(cands)
         assert set(kept) == set(configs._GPU[kind][configs._dim_class(bd)])
-    assert set(configs.prune(kind, cands, 128, 4)) == set(configs._FP32)
-    assert configs.prune(kind, cands, 256, 4) == configs._FP32_WIDE  # compile time of fp32 FMA
+    assert set(configs.prune(kind, cands, 64, 4)) == set(configs._FP32)
+    for bd in (128, 256):  # the compile time of fp32 FMA products
+        assert configs.prune(kind, cands, bd, 4) == configs._FP32_WIDE
 
 
 def test_autotune_off_keeps_one_default(monkeypatch):
     monkeypatch.setattr(configs._env, "AUTOTUNE", False)
     cands = configs.candidates("fwd", interpret=False)
     assert configs.prune("fwd", cands, 128, 2) == [configs._GPU["fwd"][128][0]]
-    assert configs.prune("fwd", cands, 128, 4) == [configs._FP32[0]]
+    assert configs.prune("fwd", cands, 64, 4) == [configs._FP32[0]]
+    assert configs.prune("fwd", cands, 128, 4) == [configs._FP32_WIDE[0]]
 
 
 def test_interpreter_runs_one_config():
