@@ -7,6 +7,8 @@ Suites:
   train     batch * seqlen = --tokens (16K), nheads * headdim = --dmodel (2048), --dims x --seqlens x --causal
   gqa       Llama-3 70B attention: batch 1, 64 query heads, 8 KV heads, headdim 128, causal, --gqa-seqlens
   overhead  host time per call at a tiny shape (no CUDA graphs), each provider
+  coldstart seconds of the first forward + backward of a new shape in a fresh process with an
+            empty Triton cache, and in a second process sharing that cache
   decode    one query token over a KV cache (32 query heads, 8 KV heads, headdim 128, bf16):
             --decode-batches x --decode-lens; GB/s of K and V read and % of the copy
             bandwidth measured in the same run, for eager calls and for the step replayed
@@ -168,6 +170,30 @@ def _check(shape: Shape, dtype):
         out = fn(q, k, v, shape.causal)
         res.append([out.detach()] + list(torch.autograd.grad(out, (q, k, v), dout)))
     return max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(*res))
+
+
+_COLD = """
+import sys, time, torch
+from flashtriton import flash_attention
+q, k, v = (torch.randn(2, 3000, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+torch.cuda.synchronize()
+t = time.perf_counter()
+flash_attention(q, k, v, causal=True).sum().backward()
+torch.cuda.synchronize()
+print(time.perf_counter() - t)
+"""
+
+
+def cold_start_s():
+    """Seconds of the first forward + backward of a shape in a new process: with an empty
+    Triton cache (compiling and autotuning every kernel), then in a second process that shares
+    the cache (binaries and autotuning results come from disk)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        return [float(subprocess.check_output([sys.executable, "-c", _COLD], env=env,
+                                              text=True).split()[-1]) for _ in range(2)]
 
 
 def host_overhead_us(fn, calls=300):
@@ -348,6 +374,12 @@ def markdown(rows, providers, meta):
                              f"{r['graph_GBps']:.0f} ({r['graph_pct_of_copy']:.0f}%)"
                              if r.get("status") == "ok" else r["status"][:30])
             lines.append(f"| {B} | {N} | " + " | ".join(cells) + " |")
+    for r in rows:
+        if r.get("suite") == "coldstart" and r.get("status") == "ok":
+            lines += ["", f"First forward + backward of a new shape (causal, bf16, D=128) in a new "
+                      f"process: {r['empty_cache_s']:.1f} s with an empty Triton cache (compile and "
+                      f"autotune), {r['second_process_s']:.1f} s in a second process sharing the "
+                      f"cache."]
     over = [r for r in rows if r.get("suite") == "overhead"]
     if over:
         lines += ["", "| host overhead per call (us) | " + " | ".join(r["provider"] for r in over)
@@ -420,8 +452,9 @@ def main(argv=None):
     p.add_argument("--providers", nargs="+", default=["flashtriton", "sdpa_cudnn", "flex",
                                                       "sdpa_flash", "flash_attn", "naive"],
                    choices=list(PROVIDERS))
-    p.add_argument("--suites", nargs="+", default=["train", "gqa", "overhead", "decode"],
-                   choices=["train", "gqa", "overhead", "decode"])
+    p.add_argument("--suites", nargs="+", default=["train", "gqa", "overhead", "coldstart",
+                                                   "decode"],
+                   choices=["train", "gqa", "overhead", "coldstart", "decode"])
     p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64])
     p.add_argument("--decode-lens", nargs="+", type=int, default=[1024, 8192, 65536, 131072])
     p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
@@ -461,6 +494,16 @@ def main(argv=None):
                     row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
                 rows.append(row)
                 jsonl.write(json.dumps(row) + "\n")
+        if "coldstart" in args.suites:
+            row = dict(meta, provider="flashtriton", suite="coldstart")
+            try:
+                first, second = cold_start_s()
+                row.update(status="ok", empty_cache_s=first, second_process_s=second)
+            except Exception as e:
+                row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            rows.append(row)
+            jsonl.write(json.dumps(row) + "\n")
+            print(f"coldstart {row}", flush=True)
         if "decode" in args.suites:
             copy = copy_bandwidth_gbps()
             for row in run_decode(args.decode_batches, args.decode_lens, meta, copy):

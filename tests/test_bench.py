@@ -66,3 +66,11 @@ def test_decode_bytes_and_table():
                      graph_GBps=3900.0, graph_pct_of_copy=91.7))
     md = bench.markdown(rows, ["flashtriton"], meta)
     assert "| 1 | 8192 | 1300 (31%) / 3900 (92%) |" in md
+
+
+def test_coldstart_line_in_table():
+    meta, rows = _rows()
+    rows.append(dict(meta, suite="coldstart", provider="flashtriton", status="ok",
+                     empty_cache_s=41.26, second_process_s=2.04))
+    md = bench.markdown(rows, ["flashtriton"], meta)
+    assert "41.3 s with an empty Triton cache" in md and "2.0 s in a second process" in md
