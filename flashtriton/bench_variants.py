@@ -4,6 +4,7 @@
 
 Variants (bf16, batch * seqlen = 16K tokens, 16 heads of 128): causal sliding window
 of 1024, document masking (documents of 2048 tokens, through mask_mod + a block
+mask), prefix-LM (a 1024-token bidirectional prefix, causal after it; mask_mod + block
 mask), causal + ALiBi, causal + softcap 30. TFLOP/s count only the visible
 (query, key) pairs: 4 * D * pairs forward, 2.5x that backward. flashtriton's
 output is checked against FlexAttention's before its speed is reported.
@@ -22,11 +23,17 @@ from .bench import Shape, _measure, _meta
 
 WINDOW = 1024
 DOC = 2048
+PREFIX = 1024
 
 
 @triton.jit
 def _document_mod(b, h, q_idx, kv_idx):
     return (q_idx // 2048) == (kv_idx // 2048)
+
+
+@triton.jit
+def _prefix_lm_mod(b, h, q_idx, kv_idx):
+    return (kv_idx < 1024) | (q_idx >= kv_idx)
 
 
 def _pairs(name, N):
@@ -35,6 +42,8 @@ def _pairs(name, N):
         return float(torch.clamp(i + 1, max=WINDOW).sum())
     if name == "document":
         return float(N * DOC)
+    if name == "prefix_lm":  # causal pairs plus the prefix's keys above the diagonal
+        return float(N * (N + 1) / 2 + PREFIX * (PREFIX - 1) / 2)
     return float(N * (N + 1) / 2)
 
 
@@ -43,9 +52,11 @@ def _ours(name, B, H, N, device):
     from flashtriton.block_mask import create_block_mask
 
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
-    bm = create_block_mask(_document_mod, None, None, N, N, device) if name == "document" else None
+    mods = {"document": _document_mod, "prefix_lm": _prefix_lm_mod}
+    bm = create_block_mask(mods[name], None, None, N, N, device) if name in mods else None
     opts = {"window": dict(causal=True, window_size=(WINDOW - 1, 0)),
             "document": dict(block_mask=bm),
+            "prefix_lm": dict(block_mask=bm),
             "alibi": dict(causal=True, alibi_slopes=slopes),
             "softcap": dict(causal=True, softcap=30.0)}[name]
 
@@ -73,13 +84,16 @@ def _flex(name, B, H, N, device):
     def document(b, h, q, k):
         return (q // DOC) == (k // DOC)
 
+    def prefix_lm(b, h, q, k):
+        return (k < PREFIX) | (q >= k)
+
     def alibi(score, b, h, q, k):
         return score - slopes[h] * (q - k)
 
     def softcap(score, b, h, q, k):
         return 30.0 * torch.tanh(score / 30.0)
 
-    mask_mod = {"window": window, "document": document}.get(name, causal)
+    mask_mod = {"window": window, "document": document, "prefix_lm": prefix_lm}.get(name, causal)
     score_mod = {"alibi": alibi, "softcap": softcap}.get(name)
     block_mask = create_block_mask(mask_mod, None, None, N, N, device=device)
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -95,7 +109,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--variants", nargs="+", default=["window", "document", "alibi", "softcap"])
+    p.add_argument("--variants", nargs="+",
+                   default=["window", "document", "prefix_lm", "alibi", "softcap"])
     p.add_argument("--out", default="bench_out")
     p.add_argument("--commit", default=None)
     args = p.parse_args(argv)

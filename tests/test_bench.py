@@ -1,5 +1,6 @@
 """The benchmark's pure-Python parts: shapes, FLOP counts and the writers (no GPU needed)."""
 
+import torch
 import csv
 import importlib.util
 
@@ -74,3 +75,16 @@ def test_coldstart_line_in_table():
                      empty_cache_s=41.26, second_process_s=2.04))
     md = bench.markdown(rows, ["flashtriton"], meta)
     assert "41.3 s with an empty Triton cache" in md and "2.0 s in a second process" in md
+
+
+def test_variant_pair_counts(monkeypatch):
+    from flashtriton import bench_variants as bv
+    monkeypatch.setattr(bv, "WINDOW", 8)
+    monkeypatch.setattr(bv, "DOC", 16)
+    monkeypatch.setattr(bv, "PREFIX", 4)
+    N = 64
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    masks = {"window": (i >= j) & (i - j < 8), "document": (i // 16) == (j // 16),
+             "prefix_lm": (j < 4) | (i >= j), "alibi": i >= j, "softcap": i >= j}
+    for name, mask in masks.items():
+        assert bv._pairs(name, N) == int(mask.sum()), name
