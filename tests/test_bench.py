@@ -1,8 +1,9 @@
 """The benchmark's pure-Python parts: shapes, FLOP counts and the writers (no GPU needed)."""
 
-import torch
 import csv
 import importlib.util
+
+import torch
 
 from flashtriton import bench
 
