@@ -210,3 +210,37 @@ def test_compile_fullgraph_aot_eager():
     assert torch.equal(out, ref)
     for a, b in zip(grads, ref_grads):
         assert torch.equal(a, b)
+
+
+def test_eager_shortcut_matches_the_custom_ops(monkeypatch):
+    """Plain eager calls skip the torch.library dispatch; under a dispatch mode the same call
+    goes through the ops. Both must give bitwise the same output and gradients, and the
+    shortcut must really be taken in plain eager mode (and not under a mode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import flashtriton.autograd as ag
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    calls = []
+    real_fwd, real_bwd = ag._attn_fwd, ag._attn_bwd
+    monkeypatch.setattr(ag, "_attn_fwd", lambda *a: calls.append("fwd") or real_fwd(*a))
+    monkeypatch.setattr(ag, "_attn_bwd", lambda *a: calls.append("bwd") or real_bwd(*a))
+    q, k, v = make_qkv(1, 40, 40, 2, 1, 16, torch.float32, DEVICE)
+    dout = torch.randn(1, 40, 2, 16, device=DEVICE)
+    results = []
+    for mode in (None, PassThrough()):
+        calls.clear()
+        if mode is None:
+            out = flash_attention(q, k, v, causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        else:
+            with mode:
+                out = flash_attention(q, k, v, causal=True)
+                grads = torch.autograd.grad(out, (q, k, v), dout)
+        results.append((out, *grads))
+        assert calls == (["fwd", "bwd"] if mode is None else []), calls
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

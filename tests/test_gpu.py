@@ -104,3 +104,29 @@ def test_patch_sdpa_same_result_and_faster_than_fa2():
         ours_ms = triton.testing.do_bench(step, grad_to_none=[x], return_mode="median")
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     assert ours_ms < fa2_ms, (ours_ms, fa2_ms)
+
+
+def test_decode_step_replays_from_a_cuda_graph():
+    """Serving engines capture decoding steps in CUDA graphs: a captured step, replayed after
+    new query values, new cache contents and new lengths are copied into its inputs, must
+    equal an eager call on those inputs (no host-side state baked into the graph)."""
+    from flashtriton.decode import attention_with_kvcache
+    B, N, H, HKV, D = 4, 4096, 32, 8, 128
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([100, 4096, 2000, 3333], dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention_with_kvcache(q, kc, vc, cache_seqlens=lens)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    q.copy_(torch.randn_like(q))
+    kc.copy_(torch.randn_like(kc))
+    lens.copy_(torch.tensor([4096, 1, 777, 2048], dtype=torch.int32))
+    graph.replay()
+    eager = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    torch.testing.assert_close(captured.out, eager.out, atol=0, rtol=0)
+    torch.testing.assert_close(captured.lse, eager.lse, atol=0, rtol=0)
