@@ -42,7 +42,7 @@ _FP32_WIDE = [(32, 32, 4, 2)]
 # 16x16 tiles make even tiny test shapes span several blocks.
 _INTERPRET = (16, 16, 4, 1)
 
-KINDS = ("fwd", "dkdv", "dq", "prep")
+KINDS = ("fwd", "dkdv", "dq")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -75,8 +75,6 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
     if interpret is None:
         interpret = _env.INTERPRET
-    if kind == "prep":
-        return [(16, 16, 4, 1)] if interpret else [(128, 16, 4, 1)]
     if interpret:
         return [_INTERPRET]
     seen, out = set(), []
@@ -96,7 +94,7 @@ def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: 
           elem_bytes: int, max_block: int = 128) -> List[Tuple[int, int, int, int]]:
     """The candidates that suit a call: its head-dim class, small tiles for fp32, and
     tiles no larger than a block mask's blocks (``max_block``)."""
-    if len(configs) <= 1 or kind == "prep":
+    if len(configs) <= 1:
         return configs[:1]
     if elem_bytes >= 4:
         wanted = _FP32_WIDE if head_dim_padded >= 128 else _FP32

@@ -14,8 +14,7 @@ import torch
 import triton
 
 from . import _env, configs
-from .kernels.attn_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,
-                               _attn_bwd_preprocess_kernel)
+from .kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
 from .kernels.attn_fwd import _attn_fwd_kernel
 
 LOG2E = math.log2(math.e)
@@ -292,13 +291,19 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     (mask, *mask_strides), _ = _mask_args(variant)
     stride_lb, stride_lh = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
 
-    # delta = rowsum(dO * O): packed sequences are one long batch element here.
+    # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel
+    # (launched after it on the same stream).
     delta = _empty(lse.shape, torch.float32, lse.device)
-    rows = q.shape[1] if varlen is None else q.shape[0]
-    prep_m = configs.candidates("prep")[0][0]
-    _attn_bwd_preprocess_kernel[(configs.cdiv(rows, prep_m), (B if varlen is None else 1) * H)](
-        out, dout, delta, *_strides(out), *_strides(dout), stride_lb, stride_lh,
-        H, rows, D, BLOCK_D=common["BLOCK_D"], EVEN_D=common["EVEN_D"], BLOCK_M=prep_m,
+    _launch(
+        _dq, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), key,
+        q, k, v, out, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
+        *_block_args(variant.kv_blocks)[:1],
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
+        *_strides(dq),
+        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
+        *_block_args(variant.kv_blocks)[1:],
+        H, H // HKV, SQ, SK,
+        **common,
     )
     _launch(
         _dkdv, lambda meta: (configs.cdiv(SK, meta["BLOCK_N"]), B * HKV), key,
@@ -308,16 +313,6 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.q_blocks)[1:],
         HKV, H // HKV, SQ, SK,
-        **common,
-    )
-    _launch(
-        _dq, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), key,
-        q, k, v, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
-        *_block_args(variant.kv_blocks)[:1],
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
-        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
-        *_block_args(variant.kv_blocks)[1:],
-        H, H // HKV, SQ, SK,
         **common,
     )
     return dq, dk, dv

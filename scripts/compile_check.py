@@ -18,8 +18,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashtriton.kernels.attn_fwd import _attn_fwd_kernel  # noqa: E402
-from flashtriton.kernels.attn_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,  # noqa: E402
-                                          _attn_bwd_preprocess_kernel)
+from flashtriton.kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel  # noqa: E402
 from flashtriton.kernels.decode import _attn_decode_kernel, _attn_merge_kernel  # noqa: E402
 from flashtriton.kernels.block_mask import _block_mask_kernel  # noqa: E402
 
@@ -91,7 +90,7 @@ for kname, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("
         except Exception as e:
             fails += 1
             print(f"FAIL {kname:5s} {vname:15s} {type(e).__name__}: {str(e)[:300]}")
-# decode, merge, preprocess, block mask
+# decode, merge, block mask
 extra = [
     ("decode", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True, HAS_LOWER=False, HAS_UPPER=True,
         HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=True, DOT_PREC="tf32", UPCAST=False,
@@ -99,7 +98,6 @@ extra = [
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", ALIBI="*fp32",
           O_PART="*fp32", LSE_PART="*fp32"), ["qk_scale", "cap2"]),
     ("merge", _attn_merge_kernel, dict(BLOCK_S=8, BLOCK_D=128), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32"), []),
-    ("prep", _attn_bwd_preprocess_kernel, dict(BLOCK_D=128, EVEN_D=True, BLOCK_M=128), dict(O=bf, DO=bf, DELTA="*fp32"), []),
     ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8"), []),
 ]
 for name, fn, consts, ptrs, floats in extra:

@@ -1,10 +1,11 @@
 """Backward kernels: recomputation from Q, K, V, O, dO and LSE only.
 
-  _attn_bwd_preprocess_kernel  delta = rowsum(dO * O), fp32 (B, H, SQ)
+  _attn_bwd_dq_kernel          one program per (query block, batch * head); first
+                               computes delta = rowsum(dO * O) (fp32) of its rows and
+                               stores it for the dK/dV kernel, launched after it
   _attn_bwd_dkdv_kernel        one program per (key block, batch * kv head);
                                loops over the GROUP query heads sharing the kv
                                head, so dK/dV of GQA/MQA are summed in registers
-  _attn_bwd_dq_kernel          one program per (query block, batch * head)
 
 P is rebuilt tile by tile as exp2(s2 - LSE * log2(e)); no N x N buffer exists
 and no atomics are used, so gradients are bitwise repeatable. With softcap,
@@ -20,35 +21,16 @@ from .common import (LOG2E, heavy_first, kv_range, load_tile, q_range, scores, s
 
 
 @triton.jit
-def _attn_bwd_preprocess_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_ot, stride_oh,
-    stride_dob, stride_dot, stride_doh,
-    stride_db, stride_dh,
-    H, SQ,
-    HEAD_DIM, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    off_bh = tl.program_id(1)
-    off_b = (off_bh // H).to(tl.int64)
-    off_h = (off_bh % H).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    r64 = rows.to(tl.int64)[:, None]
-    o = load_tile(O + off_b * stride_ob + off_h * stride_oh + r64 * stride_ot + offs_d[None, :],
-                  rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)
-    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + r64 * stride_dot + offs_d[None, :],
-                   rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)            # [BLOCK_M]
-    tl.store(DELTA + off_b * stride_db + off_h * stride_dh + rows, delta, mask=rows < SQ)
+def _lse2(LSE, rows, SQ):
+    """LSE in the log2 domain (+inf for padding and empty rows, so P = 0)."""
+    lse = tl.load(LSE + rows, mask=rows < SQ, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
 @triton.jit
 def _row_stats(LSE, DELTA, rows, SQ):
-    """LSE in the log2 domain (+inf for padding and empty rows, so P = 0) and delta."""
-    lse = tl.load(LSE + rows, mask=rows < SQ, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    delta = tl.load(DELTA + rows, mask=rows < SQ, other=0.0)
-    return lse2, delta
+    """LSE in the log2 domain and delta."""
+    return _lse2(LSE, rows, SQ), tl.load(DELTA + rows, mask=rows < SQ, other=0.0)
 
 
 @triton.jit
@@ -276,10 +258,11 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K, BMASK,
+    Q, K, V, O, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K, BMASK,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
     stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh,
     stride_lb, stride_lh,
@@ -317,11 +300,14 @@ def _attn_bwd_dq_kernel(
                   rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)      # [BLOCK_M, BLOCK_D]
     do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + r64 * stride_dot + offs_d[None, :],
                    rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)     # [BLOCK_M, BLOCK_D]
+    o = load_tile(O + off_b * stride_ob + off_h * stride_oh + r64 * stride_ot + offs_d[None, :],
+                  rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)      # [BLOCK_M, BLOCK_D]
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)         # rowsum(dO * O)
+    tl.store(DELTA + off_b * stride_lb + off_h * stride_lh + q_off + rows, delta, mask=rows < SQ)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse2, delta = _row_stats(LSE + off_b * stride_lb + off_h * stride_lh + q_off,
-                             DELTA + off_b * stride_lb + off_h * stride_lh + q_off, rows, SQ)
+    lse2 = _lse2(LSE + off_b * stride_lb + off_h * stride_lh + q_off, rows, SQ)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
