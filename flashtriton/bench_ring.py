@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .bench import _meta
+
 H, HKV, D = 32, 8, 128
 
 
@@ -42,7 +44,7 @@ def _time(fn, warmup=3, reps=10):
     return float(t)
 
 
-def _worker(rank, world, init_file, seqlens, out_path):
+def _worker(rank, world, init_file, seqlens, out_path, meta):
     from . import distributed as ring
     from .api import flash_attention
     from .launch import Variant
@@ -77,7 +79,7 @@ def _worker(rank, world, init_file, seqlens, out_path):
         before = torch.cuda.memory_allocated()
         fwd_bwd(the_ring)
         peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-        row = dict(world=world, seqlen=N, heads=H, kv_heads=HKV, D=D,
+        row = dict(meta, world=world, seqlen=N, heads=H, kv_heads=HKV, D=D,
                    ring_fwd_ms=_time(lambda: fwd(the_ring)),
                    ring_fwdbwd_ms=_time(lambda: fwd_bwd(the_ring)),
                    compute_fwd_ms=_time(lambda: fwd(local_ring)),
@@ -181,6 +183,7 @@ def main(argv=None):
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = p.parse_args(argv)
     if args.world < 2:
         raise SystemExit(f"bench_ring needs 2 or more GPUs; this machine has "
@@ -188,12 +191,15 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "ring.jsonl")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args.world, os.path.join(tmp, "init"), args.seqlens, path),
-                 nprocs=args.world, join=True)
+        mp.spawn(_worker, args=(args.world, os.path.join(tmp, "init"), args.seqlens, path,
+                                _meta(args.commit)), nprocs=args.world, join=True)
     rows = [json.loads(line) for line in open(path)]
     best = max(rows, key=lambda r: r["seqlen"])
     table = markdown(rows, best["ring_fwdbwd_TFLOPs_per_gpu"] / best["overlap_fwdbwd"],
                      best["link_GBps"])
+    m = rows[0]
+    table = (f"{m['gpu']} x {args.world}, torch {m['torch']}, triton {m['triton']}, commit "
+             f"{m['commit']}, {m['date']}\n\n" + table)
     with open(os.path.join(args.out, "ring.md"), "w") as f:
         f.write(table + "\n")
     print(table)

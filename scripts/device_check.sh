@@ -31,7 +31,7 @@ has only && FLASHTRITON_AUTOTUNE=0 timeout ${T_ONLY:-120} python3 -m pytest $ONL
 has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_TESTS:-200} python3 -m pytest tests/test_ring.py \
   -k nccl -q -p no:cacheprovider -rf --tb=short > "$OUT/ring_tests.log" 2>&1
 has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_BENCH:-200} python3 -m flashtriton.bench_ring \
-  --out "$OUT/bench" ${RING_ARGS:-} > "$OUT/bench_ring.log" 2>&1
+  --commit "$commit" --out "$OUT/bench" ${RING_ARGS:-} > "$OUT/bench_ring.log" 2>&1
 has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
 has host && timeout ${T_DECODE:-90} python3 scripts/sweep_decode.py > "$OUT/decode_sweep.log" 2>&1
 has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cut -c1-300;
