@@ -5,7 +5,7 @@ import pathlib
 
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, ON_GPU
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "generate_llama.py"
 
@@ -25,3 +25,14 @@ def test_greedy_generation_matches_transformers():
     ours = ex.generate(model, prompt, max_new_tokens=5, page_size=8)
     ref = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(ours, ref)
+
+
+def test_ring_attention_example_matches_the_whole_sequence():
+    import sys
+    sys.path.insert(0, str(EXAMPLE.parent))
+    import ring_attention
+    errors = ring_attention.main(["--world", "2", "--seqlen", "32", "--dim", "32", "--heads", "2"])
+    assert sorted(errors) == [0, 1]
+    tol = 2e-2 if ON_GPU else 1e-4
+    for out_err, grad_err in errors.values():
+        assert out_err < tol and grad_err < tol, errors
