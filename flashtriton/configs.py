@@ -32,17 +32,25 @@ _GPU = {
         128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
         256: [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 32, 4, 2)],
     },
+    # Decoding tiles: BLOCK_M is 0 here, it follows from the packed query rows of the call.
+    "decode": {
+        64: [(0, 64, 4, 3), (0, 128, 4, 3), (0, 64, 4, 4), (0, 128, 8, 3), (0, 32, 4, 4)],
+        128: [(0, 64, 4, 3), (0, 64, 4, 4), (0, 128, 4, 2), (0, 128, 8, 2), (0, 32, 4, 4)],
+        256: [(0, 32, 4, 3), (0, 64, 4, 2), (0, 32, 4, 4), (0, 64, 8, 2)],
+    },
 }
 # fp32 tiles hold twice the bytes: small tiles only. fp32 runs its products on the FMA units
 # (no tf32), which the compiler unrolls: from BLOCK_D 128 up only 32 x 32 tiles (ptxas on the
 # dK/dV kernel with 64 x 32 tiles: 86 s at BLOCK_D 128, 276 s at 256; with 32 x 32: 24 s, 84 s).
 _FP32 = [(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)]
 _FP32_WIDE = [(32, 32, 4, 2)]
+_FP32_DECODE = [(0, 32, 4, 2)]
 # The interpreter runs one config (Triton's autotuner cannot run several there);
 # 16x16 tiles make even tiny test shapes span several blocks.
 _INTERPRET = (16, 16, 4, 1)
+_INTERPRET_DECODE = (0, 16, 4, 1)
 
-KINDS = ("fwd", "dkdv", "dq")
+KINDS = ("fwd", "dkdv", "dq", "decode")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -76,18 +84,24 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
     if interpret is None:
         interpret = _env.INTERPRET
     if interpret:
-        return [_INTERPRET]
+        return [_INTERPRET_DECODE if kind == "decode" else _INTERPRET]
+    fp32 = _FP32_DECODE if kind == "decode" else _FP32
     seen, out = set(), []
     for cfgs in _GPU[kind].values():
-        for c in cfgs + _FP32:
+        for c in cfgs + fp32:
             if c not in seen:
                 seen.add(c)
                 out.append(c)
     if not _env.AUTOTUNE:
         # One default per head-dim class and the fp32 tiles (also the fallback for block
         # masks of 32); prune() picks.
-        out = [cfgs[0] for cfgs in _GPU[kind].values()] + _FP32
+        out = [cfgs[0] for cfgs in _GPU[kind].values()] + fp32
     return out
+
+
+def decode_split_granule(interpret: bool = None) -> int:
+    """Decoding splits are multiples of every candidate BLOCK_N."""
+    return max(c[1] for c in candidates("decode", interpret))
 
 
 def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: int,
@@ -96,7 +110,9 @@ def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: 
     tiles no larger than a block mask's blocks (``max_block``)."""
     if len(configs) <= 1:
         return configs[:1]
-    if elem_bytes >= 4:
+    if elem_bytes >= 4 and kind == "decode":
+        wanted = _FP32_DECODE
+    elif elem_bytes >= 4:
         wanted = _FP32_WIDE if head_dim_padded >= 128 else _FP32
     else:
         wanted = _GPU[kind][_dim_class(head_dim_padded)]
@@ -108,5 +124,6 @@ def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: 
 
 
 def as_kwargs(cfg: Tuple[int, int, int, int]) -> Dict[str, int]:
+    """The tile sizes of a config (decoding configs have no BLOCK_M: the call sets it)."""
     bm, bn, _, _ = cfg
-    return {"BLOCK_M": bm, "BLOCK_N": bn}
+    return {"BLOCK_N": bn} if bm == 0 else {"BLOCK_M": bm, "BLOCK_N": bn}

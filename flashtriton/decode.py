@@ -11,10 +11,10 @@ from typing import Optional, Tuple, Union
 import torch
 import triton
 
-from . import _env, configs
+from . import _env, configs, launch
 from .api import AttentionOutput, _check_alibi, _check_scale, _check_softcap, _check_window, \
     _describe, check_qkv
-from .kernels.decode import _attn_decode_kernel, _attn_merge_kernel
+from .kernels.decode import _attn_merge_kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,15 +183,21 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return AttentionOutput(out, lse)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    block_n = 16 if _env.INTERPRET else 64
-    splits = _splits(num_splits, B, HKV, capacity, block_n, q.device)
-    split_size = configs.cdiv(configs.cdiv(capacity, splits), block_n) * block_n
+    granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
+    splits = _splits(num_splits, B, HKV, capacity, granule, q.device)
+    split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
     o_part = torch.empty((splits, B, H, SQ, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits, B, H, SQ), dtype=torch.float32, device=q.device)
     block_m = max(16, configs.next_pow2((H // HKV) * SQ))
     bd = configs.block_d(D)
     has_softcap = softcap > 0
-    _attn_decode_kernel[(splits, B * HKV)](
+    flags = dict(BLOCK_D=bd, EVEN_D=bd == D, PAGED=paged, HAS_LOWER=left >= 0,
+                 HAS_UPPER=right >= 0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
+                 HAS_BATCH_IDX=cache_batch_idx is not None,
+                 HAS_LEFTPAD=cache_leftpad is not None, BLOCK_M=block_m)
+    key = (q.dtype, configs.bucket(split_size), *flags.values())
+    launch._launch(
+        launch._decode, (splits, B * HKV), key,
         q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi, o_part,
         lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -201,13 +207,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *o_part.stride()[:4], *lse_part.stride()[:3],
         HKV, H // HKV, SQ, D, left, right,
         scale * (1.0 / softcap if has_softcap else math.log2(math.e)), softcap * math.log2(math.e),
-        split_size, k_cache.shape[1] if paged else 1,
-        BLOCK_D=bd, EVEN_D=bd == D, PAGED=paged, HAS_LOWER=left >= 0, HAS_UPPER=right >= 0,
-        HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+        split_size, k_cache.shape[1] if paged else 1, configs.bucket(split_size),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1 if _env.INTERPRET else 3,
+        UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags,
     )
     merge_partials(o_part, lse_part, out, lse)
     return AttentionOutput(out, lse)

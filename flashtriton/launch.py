@@ -16,24 +16,29 @@ import triton
 from . import _env, configs
 from .kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
 from .kernels.attn_fwd import _attn_fwd_kernel
+from .kernels.decode import _attn_decode_kernel
 
 LOG2E = math.log2(math.e)
 _KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_VARLEN", "HAS_LOWER", "HAS_UPPER", "HAS_SOFTCAP",
         "HAS_ALIBI", "MASK_KIND", "HAS_DROPOUT", "HAS_BLOCK_MASK", "SPARSE"]
 
 
-def _autotuned(kind: str, kernel):
+_DECODE_KEY = ["SPLIT_BUCKET", "BLOCK_M", "BLOCK_D", "PAGED", "HAS_LOWER", "HAS_UPPER",
+               "HAS_SOFTCAP", "HAS_ALIBI", "HAS_BATCH_IDX", "HAS_LEFTPAD"]
+
+
+def _autotuned(kind: str, kernel, key=_KEY):
     cands = configs.candidates(kind)
 
     def early_prune(cfgs, named_args, **kwargs):
         keep = configs.prune(kind, [_cfg_tuple(c) for c in cfgs], kwargs["BLOCK_D"],
-                             named_args["Q"].element_size(), kwargs["SPARSE"])
+                             named_args["Q"].element_size(), kwargs.get("SPARSE", 128))
         return [c for c in cfgs if _cfg_tuple(c) in keep]
 
     return triton.autotune(
         configs=[triton.Config(configs.as_kwargs(c), num_warps=c[2], num_stages=c[3])
                  for c in cands],
-        key=_KEY,
+        key=key,
         prune_configs_by={"early_config_prune": early_prune},
         cache_results=True,
     )(kernel)
@@ -67,12 +72,13 @@ def _launch(kernel, grid, tuning_key, *args, **kwargs):
 
 
 def _cfg_tuple(cfg) -> Tuple[int, int, int, int]:
-    return (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
+    return (cfg.kwargs.get("BLOCK_M", 0), cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
 
 
 _fwd = _autotuned("fwd", _attn_fwd_kernel)
 _dkdv = _autotuned("dkdv", _attn_bwd_dkdv_kernel)
 _dq = _autotuned("dq", _attn_bwd_dq_kernel)
+_decode = _autotuned("decode", _attn_decode_kernel, _DECODE_KEY)
 
 
 def _empty_like(x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@
 
 Triton's wheel carries ptxas, so this catches compile errors that the interpreter cannot see
 (types that only the compiler checks, shared memory over the limit) and reports the shared
-memory of each kernel and whether its matrix products use Hopper's wgmma. CI runs it.
+memory of each kernel, whether its matrix products use Hopper's wgmma and whether its loads
+are pipelined (asynchronous copies), with the alignment the launcher sees at runtime. CI runs it.
 """
 import os
 import sys
@@ -47,11 +48,24 @@ def sig_for(fn, consts, ptr_dtypes):
             sig[name] = "i32"
     return sig
 
+def runtime_attrs(fn, sig):
+    """What Triton's launcher derives from typical arguments: 16-byte aligned pointers and
+    strides divisible by 16. Without it the compiler cannot use asynchronous copies, does not
+    pipeline the loads, and the shared memory reported here would not be the runtime's."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if sig[name].startswith("*") or name.startswith("stride")}
+
+
+def source(fn, sig, consts):
+    return ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                     attrs=runtime_attrs(fn, sig))
+
+
 def compile_one(fn, consts, ptrs, floats=()):
     sig = sig_for(fn, consts, ptrs)
     for f in floats:
         sig[f] = "fp32"
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    src = source(fn, sig, consts)
     k = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
     return k
 
@@ -83,10 +97,11 @@ for kname, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("
             k = compile_one(fn, consts, {p: t for p, t in base_ptr.items() if p in fn.arg_names},
                             floats=[a for a in ("qk_scale", "cap2", "sm_scale", "dropout_p") if a in fn.arg_names])
             ptx = k.asm["ptx"]
-            ok = "wgmma" in ptx and ".local" not in ptx
+            ok = "wgmma" in ptx and ".local" not in ptx and "cp.async" in ptx
             fails += not ok
             print(f"{'ok  ' if ok else 'FAIL'} {kname:5s} {vname:15s} shared={k.metadata.shared} "
-                  f"wgmma={'wgmma' in ptx} local_memory={'.local' in ptx}")
+                  f"wgmma={'wgmma' in ptx} pipelined={'cp.async' in ptx} "
+                  f"local_memory={'.local' in ptx}")
         except Exception as e:
             fails += 1
             print(f"FAIL {kname:5s} {vname:15s} {type(e).__name__}: {str(e)[:300]}")
@@ -100,6 +115,25 @@ extra = [
     ("merge", _attn_merge_kernel, dict(BLOCK_S=8, BLOCK_D=128), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32"), []),
     ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8"), []),
 ]
+# every decoding tile the autotuner may try, at each head-dim class
+from flashtriton import configs  # noqa: E402
+for bd, cfgs in configs._GPU["decode"].items():
+    for _, bn, warps, stages in cfgs:
+        consts = dict(extra[0][2], BLOCK_D=bd, BLOCK_N=bn)
+        sig = sig_for(_attn_decode_kernel, consts, extra[0][3])
+        for f in extra[0][4]:
+            sig[f] = "fp32"
+        src = source(_attn_decode_kernel, sig, consts)
+        try:
+            k = triton.compile(src, target=target, options={"num_warps": warps,
+                                                            "num_stages": stages})
+            ok = k.metadata.shared <= 227 * 1024 and ".local" not in k.asm["ptx"]
+            fails += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} decode D{bd} BLOCK_N={bn} warps={warps} "
+                  f"stages={stages} shared={k.metadata.shared}")
+        except Exception as e:
+            fails += 1
+            print(f"FAIL decode D{bd} {bn}/{warps}/{stages} {type(e).__name__}: {str(e)[:200]}")
 for name, fn, consts, ptrs, floats in extra:
     try:
         k = compile_one(fn, consts, ptrs, floats)

@@ -66,3 +66,17 @@ def test_host_arithmetic_matches_triton():
             assert configs.cdiv(a, b) == triton.cdiv(a, b)
     for n in range(1, 1100, 13):
         assert configs.next_pow2(n) == triton.next_power_of_2(n)
+
+
+def test_decode_candidates(monkeypatch):
+    monkeypatch.setattr(configs._env, "AUTOTUNE", True)
+    cands = configs.candidates("decode", interpret=False)
+    assert all(c[0] == 0 for c in cands)  # BLOCK_M comes from the call
+    for bd in (64, 128, 256):
+        assert configs.prune("decode", cands, bd, 2) == configs._GPU["decode"][bd]
+        assert configs.prune("decode", cands, bd, 4) == configs._FP32_DECODE
+    granule = configs.decode_split_granule(interpret=False)
+    assert all(granule % c[1] == 0 for c in cands) and granule == 128
+    assert configs.decode_split_granule(interpret=True) == 16
+    assert configs.as_kwargs((0, 64, 4, 3)) == {"BLOCK_N": 64}
+    assert configs.as_kwargs((128, 64, 4, 3)) == {"BLOCK_M": 128, "BLOCK_N": 64}

@@ -28,6 +28,7 @@ def _attn_decode_kernel(
     stride_os, stride_ob, stride_oh, stride_ot,
     stride_ls, stride_lb, stride_lh,
     HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE, PAGE_SIZE,
+    SPLIT_BUCKET,  # autotuning key only
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
