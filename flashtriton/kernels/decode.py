@@ -74,11 +74,18 @@ def _attn_decode_kernel(
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if PAGED:  # page of each key of the first tile; the loop loads the next tile's ahead
+        table = BLOCK_TABLE + off_b.to(tl.int64) * stride_bt
+        next_page = tl.load(table + (lo + offs_n) // PAGE_SIZE, mask=lo + offs_n < SK,
+                            other=0).to(tl.int64)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N] cache positions
         if PAGED:
-            page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_bt + cols // PAGE_SIZE,
-                           mask=cols < SK, other=0).to(tl.int64)
+            # K/V addresses from a loop-carried value, not from a load in the same iteration:
+            # the compiler can then pipeline the K/V loads as deep as the contiguous case.
+            page = next_page
+            ahead = cols + BLOCK_N
+            next_page = tl.load(table + ahead // PAGE_SIZE, mask=ahead < SK, other=0).to(tl.int64)
             k_rows = page * stride_kb + (cols % PAGE_SIZE).to(tl.int64) * stride_kt
             v_rows = page * stride_vb + (cols % PAGE_SIZE).to(tl.int64) * stride_vt
         else:
