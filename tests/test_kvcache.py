@@ -40,7 +40,11 @@ def _reference(q, k_full, v_full, lens, causal, **opts):
             cat(1, lambda r: r.lse))
 
 
-@pytest.mark.parametrize("paged", [0, 8, 32], ids=["contiguous", "page8", "page32"])
+# Page sizes 8-256 (the CPU's 96-token caches cannot hold a 256-token page; the GPU's can).
+PAGES = [0, 8, 32] + ([256] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("paged", PAGES, ids=lambda p: f"page{p}" if p else "contiguous")
 @pytest.mark.parametrize("sq,causal", [(1, False), (4, True), (3, False)],
                          ids=["decode", "spec4-causal", "chunk3"])
 def test_kvcache_matches_reference(paged, sq, causal):
