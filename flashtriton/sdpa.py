@@ -49,10 +49,6 @@ def _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) ->
     HK = key.shape[1]
     if HK != H and not (enable_gqa and HK > 0 and H % HK == 0):
         return False
-    # torch aligns is_causal to the top-left corner; the kernels align to the
-    # bottom-right. The two agree only for square masks.
-    if is_causal and L != key.shape[2]:
-        return False
     if attn_mask is not None and (is_causal or not _mask_routable(attn_mask, query, key)):
         return False
     return True
@@ -69,16 +65,18 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     TRITON_INTERPRET=1), key and value of one shape with query's batch and
     head dim (<= 256), heads equal (or a multiple with ``enable_gqa=True``),
     ``0 <= dropout_p < 1`` (the kernels' own RNG: statistically torch's dropout,
-    not its exact mask), if ``is_causal`` a square score matrix (torch aligns a
-    non-square causal mask to the top-left, the kernels to the bottom-right),
-    and ``attn_mask`` None or a mask the kernels read tile by tile in place:
+    not its exact mask), and ``attn_mask`` None or a mask the kernels read tile by tile in place:
     boolean (True = attend) or additive in query's dtype, broadcastable to
     (batch, heads, L, S) -- (L, S), (batch, 1, L, S), ... -- and not requiring
     grad. A row that the mask empties gives 0, as torch's math path does.
 
+    ``is_causal`` follows torch: query i sees keys j <= i (top-left aligned), also when
+    L != S (the kernels' causal mask is bottom-right aligned, flash-attn's rule: for L < S
+    the keys past L are invisible and are dropped; for L > S the queries past S see every
+    key and run without the mask).
+
     Everything else falls back to ``torch.nn.functional.scaled_dot_product_attention``
     with the same arguments, so behaviour matches torch's, errors included.
-    Top-left causal masks (non-square ``is_causal``) are not in the kernels yet.
     """
     if not _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         kwargs = {"enable_gqa": True} if enable_gqa else {}
@@ -86,10 +84,20 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                            is_causal=is_causal, scale=scale, **kwargs)
     if attn_mask is not None:  # a broadcast view: no (B, H, L, S) copy
         attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-    out = _run(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal,
-               scale, dropout_p=dropout_p, names=("query", "key", "value"),
-               attn_mask=attn_mask).out
-    return out.transpose(1, 2)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    L, S = q.shape[1], k.shape[1]
+    if is_causal and L < S:  # top-left: keys >= L are seen by no query
+        k, v = k[:, :L], v[:, :L]
+    if is_causal and L > S:  # top-left: queries >= S see every key
+        parts = [_sdpa_run(q[:, :S], k, v, True, scale, dropout_p),
+                 _sdpa_run(q[:, S:], k, v, False, scale, dropout_p)]
+        return torch.cat(parts, dim=1).transpose(1, 2)
+    return _sdpa_run(q, k, v, is_causal, scale, dropout_p, attn_mask).transpose(1, 2)
+
+
+def _sdpa_run(q, k, v, causal, scale, dropout_p, attn_mask=None):
+    return _run(q, k, v, causal, scale, dropout_p=dropout_p, names=("query", "key", "value"),
+                attn_mask=attn_mask).out
 
 
 class _SDPAPatch:

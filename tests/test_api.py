@@ -125,17 +125,20 @@ def test_flash_attn_packed_bad_shapes():
 
 # SDPA drop-in -------------------------------------------------------------
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sdpa_routes_to_kernels(causal, monkeypatch):
+@pytest.mark.parametrize("causal,L,S", [(False, 23, 23), (True, 23, 23), (True, 9, 23),
+                                        (True, 23, 9)],
+                         ids=["full", "causal", "causal-top-left-short-q", "causal-top-left-long-q"])
+def test_sdpa_routes_to_kernels(causal, L, S, monkeypatch):
+    """Including non-square is_causal: torch's top-left alignment, from the kernels."""
     import flashtriton.sdpa as sdpa_mod
     calls = []
     monkeypatch.setattr(sdpa_mod, "_TORCH_SDPA", lambda *a, **k: calls.append(1))
-    q = _t(2, 4, 23, 32, dtype=torch.float32).requires_grad_()
-    k = _t(2, 2, 23, 32, dtype=torch.float32).requires_grad_()
-    v = _t(2, 2, 23, 32, dtype=torch.float32).requires_grad_()
+    q = _t(2, 4, L, 32, dtype=torch.float32).requires_grad_()
+    k = _t(2, 2, S, 32, dtype=torch.float32).requires_grad_()
+    v = _t(2, 2, S, 32, dtype=torch.float32).requires_grad_()
     out = sdpa_mod.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.2,
                                                 enable_gqa=True)
-    assert not calls and out.shape == (2, 4, 23, 32)
+    assert not calls and out.shape == (2, 4, L, 32)
     monkeypatch.undo()
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.2, enable_gqa=True)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -145,8 +148,7 @@ def test_sdpa_routes_to_kernels(causal, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["mask-with-causal", "mask-requires-grad", "causal-nonsquare",
-                                  "gqa-without-flag"])
+@pytest.mark.parametrize("case", ["mask-with-causal", "mask-requires-grad", "gqa-without-flag"])
 def test_sdpa_falls_back_to_torch(case):
     q, k, v = _t(1, 2, 5, 16, dtype=torch.float32), _t(1, 2, 7, 16, dtype=torch.float32), _t(1, 2, 7, 16, dtype=torch.float32)
     kwargs = {}
@@ -155,8 +157,6 @@ def test_sdpa_falls_back_to_torch(case):
         kwargs.update(is_causal=True, attn_mask=torch.rand(7, 7, device=DEVICE) > 0.5)
     if case == "mask-requires-grad":
         kwargs["attn_mask"] = torch.randn(5, 7, device=DEVICE, requires_grad=True)
-    elif case == "causal-nonsquare":
-        kwargs["is_causal"] = True  # torch aligns top-left: must be torch's answer
     elif case == "gqa-without-flag":
         q = _t(1, 4, 5, 16, dtype=torch.float32)
         with pytest.raises(RuntimeError):
