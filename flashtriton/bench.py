@@ -450,7 +450,8 @@ def _progress(items):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--providers", nargs="+", default=["flashtriton", "sdpa_cudnn", "flex",
-                                                      "sdpa_flash", "flash_attn", "naive"],
+                                                      "sdpa_flash", "sdpa_efficient",
+                                                      "flash_attn", "naive"],
                    choices=list(PROVIDERS))
     p.add_argument("--suites", nargs="+", default=["train", "gqa", "overhead", "coldstart",
                                                    "decode"],
