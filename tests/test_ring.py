@@ -153,3 +153,43 @@ def test_bench_ring_estimate_and_table():
                peak_extra_MiB_per_rank=300.0)
     table = bench_ring.markdown([row], 376.0, 250.0)
     assert "| 2 | 32768 | 2.00 | 7.00 |" in table and "| 1048576 |" in table
+
+
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+def test_plan_covers_every_visible_pair_once(layout):
+    """For every rank, step and mask, the planned launches (with the kernels' mask rule:
+    query i sees key j iff i + d - left <= j <= i + d + right, d = SK - SQ + diag_offset,
+    a bound of -1 absent) cover each (query, key) pair the global mask allows exactly once
+    and nothing else."""
+    n = 8
+    windows = [(-1, -1), (-1, 0), (3, 0), (0, 0), (5, 2), (-1, 4), (12, -1), (1, 9)]
+    for world in (1, 2, 3, 4):
+        N = n * world
+        pos = [ring.positions(n, r, world, layout) for r in range(world)]
+        for left, right in windows:
+            i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+            allowed = torch.ones(N, N, dtype=torch.bool)
+            if left >= 0:
+                allowed &= j >= i - left
+            if right >= 0:
+                allowed &= j <= i + right
+            covered = torch.zeros(N, N, dtype=torch.int64)
+            for r in range(world):
+                q_segs = ring._segments(r, world, n, layout)
+                for src in range(world):
+                    k_segs = ring._segments(src, world, n, layout)
+                    for blk in ring._plan(q_segs, k_segs, ring.Variant(1.0), left, right):
+                        qi = torch.arange(n)[blk.q]
+                        kj = torch.arange(n)[blk.k]
+                        v = blk.variant
+                        a, b = qi[:, None] - qi[0], kj[None, :] - kj[0]  # rows within the launch
+                        d = len(kj) - len(qi) + v.diag_offset
+                        seen = torch.ones(len(qi), len(kj), dtype=torch.bool)
+                        if v.window_left >= 0:
+                            seen &= b >= a + d - v.window_left
+                        if v.window_right >= 0:
+                            seen &= b <= a + d + v.window_right
+                        gq, gk = pos[r][qi], pos[src][kj]
+                        covered[gq[:, None].expand_as(seen)[seen],
+                                gk[None, :].expand_as(seen)[seen]] += 1
+            assert torch.equal(covered, allowed.long()), (world, layout, left, right)
