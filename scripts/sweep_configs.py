@@ -14,10 +14,9 @@ import json
 import sys
 
 import torch
-import torch.nn.functional as F
 import triton
 
-from flashtriton import flash_attention, launch
+from flashtriton import bench, flash_attention, launch
 
 ORIGINAL = {"fwd": launch._fwd, "dkdv": launch._dkdv, "dq": launch._dq}
 KERNELS = {"fwd": "_fwd", "dkdv": "_dkdv", "dq": "_dq"}
@@ -31,10 +30,9 @@ def use_config(kind, cfg):
 
 
 def sdpa(q, k, v, causal, backend):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(getattr(SDPBackend, backend)):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                              v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+    """SDPA with one backend, on this script's (B, N, H, D) tensors."""
+    return bench._sdpa(backend)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                causal).transpose(1, 2)
 
 
 def main():

@@ -1,6 +1,7 @@
 """Small torch modules that use flashtriton, shared by the tests."""
 
 import torch
+import torch.nn.functional as F
 
 from flashtriton import flash_attention
 
@@ -25,3 +26,18 @@ class AttentionBlock(torch.nn.Module):
         o = flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True,
                             alibi_slopes=self.alibi_slopes, **self.options)
         return self.proj(o.reshape(B, T, C))
+
+
+class SdpaBlock(torch.nn.Module):
+    """A plain torch causal block that calls F.scaled_dot_product_attention (looked up at call
+    time, so patch_sdpa() reaches it); returns (batch, heads, seqlen, headdim)."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -5,12 +5,11 @@ Skipped on machines without one; the device run executes them (README, Testing).
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from accuracy import check_against_reference, make_qkv
 from conftest import ON_GPU
 from flashtriton import flash_attention, flash_attention_with_lse
-from modules import AttentionBlock
+from modules import AttentionBlock, SdpaBlock
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
@@ -80,20 +79,6 @@ def test_torch_compile_reduce_overhead_inference():
             torch.testing.assert_close(out, model(x), atol=2e-2, rtol=2e-2)
 
 
-class _SdpaBlock(torch.nn.Module):
-    """A causal self-attention block written against torch's SDPA."""
-
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-
-
 def test_patch_sdpa_same_result_and_faster_than_fa2():
     """patch_sdpa() routes a model's SDPA calls to flashtriton: the same result as torch, and a
     faster training step than torch's flash backend (FA2) at seqlen 4K (cuDNN is faster than
@@ -102,7 +87,7 @@ def test_patch_sdpa_same_result_and_faster_than_fa2():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashtriton
-    model = _SdpaBlock(2048, 16).cuda().to(torch.bfloat16)
+    model = SdpaBlock(2048, 16).cuda().to(torch.bfloat16)
     x = torch.randn(4, 4096, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def step():

@@ -10,26 +10,12 @@ import flashtriton.sdpa as sdpa_mod
 from accuracy import assert_rule
 from conftest import DEVICE
 from flashtriton.reference import attention_reference
-from modules import AttentionBlock
-
-
-class _Attn(torch.nn.Module):
-    """A plain torch block that calls F.scaled_dot_product_attention (looked up at call time)."""
-
-    def __init__(self, dim=64, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+from modules import AttentionBlock, SdpaBlock
 
 
 def test_patch_sdpa_routes_and_restores(monkeypatch):
     original = F.scaled_dot_product_attention
-    model = _Attn().to(DEVICE)
+    model = SdpaBlock().to(DEVICE)
     x = torch.randn(2, 21, 64, device=DEVICE)
     expected = model(x)
     calls = []
@@ -79,7 +65,7 @@ def test_ops_have_their_own_names_in_profiler_traces():
 
 def test_patched_model_matches_reference():
     torch.manual_seed(0)
-    model = _Attn().to(DEVICE).to(torch.bfloat16)
+    model = SdpaBlock().to(DEVICE).to(torch.bfloat16)
     x = torch.randn(2, 33, 64, device=DEVICE, dtype=torch.bfloat16)
     with flashtriton.patch_sdpa():
         got = model(x)
