@@ -90,6 +90,9 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     args = p.parse_args(argv)
+    if torch.cuda.is_available() and torch.cuda.device_count() < args.world:
+        raise SystemExit(f"--world {args.world} needs {args.world} GPUs (one per rank, NCCL); "
+                         f"this machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(run, args=(args.world, os.path.join(tmp, "init"), args, results),

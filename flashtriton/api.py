@@ -316,7 +316,8 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 flash_attention.__doc__ = """Exact softmax attention, out = softmax(q k^T * softmax_scale) v, differentiable.
 """ + _OPTIONS_DOC + """
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), dtype of q, contiguous.
+        out: (batch, seqlen_q, nheads, headdim), dtype of q, in q's memory layout when q is
+            dense (e.g. a transposed (batch, nheads, seqlen, headdim) tensor), else contiguous.
 
     Any strides are accepted (e.g. views of a packed qkv tensor); only a
     non-unit stride on headdim is copied. headdim 1..256. S and P are never

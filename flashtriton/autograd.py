@@ -61,7 +61,7 @@ def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
         lse_shape = (B, H, SQ)
     else:
         lse_shape = (q.shape[1], q.shape[0])
-    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+    return launch.output_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -84,7 +84,7 @@ attn_bwd = torch.library.custom_op("flashtriton::attn_bwd", _attn_bwd, mutates_a
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return launch.output_like(q), launch.output_like(k), launch.output_like(v)
 
 
 def _plain_eager(q: Tensor) -> bool:

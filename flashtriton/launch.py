@@ -81,9 +81,20 @@ _dq = _autotuned("dq", _attn_bwd_dq_kernel)
 _decode = _autotuned("decode", _attn_decode_kernel, _DECODE_KEY)
 
 
+def output_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of x's shape and dtype, in x's memory layout when x is dense
+    (an output or gradient then has the layout of its input: SDPA's (B, H, N, D) tensors get
+    (B, H, N, D) gradients, which autograd accumulates without a copy), else contiguous.
+    The custom ops' fake implementations use it too, so traced strides match real ones."""
+    out = torch.empty_like(x)
+    if out.stride(-1) != 1:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out
+
+
 def _empty_like(x: torch.Tensor) -> torch.Tensor:
     """Every output buffer comes from here (tests poison it with NaN)."""
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return output_like(x)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -284,7 +295,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, variant: Variant,
                        varlen: Optional[Varlen] = None
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV in the dtypes and shapes of q, k, v (contiguous)."""
+    """dQ, dK, dV in the dtypes, shapes and (dense) layouts of q, k, v."""
     B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     if dq.numel() == 0 or dk.numel() == 0 or SK == 0:

@@ -49,7 +49,7 @@ def main():
     args = p.parse_args()
     configs = list(itertools.product(args.block_m, args.block_n, args.warps, args.stages))
     bench = dict(warmup=25, rep=100, return_mode="median")
-    for D, N, causal in itertools.product(args.dims, args.seqlens, args.causal):
+    for D, N, causal in itertools.product(args.dims, args.seqlens, map(bool, args.causal)):
         B, H = 16384 // N, 2048 // D
         q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))

@@ -89,6 +89,22 @@ def test_strided_views(causal):
                             q, k, v, causal)
 
 
+def test_outputs_and_grads_keep_the_input_layout():
+    # SDPA's (B, H, T, D) tensors seen as (B, T, H, D): out, dq, dk, dv come back in that
+    # memory layout (else autograd copies every gradient into the leaf's layout).
+    q, k, v = (torch.randn(2, 3, 19, 32, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+               .requires_grad_() for _ in range(3))
+    out = flash_attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert out.stride() == q.stride()
+    assert [g.stride() for g in grads] == [x.stride() for x in (q, k, v)]
+    check_against_reference(lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=True)),
+                            q, k, v, True)
+    # A packed view (not dense) gets contiguous outputs.
+    _, q, k, v = _packed(1, 9, 2, 16, torch.float16)
+    assert flash_attention(q, k, v).is_contiguous()
+
+
 def test_packed_qkv_grad_lands_in_the_pack():
     qkv, q, k, v = _packed(1, 20, 2, 32, torch.float32)
     out = flash_attention(q, k, v)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from accuracy import assert_rule
-from conftest import ON_GPU
+from conftest import DEVICE, ON_GPU
 from flashtriton import distributed as ring
 from flashtriton.reference import attention_reference
 
@@ -132,7 +132,7 @@ def test_plan_skips_and_merges():
 
 
 def test_errors_without_process_group():
-    q = torch.randn(1, 8, 2, 16)
+    q = torch.randn(1, 8, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="init_process_group"):
         ring.ring_attention(q, q, q)
     with pytest.raises(ValueError, match="dropout"):
