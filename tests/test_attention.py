@@ -48,12 +48,16 @@ def test_matches_reference(shape, causal, dtype):
         lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=causal)), q, k, v, causal)
 
 
-@pytest.mark.parametrize("scale", [0.0, 0.05, 1.7])
-def test_softmax_scale(scale):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("scale", [0.0, 0.05, 1.7, -0.4])
+def test_softmax_scale(scale, causal):
+    # A negative scale is legal (flash-attn accepts it): the row maximum of the scaled scores
+    # is then the scale times the row minimum of q k^T.
     q, k, v = make_qkv(1, 24, 40, 2, 2, 32, torch.float16, DEVICE)
     check_against_reference(
-        lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=True, softmax_scale=scale)),
-        q, k, v, True, softmax_scale=scale)
+        lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=causal,
+                                                       softmax_scale=scale)),
+        q, k, v, causal, softmax_scale=scale)
 
 
 def test_rows_without_keys_are_zero_with_finite_grads():

@@ -26,6 +26,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows
                     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
                     SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
                     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+    PLAIN: tl.constexpr = (not HAS_SOFTCAP and not HAS_ALIBI and SCORE_MOD is None
+                           and MASK_KIND == 0 and MASK_MOD is None)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
         k = load_tile(k_base + cols.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
@@ -36,17 +38,24 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
-        s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
-        if SCORE_MOD is not None:  # natural-log score in (qk_scale is the plain scale), log2 out
-            s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
-        s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
-        if MASK_MOD is not None:
-            s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
-        if MASK:
-            s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
-                         float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))                         # [BLOCK_M]
-        p = tl.math.exp2(s - m_new[:, None])                         # [BLOCK_M, BLOCK_N]
+        if PLAIN and not MASK:
+            # Plain scores, no mask: the scale (>= 0 here) goes into the row max and into one
+            # FMA per score, instead of a multiply and a subtract.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)       # [BLOCK_M]
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])         # [BLOCK_M, BLOCK_N]
+        else:
+            s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
+            if SCORE_MOD is not None:  # natural-log score in (qk_scale: the plain scale), log2 out
+                s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
+            s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
+            if MASK_MOD is not None:
+                s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s,
+                             float("-inf"))
+            if MASK:
+                s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
+                             float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))                     # [BLOCK_M]
+            p = tl.math.exp2(s - m_new[:, None])                     # [BLOCK_M, BLOCK_N]
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:  # after the denominator: dropout acts on the normalised P
@@ -101,6 +110,9 @@ def _attn_fwd_kernel(
     q = load_tile(q_ptrs, rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
+    # A negative scale moves onto q (negation is exact): the loops see qk_scale >= 0.
+    q = tl.where(qk_scale < 0, -q, q)
+    qk_scale = tl.abs(qk_scale)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
