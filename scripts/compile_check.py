@@ -105,6 +105,33 @@ for kname, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("
         except Exception as e:
             fails += 1
             print(f"FAIL {kname:5s} {vname:15s} {type(e).__name__}: {str(e)[:300]}")
+# every bf16 training tile the autotuner may try, at each head-dim class (causal variant):
+# a tile that spills to local memory or overflows shared memory is a wasted candidate. Tiles
+# whose products have fewer than 64 rows per warpgroup compile to mma.sync, not wgmma:
+# reported, not failed (the autotuner decides whether they win).
+from flashtriton import configs  # noqa: E402
+for kname, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("dq", _attn_bwd_dq_kernel)):
+    for bd, cfgs in configs._GPU[kname].items():
+        for bm, bn, warps, stages in cfgs:
+            consts = dict(defaults, HAS_UPPER=True, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn)
+            consts = {k: c for k, c in consts.items() if k in fn.arg_names}
+            sig = sig_for(fn, consts, {p: t for p, t in base_ptr.items() if p in fn.arg_names})
+            for f in ("qk_scale", "cap2", "sm_scale", "dropout_p"):
+                if f in fn.arg_names:
+                    sig[f] = "fp32"
+            try:
+                k = triton.compile(source(fn, sig, consts), target=target,
+                                   options={"num_warps": warps, "num_stages": stages})
+                ptx = k.asm["ptx"]
+                ok = k.metadata.shared <= 227 * 1024 and ".local" not in ptx
+                fails += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} {kname:5s} D{bd} tile {bm}x{bn} warps={warps} "
+                      f"stages={stages} shared={k.metadata.shared} local_memory={'.local' in ptx} "
+                      f"{'wgmma' if 'wgmma' in ptx else 'mma.sync'}", flush=True)
+            except Exception as e:
+                fails += 1
+                print(f"FAIL {kname:5s} D{bd} {bm}x{bn}/{warps}/{stages} {type(e).__name__}: "
+                      f"{str(e)[:200]}")
 # decode, merge, block mask
 extra = [
     ("decode", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True, HAS_LOWER=False, HAS_UPPER=True,
@@ -116,7 +143,6 @@ extra = [
     ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8"), []),
 ]
 # every decoding tile the autotuner may try, at each head-dim class
-from flashtriton import configs  # noqa: E402
 for bd, cfgs in configs._GPU["decode"].items():
     for _, bn, warps, stages in cfgs:
         consts = dict(extra[0][2], BLOCK_D=bd, BLOCK_N=bn)
