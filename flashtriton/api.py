@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import _env
-from .autograd import FlashAttnFunction
+from .autograd import attention
 from .block_mask import BlockMask, create_block_mask
 from .launch import register_mods
 
@@ -181,9 +181,9 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
     dropout_p, seed = _check_dropout(dropout_p)
     blocks = _check_mods(q, k, causal, (left, right), softcap, alibi_slopes, attn_mask, dropout_p,
                          score_mod, score_mod_grad, mask_mod, block_mask)
-    out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), None, None, 0,
-                                       0, alibi_slopes, attn_mask, scale, bool(causal), left,
-                                       right, softcap, dropout_p, seed, *blocks)
+    out, lse = attention(_unit_last(q), _unit_last(k), _unit_last(v), None, None, 0, 0,
+                         alibi_slopes, attn_mask, scale, bool(causal), left, right, softcap,
+                         dropout_p, seed, *blocks)
     return AttentionOutput(out, lse)
 
 
@@ -235,9 +235,9 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softcap = _check_softcap(softcap)
     alibi_slopes = _check_alibi(alibi_slopes, cu_q.numel() - 1, q.shape[1], q.device)
     dropout_p, seed = _check_dropout(dropout_p)
-    out, lse = FlashAttnFunction.apply(_unit_last(q), _unit_last(k), _unit_last(v), cu_q, cu_k,
-                                       max_q, max_k, alibi_slopes, None, scale, bool(causal),
-                                       left, right, softcap, dropout_p, seed, None, None, 128, 0)
+    out, lse = attention(_unit_last(q), _unit_last(k), _unit_last(v), cu_q, cu_k, max_q, max_k,
+                         alibi_slopes, None, scale, bool(causal), left, right, softcap,
+                         dropout_p, seed, None, None, 128, 0)
     return AttentionOutput(out, lse)
 
 

@@ -136,3 +136,15 @@ class FlashAttnFunction(torch.autograd.Function):
                            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes,
                            attn_mask, *options, seed, kv_blocks, q_blocks, block_size, mods)
         return (dq, dk, dv) + (None,) * 17
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *args) -> Tuple[Tensor, Tensor]:
+    """(out, lse) = FlashAttnFunction.apply(q, k, v, *args), or, in plain eager mode when no
+    gradient can flow (inference, ``torch.no_grad()``), the forward op alone: the
+    autograd.Function's bookkeeping costs more host time than a small attention's kernel."""
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) \
+            or not _plain_eager(q):
+        return FlashAttnFunction.apply(q, k, v, *args)
+    return _call(torch.ops.flashtriton.attn_fwd, _attn_fwd, "flashtriton::attn_fwd", q, k, v,
+                 *args)
+

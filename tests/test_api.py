@@ -244,3 +244,15 @@ def test_eager_shortcut_matches_the_custom_ops(monkeypatch):
         assert calls == (["fwd", "bwd"] if mode is None else []), calls
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_inference_calls_skip_autograd_with_the_same_result():
+    q, k, v = make_qkv(1, 20, 20, 2, 2, 32, torch.float16, DEVICE)
+    with torch.no_grad():
+        a = flash_attention(q, k, v, causal=True)
+    assert a.grad_fn is None and not a.requires_grad
+    b = flash_attention(q, k, v, causal=True)
+    assert b.grad_fn is not None
+    c = flash_attention(q.detach(), k.detach(), v.detach(), causal=True)
+    assert c.grad_fn is None
+    assert torch.equal(a, b.detach()) and torch.equal(a, c)
