@@ -62,6 +62,19 @@ def main():
     prof.disable()
     print("== forward + backward")
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    # The same loop under torch.profiler, CPU and CUDA: every thread (the autograd engine runs
+    # the backward on its device thread), launch calls, and the kernels' own GPU time, so the
+    # forward + backward's host time can be split into ours, Triton's, the engine's and idle.
+    for name, fn in (("flashtriton", lambda: flash_attention(qg, kg, vg).sum().backward()),
+                     ("sdpa", rows["sdpa fwd+bwd"])):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as tp:
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+        print(f"== torch.profiler, {name} forward + backward, 50 calls")
+        print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
+                                      max_name_column_width=60))
 
 
 if __name__ == "__main__":
