@@ -1,0 +1,90 @@
+"""Compile one training kernel for sm_90 offline and print the skeleton of its SASS: matrix
+products (HGMMA), waits for them (WARPGROUP.DEPBAR), exp2 (MUFU.EX2), barriers and branches,
+with instruction counts of the non-tensor float pipes. A tuning aid (docs/perf.md): it shows
+whether a product overlaps the softmax before any GPU time is spent.
+
+    python scripts/sass_loop.py --kernel dq --dim 128 --block-m 128 --block-n 64 --warps 8 --stages 2
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+    sys.exit("sass_loop: unset TRITON_INTERPRET")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from flashtriton.kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel  # noqa: E402
+from flashtriton.kernels.attn_fwd import _attn_fwd_kernel  # noqa: E402
+
+KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", DO="*bf16", DK="*bf16", DV="*bf16",
+                DQ="*bf16", LSE="*fp32", DELTA="*fp32", ALIBI="*fp32", AMASK="*i1", CU_Q="*i32",
+                CU_K="*i32", BMASK="*i32")
+FLOATS = ("qk_scale", "cap2", "sm_scale", "dropout_p")
+SKELETON = re.compile(r"(HGMMA|WARPGROUP\.(?:ARRIVE|DEPBAR)|MUFU\.EX2|BAR\.SYNC|BRA|DEPBAR)")
+
+
+def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal):
+    fn = KERNELS[kind]
+    consts = dict(BLOCK_D=dim, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=causal, HAS_SOFTCAP=False,
+                  HAS_ALIBI=False, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None,
+                  SCORE_GRAD=None, MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128,
+                  IS_VARLEN=False, DOT_PREC="tf32", UPCAST=False, BLOCK_M=block_m,
+                  BLOCK_N=block_n)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n in FLOATS else "i32")
+           for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride")}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def sass_of(kernel):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "cuobjdump")
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--kernel", choices=sorted(KERNELS), default="fwd")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--block-m", type=int, default=128)
+    p.add_argument("--block-n", type=int, default=64)
+    p.add_argument("--warps", type=int, default=8)
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--causal", action="store_true")
+    args = p.parse_args()
+    kernel = compile_kernel(args.kernel, args.dim, args.block_m, args.block_n, args.warps,
+                            args.stages, args.causal)
+    sass = sass_of(kernel)
+    prev = None
+    for line in sass.splitlines():
+        m = SKELETON.search(line)
+        if m and m.group(1) != prev:  # one line per run of the same instruction
+            print(re.sub(r"\s+", " ", line.split(";")[0]).strip())
+        if m:
+            prev = m.group(1)
+    counts = collections.Counter(re.findall(r"\s(FFMA|FMUL|FADD|FMNMX|MUFU\.EX2|HGMMA|FSEL)[ .]",
+                                            sass))
+    print(f"shared={kernel.metadata.shared} " + " ".join(f"{k}={v}" for k, v in
+                                                          sorted(counts.items())))
+
+
+if __name__ == "__main__":
+    main()
