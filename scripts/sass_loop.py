@@ -80,6 +80,18 @@ def main():
             print(re.sub(r"\s+", " ", line.split(";")[0]).strip())
         if m:
             prev = m.group(1)
+    # Loops: a branch back to a lower address; per iteration, its instructions by kind.
+    code = [(int(m.group(1), 16), m.group(2)) for m in
+            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    for addr, text in code:
+        b = re.search(r"BRA (?:`\(.*?\)\s*)?0x([0-9a-f]+)", text)
+        if b and int(b.group(1), 16) < addr:
+            body = [t for a, t in code if int(b.group(1), 16) <= a <= addr]
+            kinds = collections.Counter(t.split()[0].lstrip("@!P0123456789T ").split(".")[0]
+                                        if not t.startswith("@") else t.split()[1].split(".")[0]
+                                        for t in body)
+            top = ", ".join(f"{k} {v}" for k, v in kinds.most_common(9))
+            print(f"loop 0x{int(b.group(1), 16):x}-0x{addr:x}: {len(body)} instructions ({top})")
     counts = collections.Counter(re.findall(r"\s(FFMA|FMUL|FADD|FMNMX|MUFU\.EX2|HGMMA|FSEL)[ .]",
                                             sass))
     print(f"shared={kernel.metadata.shared} " + " ".join(f"{k}={v}" for k, v in

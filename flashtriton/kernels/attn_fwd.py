@@ -12,7 +12,7 @@ HAS_SOFTCAP, HAS_ALIBI, EVEN_D.
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, NEG_BIG, heavy_first, kv_range, load_tile, scores, seq_bounds,
+from .common import (LN2, LOG2E, NEG_BIG, RESCALE_SLACK, heavy_first, kv_range, load_tile, scores, seq_bounds,
                      store_tile, visible, apply_attn_mask,
                      dropout_keep)
 
@@ -40,9 +40,18 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         if PLAIN and not MASK:
             # Plain scores, no mask: the scale (>= 0 here) goes into the row max and into one
-            # FMA per score, instead of a multiply and a subtract.
+            # FMA per score, instead of a multiply and a subtract. The running maximum (and
+            # with it acc and l) is only moved when some row's maximum grew by more than
+            # RESCALE_SLACK (log2 units): until then P <= 2^RESCALE_SLACK, exact all the same,
+            # and the (BLOCK_M, BLOCK_D) rescale of acc is skipped.
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)       # [BLOCK_M]
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])         # [BLOCK_M, BLOCK_N]
+            if tl.max(m_new - m_i, 0) > RESCALE_SLACK:
+                alpha = tl.math.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.math.exp2(qk * qk_scale - m_i[:, None])           # [BLOCK_M, BLOCK_N]
+            l_i = l_i + tl.sum(p, 1)
         else:
             s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
             if SCORE_MOD is not None:  # natural-log score in (qk_scale: the plain scale), log2 out
@@ -56,13 +65,14 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows
                              float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))                     # [BLOCK_M]
             p = tl.math.exp2(s - m_new[:, None])                     # [BLOCK_M, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         if HAS_DROPOUT:  # after the denominator: dropout acts on the normalised P
             keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
             p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
     return acc, l_i, m_i
 
 
