@@ -22,6 +22,7 @@ from flashtriton.kernels.attn_fwd import _attn_fwd_kernel  # noqa: E402
 from flashtriton.kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel  # noqa: E402
 from flashtriton.kernels.decode import _attn_decode_kernel, _attn_merge_kernel  # noqa: E402
 from flashtriton.kernels.block_mask import _block_mask_kernel  # noqa: E402
+from sass_loop import sass_of, spill_counts  # noqa: E402  (scripts/, beside this file)
 
 @triton.jit
 def causal_mod(b, h, q_idx, kv_idx):
@@ -125,9 +126,11 @@ for kname, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("
                 ptx = k.asm["ptx"]
                 ok = k.metadata.shared <= 227 * 1024 and ".local" not in ptx
                 fails += not ok
+                spills = "%d/%d" % spill_counts(sass_of(k))  # ptxas's: reported, not failed
                 print(f"{'ok  ' if ok else 'FAIL'} {kname:5s} D{bd} tile {bm}x{bn} warps={warps} "
                       f"stages={stages} shared={k.metadata.shared} local_memory={'.local' in ptx} "
-                      f"{'wgmma' if 'wgmma' in ptx else 'mma.sync'}", flush=True)
+                      f"{'wgmma' if 'wgmma' in ptx else 'mma.sync'} spill_ld/st={spills}",
+                      flush=True)
             except Exception as e:
                 fails += 1
                 print(f"FAIL {kname:5s} D{bd} {bm}x{bn}/{warps}/{stages} {type(e).__name__}: "

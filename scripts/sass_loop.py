@@ -60,6 +60,11 @@ def sass_of(kernel):
                               check=True).stdout
 
 
+def spill_counts(sass):
+    """ptxas's register spills: (local loads, local stores) in a kernel's SASS."""
+    return len(re.findall(r"\bLDL\b", sass)), len(re.findall(r"\bSTL\b", sass))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--kernel", choices=sorted(KERNELS), default="fwd")
@@ -91,9 +96,11 @@ def main():
                                         if not t.startswith("@") else t.split()[1].split(".")[0]
                                         for t in body)
             top = ", ".join(f"{k} {v}" for k, v in kinds.most_common(9))
-            print(f"loop 0x{int(b.group(1), 16):x}-0x{addr:x}: {len(body)} instructions ({top})")
+            print(f"loop 0x{int(b.group(1), 16):x}-0x{addr:x}: {len(body)} instructions, "
+                  f"spill loads/stores {kinds['LDL']}/{kinds['STL']} ({top})")
     counts = collections.Counter(re.findall(r"\s(FFMA|FMUL|FADD|FMNMX|MUFU\.EX2|HGMMA|FSEL)[ .]",
                                             sass))
+    print("spill loads/stores (LDL/STL) in the whole kernel: %d/%d" % spill_counts(sass))
     print(f"shared={kernel.metadata.shared} " + " ".join(f"{k}={v}" for k, v in
                                                           sorted(counts.items())))
 

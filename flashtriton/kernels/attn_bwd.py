@@ -76,8 +76,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
                            float("-inf"))
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
-            keep = visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER)
-            p_t = tl.where(tl.trans(keep), p_t, 0.0)
+            p_t = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, True),
+                           p_t, 0.0)
         pd_t = p_t
         if HAS_DROPOUT:  # the forward's mask, regenerated
             keep_t = dropout_keep(seed, rng_bh, rows, cols, dropout_p, True)

@@ -152,13 +152,22 @@ def q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: t
 
 
 @triton.jit
-def visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
-    """(len(rows), len(cols)) mask of the (query, key) pairs that are attended."""
-    keep = (rows[:, None] < SQ) & (cols[None, :] < SK)
+def visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+            TRANSPOSED: tl.constexpr = False):
+    """(len(rows), len(cols)) mask of the (query, key) pairs that are attended, or
+    (len(cols), len(rows)) when TRANSPOSED (built in that orientation: transposing a mask
+    tile costs a layout conversion and registers)."""
+    if TRANSPOSED:
+        r = rows[None, :]
+        c = cols[:, None]
+    else:
+        r = rows[:, None]
+        c = cols[None, :]
+    keep = (r < SQ) & (c < SK)
     if HAS_UPPER:
-        keep = keep & (cols[None, :] <= rows[:, None] + UPPER)
+        keep = keep & (c <= r + UPPER)
     if HAS_LOWER:
-        keep = keep & (cols[None, :] >= rows[:, None] + LOWER)
+        keep = keep & (c >= r + LOWER)
     return keep
 
 
