@@ -28,9 +28,12 @@ def _lse2(LSE, rows, SQ):
 
 
 @triton.jit
-def _row_stats(LSE, DELTA, rows, SQ):
-    """LSE in the log2 domain and delta."""
-    return _lse2(LSE, rows, SQ), tl.load(DELTA + rows, mask=rows < SQ, other=0.0)
+def _row_stats(LSE, DELTA, rows, SQ, MASK: tl.constexpr):
+    """LSE in the log2 domain and delta (rows all < SQ unless MASK)."""
+    if MASK:
+        return _lse2(LSE, rows, SQ), tl.load(DELTA + rows, mask=rows < SQ, other=0.0)
+    lse = tl.load(LSE + rows)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), tl.load(DELTA + rows)
 
 
 @triton.jit
@@ -62,7 +65,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        lse2, delta = _row_stats(LSE, DELTA, rows, SQ)
+        lse2, delta = _row_stats(LSE, DELTA, rows, SQ, MASK)
         # Transposed tiles [BLOCK_N, BLOCK_M]: dV and dK accumulate p^T dO and dS^T Q.
         # ALiBi's |i + DIAG - j| is symmetric under (i, j, DIAG) -> (j, i, -DIAG).
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
