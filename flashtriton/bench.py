@@ -313,9 +313,25 @@ def shapes(args):
     return out
 
 
+def tiles_since(before) -> dict:
+    """The configs the autotuner chose for flashtriton's kernels since ``before`` (a set of
+    keys of ``launch._TUNED``), as {"fwd": "128x64/8w/3s", ...}: which tile won a shape."""
+    from flashtriton import launch
+    names = {id(launch._fwd): "fwd", id(launch._dkdv): "dkdv", id(launch._dq): "dq",
+             id(launch._decode): "decode"}
+    out = {}
+    for key, cfg in launch._TUNED.items():
+        if key not in before and key[0] in names:
+            bm, bn, w, st = launch._cfg_tuple(cfg)
+            out[names[key[0]]] = f"{bm}x{bn}/{w}w/{st}s"
+    return out
+
+
 def run_shape(shape: Shape, providers, dtype, meta):
     """One row per provider; flashtriton's speed only after its check passes."""
+    from flashtriton import launch
     rows = []
+    tuned_before = set(launch._TUNED)
     err = _check(shape, dtype) if "flashtriton" in providers else None
     for prov in providers:
         row = dict(meta, provider=prov, dtype=str(dtype).split(".")[-1], **shape._asdict())
@@ -326,6 +342,8 @@ def run_shape(shape: Shape, providers, dtype, meta):
         else:
             try:
                 row.update(_measure(PROVIDERS[prov], shape, dtype), status="ok")
+                if prov == "flashtriton":
+                    row["tiles"] = tiles_since(tuned_before)
                 f = flops_fwd(shape.B, shape.H, shape.N, shape.N, shape.D, shape.causal)
                 row.update(fwd_tflops=f / row["fwd_ms"] * 1e-9,
                            bwd_tflops=2.5 * f / row["bwd_ms"] * 1e-9,
@@ -485,7 +503,9 @@ def main(argv=None):
                       f"D={shape.D} N={shape.N} causal={int(shape.causal)} "
                       + (f"fwd {row['fwd_tflops']:6.1f} bwd {row['bwd_tflops']:6.1f} TFLOP/s "
                          f"mem {row['peak_extra_MiB']:9.1f} MiB" if row["status"] == "ok"
-                         else row["status"]), flush=True)
+                         else row["status"])
+                      + "".join(f" {k} {v}" for k, v in row.get("tiles", {}).items()),
+                      flush=True)
         if "overhead" in args.suites:
             for prov in providers:
                 row = dict(meta, provider=prov, suite="overhead")

@@ -89,3 +89,16 @@ def test_variant_pair_counts(monkeypatch):
              "prefix_lm": (j < 4) | (i >= j), "alibi": i >= j, "softcap": i >= j}
     for name, mask in masks.items():
         assert bv._pairs(name, N) == int(mask.sum()), name
+
+
+def test_tiles_since_names_the_tuned_configs(monkeypatch):
+    import triton
+
+    from flashtriton import launch
+    before = set(launch._TUNED)
+    monkeypatch.setitem(launch._TUNED, (id(launch._dkdv), ("key",)),
+                        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=2))
+    monkeypatch.setitem(launch._TUNED, (id(launch._decode), ("key",)),
+                        triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3))
+    assert bench.tiles_since(before) == {"dkdv": "64x128/8w/2s", "decode": "0x64/4w/3s"}
+    assert bench.tiles_since(set(launch._TUNED)) == {}
