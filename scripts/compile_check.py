@@ -15,14 +15,11 @@ if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-from flashtriton.kernels.attn_fwd import _attn_fwd_kernel  # noqa: E402
-from flashtriton.kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel  # noqa: E402
 from flashtriton.kernels.decode import _attn_decode_kernel, _attn_merge_kernel  # noqa: E402
 from flashtriton.kernels.block_mask import _block_mask_kernel  # noqa: E402
-from sass_loop import sass_of, spill_counts  # noqa: E402  (scripts/, beside this file)
+from sass_loop import (TARGET, compile_kernel, sass_of, source_for,  # noqa: E402
+                       spill_counts)  # scripts/, beside this file
 
 @triton.jit
 def causal_mod(b, h, q_idx, kv_idx):
@@ -36,43 +33,7 @@ def bias_mod(score, b, h, q_idx, kv_idx):
 def bias_grad(score, b, h, q_idx, kv_idx):
     return score * 0.0 + 1.0
 
-target = GPUTarget("cuda", 90, 32)
-
-def sig_for(fn, consts, ptr_dtypes):
-    sig = {}
-    for name in fn.arg_names:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ptr_dtypes:
-            sig[name] = ptr_dtypes[name]
-        else:
-            sig[name] = "i32"
-    return sig
-
-def runtime_attrs(fn, sig):
-    """What Triton's launcher derives from typical arguments: 16-byte aligned pointers and
-    strides divisible by 16. Without it the compiler cannot use asynchronous copies, does not
-    pipeline the loads, and the shared memory reported here would not be the runtime's."""
-    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-            if sig[name].startswith("*") or name.startswith("stride")}
-
-
-def source(fn, sig, consts):
-    return ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                     attrs=runtime_attrs(fn, sig))
-
-
-def compile_one(fn, consts, ptrs, floats=()):
-    sig = sig_for(fn, consts, ptrs)
-    for f in floats:
-        sig[f] = "fp32"
-    src = source(fn, sig, consts)
-    k = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
-    return k
-
 bf = "*bf16"
-base_ptr = dict(Q=bf, K=bf, V=bf, O=bf, LSE="*fp32", ALIBI="*fp32", AMASK="*i1", CU_Q="*i32",
-                CU_K="*i32", BMASK="*i32", DO=bf, DELTA="*fp32", DK=bf, DV=bf, DQ=bf)
 variants = {
     "plain-causal": dict(HAS_UPPER=True),
     "window": dict(HAS_LOWER=True, HAS_UPPER=True),
@@ -83,20 +44,12 @@ variants = {
     "mods-blockmask": dict(SCORE_MOD=bias_mod, SCORE_GRAD=bias_grad, MASK_MOD=causal_mod,
                            HAS_BLOCK_MASK=True),
 }
-defaults = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False,
-                HAS_ALIBI=False, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
-                MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False,
-                DOT_PREC="tf32", UPCAST=False, BLOCK_M=128, BLOCK_N=64)
 fails = 0
-for kname, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("dq", _attn_bwd_dq_kernel)):
+for kname in ("fwd", "dkdv", "dq"):
     for vname, v in variants.items():
-        consts = dict(defaults, **v)
-        if kname == "dkdv":
-            consts.update(BLOCK_M=64, BLOCK_N=128)
-        consts = {k: c for k, c in consts.items() if k in fn.arg_names}
+        bm, bn = (64, 128) if kname == "dkdv" else (128, 64)
         try:
-            k = compile_one(fn, consts, {p: t for p, t in base_ptr.items() if p in fn.arg_names},
-                            floats=[a for a in ("qk_scale", "cap2", "sm_scale", "dropout_p") if a in fn.arg_names])
+            k = compile_kernel(kname, 128, bm, bn, 8, 3, **v)
             ptx = k.asm["ptx"]
             ok = "wgmma" in ptx and ".local" not in ptx and "cp.async" in ptx
             fails += not ok
@@ -111,18 +64,11 @@ for kname, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("
 # whose products have fewer than 64 rows per warpgroup compile to mma.sync, not wgmma:
 # reported, not failed (the autotuner decides whether they win).
 from flashtriton import configs  # noqa: E402
-for kname, fn in (("fwd", _attn_fwd_kernel), ("dkdv", _attn_bwd_dkdv_kernel), ("dq", _attn_bwd_dq_kernel)):
+for kname in ("fwd", "dkdv", "dq"):
     for bd, cfgs in configs._GPU[kname].items():
         for bm, bn, warps, stages in cfgs:
-            consts = dict(defaults, HAS_UPPER=True, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn)
-            consts = {k: c for k, c in consts.items() if k in fn.arg_names}
-            sig = sig_for(fn, consts, {p: t for p, t in base_ptr.items() if p in fn.arg_names})
-            for f in ("qk_scale", "cap2", "sm_scale", "dropout_p"):
-                if f in fn.arg_names:
-                    sig[f] = "fp32"
             try:
-                k = triton.compile(source(fn, sig, consts), target=target,
-                                   options={"num_warps": warps, "num_stages": stages})
+                k = compile_kernel(kname, bd, bm, bn, warps, stages, causal=True)
                 ptx = k.asm["ptx"]
                 ok = k.metadata.shared <= 227 * 1024 and ".local" not in ptx
                 fails += not ok
@@ -141,20 +87,16 @@ extra = [
         HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=True, DOT_PREC="tf32", UPCAST=False,
         BLOCK_M=16, BLOCK_N=64),
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", ALIBI="*fp32",
-          O_PART="*fp32", LSE_PART="*fp32"), ["qk_scale", "cap2"]),
-    ("merge", _attn_merge_kernel, dict(BLOCK_S=8, BLOCK_D=128), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32"), []),
-    ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8"), []),
+          O_PART="*fp32", LSE_PART="*fp32")),
+    ("merge", _attn_merge_kernel, dict(BLOCK_S=8, BLOCK_D=128), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32")),
+    ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8")),
 ]
 # every decoding tile the autotuner may try, at each head-dim class
 for bd, cfgs in configs._GPU["decode"].items():
     for _, bn, warps, stages in cfgs:
-        consts = dict(extra[0][2], BLOCK_D=bd, BLOCK_N=bn)
-        sig = sig_for(_attn_decode_kernel, consts, extra[0][3])
-        for f in extra[0][4]:
-            sig[f] = "fp32"
-        src = source(_attn_decode_kernel, sig, consts)
+        src = source_for(_attn_decode_kernel, dict(extra[0][2], BLOCK_D=bd, BLOCK_N=bn), extra[0][3])
         try:
-            k = triton.compile(src, target=target, options={"num_warps": warps,
+            k = triton.compile(src, target=TARGET, options={"num_warps": warps,
                                                             "num_stages": stages})
             ok = k.metadata.shared <= 227 * 1024 and ".local" not in k.asm["ptx"]
             fails += not ok
@@ -163,9 +105,10 @@ for bd, cfgs in configs._GPU["decode"].items():
         except Exception as e:
             fails += 1
             print(f"FAIL decode D{bd} {bn}/{warps}/{stages} {type(e).__name__}: {str(e)[:200]}")
-for name, fn, consts, ptrs, floats in extra:
+for name, fn, consts, ptrs in extra:
     try:
-        k = compile_one(fn, consts, ptrs, floats)
+        k = triton.compile(source_for(fn, consts, ptrs), target=TARGET,
+                           options={"num_warps": 8, "num_stages": 3})
         print(f"ok   {name:9s} shared={k.metadata.shared} local_spill={'.local' in k.asm['ptx']}")
     except Exception as e:
         fails += 1

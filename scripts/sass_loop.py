@@ -24,28 +24,40 @@ from flashtriton.kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_ker
 from flashtriton.kernels.attn_fwd import _attn_fwd_kernel  # noqa: E402
 
 KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_bwd_dq_kernel}
+TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", DO="*bf16", DK="*bf16", DV="*bf16",
                 DQ="*bf16", LSE="*fp32", DELTA="*fp32", ALIBI="*fp32", AMASK="*i1", CU_Q="*i32",
                 CU_K="*i32", BMASK="*i32")
 FLOATS = ("qk_scale", "cap2", "sm_scale", "dropout_p")
+# The plain variant of the training kernels; callers override what they test.
+DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False,
+                HAS_ALIBI=False, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
+                MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False,
+                DOT_PREC="tf32", UPCAST=False, BLOCK_M=128, BLOCK_N=64)
 SKELETON = re.compile(r"(HGMMA|WARPGROUP\.(?:ARRIVE|DEPBAR)|MUFU\.EX2|BAR\.SYNC|BRA|DEPBAR)")
 
 
-def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal):
-    fn = KERNELS[kind]
-    consts = dict(BLOCK_D=dim, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=causal, HAS_SOFTCAP=False,
-                  HAS_ALIBI=False, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None,
-                  SCORE_GRAD=None, MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128,
-                  IS_VARLEN=False, DOT_PREC="tf32", UPCAST=False, BLOCK_M=block_m,
-                  BLOCK_N=block_n)
+def source_for(fn, consts, pointers):
+    """An ASTSource of ``fn``: the constexprs of ``consts`` that it takes, the pointer types of
+    ``pointers``, fp32 for the float arguments, i32 for the rest, and what Triton's launcher
+    derives from typical arguments: 16-byte aligned pointers and strides divisible by 16
+    (without it the compiler pipelines no load and the shared memory would not be the
+    runtime's)."""
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-    sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n in FLOATS else "i32")
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOATS else "i32")
            for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or n.startswith("stride")}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+    return ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                     attrs=attrs)
+
+
+def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **overrides):
+    """One training kernel (fwd, dkdv, dq) for sm_90: bf16, head dim ``dim``, a tile, and
+    constexpr overrides of ``DEFAULTS`` (e.g. HAS_SOFTCAP=True)."""
+    consts = dict(DEFAULTS, BLOCK_D=dim, BLOCK_M=block_m, BLOCK_N=block_n, HAS_UPPER=causal)
+    consts.update(overrides)
+    return triton.compile(source_for(KERNELS[kind], consts, POINTERS), target=TARGET,
                           options={"num_warps": warps, "num_stages": stages})
 
 
