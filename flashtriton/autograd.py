@@ -104,6 +104,11 @@ def _call(op, impl, name, *args):
     return impl(*args)
 
 
+def _forward(*args) -> Tuple[Tensor, Tensor]:
+    """The forward op (out, lse) on attn_fwd's arguments."""
+    return _call(torch.ops.flashtriton.attn_fwd, _attn_fwd, "flashtriton::attn_fwd", *args)
+
+
 class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k, alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right,
@@ -115,11 +120,10 @@ class FlashAttnFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
                 dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods):
-        out, lse = _call(torch.ops.flashtriton.attn_fwd, _attn_fwd, "flashtriton::attn_fwd",
-                         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         alibi_slopes, attn_mask, softmax_scale, causal, window_left,
-                         window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
-                         block_size, mods)
+        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            alibi_slopes, attn_mask, softmax_scale, causal, window_left,
+                            window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
+                            block_size, mods)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                               attn_mask, dropout_seed, kv_blocks, q_blocks)
         ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
@@ -145,6 +149,4 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *args) -> Tuple[Tensor, Tensor]:
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) \
             or not _plain_eager(q):
         return FlashAttnFunction.apply(q, k, v, *args)
-    return _call(torch.ops.flashtriton.attn_fwd, _attn_fwd, "flashtriton::attn_fwd", q, k, v,
-                 *args)
-
+    return _forward(q, k, v, *args)
