@@ -4,6 +4,7 @@
 |--------------------------|---------------------------------|--------------------------------------------------------------|
 | ``TRITON_INTERPRET``     | ``1`` / unset                   | run the kernels on the CPU through Triton's interpreter      |
 | ``FLASHTRITON_AUTOTUNE`` | ``1`` (default) / ``0``         | ``0``: each kernel's default config instead of a search      |
+| ``FLASHTRITON_TMA``      | ``1`` (default) / ``0``         | ``0``: no tensor-descriptor (TMA) loads on Hopper and newer  |
 | ``FLASHTRITON_LOG``      | ``debug`` / ``info`` / unset    | log through ``logging`` (logger ``flashtriton``) to stderr;   |
 |                          |                                 | ``debug`` logs every launch and every autotuning decision    |
 
@@ -23,6 +24,7 @@ def _flag(name: str, default: bool) -> bool:
 
 INTERPRET: bool = _flag("TRITON_INTERPRET", False)
 AUTOTUNE: bool = _flag("FLASHTRITON_AUTOTUNE", True) and not INTERPRET
+TMA: bool = _flag("FLASHTRITON_TMA", True)
 LOG_LEVEL: str = os.environ.get("FLASHTRITON_LOG", "").strip().lower()
 
 logger = logging.getLogger("flashtriton")

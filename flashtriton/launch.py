@@ -75,7 +75,7 @@ def _cfg_tuple(cfg) -> Tuple[int, int, int, int]:
     return (cfg.kwargs.get("BLOCK_M", 0), cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
 
 
-_fwd = _autotuned("fwd", _attn_fwd_kernel)
+_fwd = _autotuned("fwd", _attn_fwd_kernel, key=_KEY + ["USE_TMA"])
 _dkdv = _autotuned("dkdv", _attn_bwd_dkdv_kernel)
 _dq = _autotuned("dq", _attn_bwd_dq_kernel)
 _decode = _autotuned("decode", _attn_decode_kernel, _DECODE_KEY)
@@ -106,6 +106,33 @@ def _strides(x: torch.Tensor):
     s = x.stride()
     assert s[-1] == 1, "launchers expect a unit stride on the head dim"
     return (0, s[0], s[1]) if len(s) == 3 else s[:3]
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory in which a kernel builds its tensor descriptors (Triton's allocator)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _env.INTERPRET else "cuda")
+
+
+def _tma_capable(device: torch.device) -> bool:
+    """Whether ``device`` has TMA (the Tensor Memory Accelerator): Hopper and newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    """Tensor-descriptor loads of these tensors: a TMA device, 16-byte aligned data and
+    16-byte multiples as strides (TMA's rules). Sets Triton's allocator if none is set
+    (the descriptors are built in global scratch memory at launch)."""
+    x = tensors[0]
+    if not (_env.TMA and _tma_capable(x.device)):
+        return False
+    for t in tensors:  # (B, T, H, D) or (T, H, D); strides of size-1 dims never move the base
+        if (t.data_ptr() % 16 or t.stride(-3) <= 0
+                or any(s * t.element_size() % 16 for s, n in zip(t.stride()[:-1], t.shape) if n > 1)):
+            return False
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+    return True
 
 
 class Variant(NamedTuple):
@@ -279,14 +306,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     common, key = _common(q, varlen, SQ, SK, variant)
+    use_tma = _use_tma(k, v)
     _launch(
-        _fwd, grid, key,
+        _fwd, grid, (*key, use_tma),
         q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.kv_blocks)[1:],
         H, H // HKV, SQ, SK,
-        **common,
+        USE_TMA=use_tma, **common,
     )
     return out, lse
 

@@ -36,6 +36,7 @@ def bias_grad(score, b, h, q_idx, kv_idx):
 bf = "*bf16"
 variants = {
     "plain-causal": dict(HAS_UPPER=True),
+    "pointer-loads": dict(HAS_UPPER=True, USE_TMA=False),  # the forward without TMA
     "window": dict(HAS_LOWER=True, HAS_UPPER=True),
     "softcap-alibi": dict(HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_UPPER=True),
     "varlen": dict(IS_VARLEN=True, HAS_UPPER=True),

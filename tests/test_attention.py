@@ -189,3 +189,50 @@ def test_zero_sizes(shape, causal):
     out.float().sum().backward()
     for x in (q, k, v):
         assert x.grad.shape == x.shape and torch.equal(x.grad, torch.zeros_like(x.grad))
+
+
+@pytest.fixture
+def tma(monkeypatch):
+    """The tensor-descriptor (TMA) forward on any device: the interpreter runs descriptor
+    loads too (with TMA's zero fill past the tensor's end). Returns the list of what each
+    forward launch chose."""
+    import flashtriton._env as env
+    import flashtriton.launch as launch
+    chosen, real = [], launch._use_tma
+    monkeypatch.setattr(env, "TMA", True)
+    monkeypatch.setattr(launch, "_tma_capable", lambda device: True)
+
+    def spy(*tensors):
+        chosen.append(real(*tensors))
+        return chosen[-1]
+
+    monkeypatch.setattr(launch, "_use_tma", spy)
+    return chosen
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [pytest.param((2, 40, 70, 4, 2, 64), id="gqa2-ragged"),
+                                   pytest.param((1, 37, 21, 2, 2, 40), id="d40-sq>sk")])
+def test_tma_forward_matches_reference(tma, shape, causal, dtype):
+    q, k, v = make_qkv(*shape, dtype, DEVICE)
+    check_against_reference(
+        lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=causal)), q, k, v, causal)
+    assert tma and all(tma)
+
+
+def test_tma_forward_varlen(tma):
+    from test_varlen import _check_varlen
+    _check_varlen([19, 0, 1, 33], [25, 7, 0, 16], 4, 2, 40, torch.bfloat16, True,
+                  window_size=(9, 0))
+    assert tma and all(tma)
+
+
+def test_tma_declines_unaligned_views(tma):
+    # K and V one element past a 16-byte boundary: TMA cannot read them; pointer loads do.
+    q, k, v = make_qkv(1, 24, 30, 2, 2, 32, torch.float16, DEVICE)
+    kv = torch.randn(2 * 1 * 30 * 2 * 32 + 1, dtype=torch.float16, device=DEVICE)[1:]
+    k2, v2 = (t.view(1, 30, 2, 32).requires_grad_() for t in kv.view(2, -1))
+    check_against_reference(lambda q, k, v: tuple(flash_attention_with_lse(q, k, v)), q, k2, v2,
+                            False)
+    assert tma == [False]

@@ -6,7 +6,7 @@ LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
 Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K),
 HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
-HAS_SOFTCAP, HAS_ALIBI, EVEN_D.
+HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Hopper).
 """
 
 import triton
@@ -25,15 +25,20 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows
                     HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                     MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
                     SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
-                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     PLAIN: tl.constexpr = (not HAS_SOFTCAP and not HAS_ALIBI and SCORE_MOD is None
                            and MASK_KIND == 0 and MASK_MOD is None)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
-        k = load_tile(k_base + cols.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
-                      cols, SK, offs_d, HEAD_DIM, MASK, not EVEN_D)  # [BLOCK_N, BLOCK_D]
-        v = load_tile(v_base + cols.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
-                      cols, SK, offs_d, HEAD_DIM, MASK, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+        if USE_TMA:  # k_base, v_base are tensor descriptors; TMA zero-fills out-of-range
+            k = k_base.load([start_n, 0])                            # [BLOCK_N, BLOCK_D]
+            v = v_base.load([start_n, 0])
+        else:
+            k = load_tile(k_base + cols.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                          cols, SK, offs_d, HEAD_DIM, MASK, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+            v = load_tile(v_base + cols.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
+                          cols, SK, offs_d, HEAD_DIM, MASK, not EVEN_D)  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -94,7 +99,7 @@ def _attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
@@ -116,6 +121,12 @@ def _attn_fwd_kernel(
               + rows.to(tl.int64)[:, None] * stride_qt + offs_d[None, :])
     k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
     v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
+    if USE_TMA:  # Hopper: K and V tiles by TMA (one copy instruction per tile, no addresses)
+        n_keys = tl.maximum(SK, 1)  # a TMA dimension is never empty (no load reads it then)
+        k_base = tl.make_tensor_descriptor(k_base, shape=[n_keys, HEAD_DIM],
+                                           strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_base = tl.make_tensor_descriptor(v_base, shape=[n_keys, HEAD_DIM],
+                                           strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_D])
 
     q = load_tile(q_ptrs, rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
@@ -147,7 +158,7 @@ def _attn_fwd_kernel(
                                             off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                             HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                             SCORE_MOD, SCORE_GRAD, None, True, DOT_PREC, UPCAST,
-                                            BLOCK_N)
+                                            USE_TMA, BLOCK_N)
         for i in range(0, tl.load(blocks)):
             blk_lo = tl.load(blocks + 2 + i) * SPARSE
             blk_hi = tl.minimum(blk_lo + SPARSE, SK)
@@ -158,7 +169,7 @@ def _attn_fwd_kernel(
                                             off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                             HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                             SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
-                                            UPCAST, BLOCK_N)
+                                            UPCAST, USE_TMA, BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
@@ -170,21 +181,21 @@ def _attn_fwd_kernel(
                                         stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
                                         EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                         MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                                        True, DOT_PREC, UPCAST, BLOCK_N)
+                                        True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                         rows, offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM,
                                         LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
                                         stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
                                         off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
                                         HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
-                                        MASK_MOD, False, DOT_PREC, UPCAST, BLOCK_N)
+                                        MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                         rows, offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER,
                                         UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
                                         stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
                                         EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                         MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                                        True, DOT_PREC, UPCAST, BLOCK_N)
+                                        True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
