@@ -27,7 +27,7 @@ _DECODE_KEY = ["SPLIT_BUCKET", "BLOCK_M", "BLOCK_D", "PAGED", "HAS_LOWER", "HAS_
                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_BATCH_IDX", "HAS_LEFTPAD"]
 
 
-def _autotuned(kind: str, kernel, key=_KEY):
+def _autotuned(kind: str, kernel, key=(*_KEY, "USE_TMA")):
     cands = configs.candidates(kind)
 
     def early_prune(cfgs, named_args, **kwargs):
@@ -75,7 +75,7 @@ def _cfg_tuple(cfg) -> Tuple[int, int, int, int]:
     return (cfg.kwargs.get("BLOCK_M", 0), cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
 
 
-_fwd = _autotuned("fwd", _attn_fwd_kernel, key=_KEY + ["USE_TMA"])
+_fwd = _autotuned("fwd", _attn_fwd_kernel)
 _dkdv = _autotuned("dkdv", _attn_bwd_dkdv_kernel)
 _dq = _autotuned("dq", _attn_bwd_dq_kernel)
 _decode = _autotuned("decode", _attn_decode_kernel, _DECODE_KEY)
@@ -335,6 +335,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     stride_lb, stride_lh = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
+    use_tma = _use_tma(q, k, v, dout)  # dQ reads K and V by TMA, dK/dV reads Q and dO
+    key = (*key, use_tma)
 
     # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel
     # (launched after it on the same stream).
@@ -348,7 +350,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.kv_blocks)[1:],
         H, H // HKV, SQ, SK,
-        **common,
+        USE_TMA=use_tma, **common,
     )
     _launch(
         _dkdv, lambda meta: (configs.cdiv(SK, meta["BLOCK_N"]), B * HKV), key,
@@ -358,6 +360,6 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.q_blocks)[1:],
         HKV, H // HKV, SQ, SK,
-        **common,
+        USE_TMA=use_tma, **common,
     )
     return dq, dk, dv

@@ -54,14 +54,19 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
                          HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
                          SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
-                         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
+                         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m                                      # [BLOCK_M]
-        r64 = rows.to(tl.int64)[:, None]
-        q = load_tile(q_base + r64 * stride_qt + offs_d[None, :], rows, SQ, offs_d, HEAD_DIM,
-                      MASK, not EVEN_D)                              # [BLOCK_M, BLOCK_D]
-        do = load_tile(do_base + r64 * stride_dot + offs_d[None, :], rows, SQ, offs_d, HEAD_DIM,
-                       MASK, not EVEN_D)                             # [BLOCK_M, BLOCK_D]
+        if USE_TMA:  # q_base, do_base are tensor descriptors (zero fill past the end)
+            q = q_base.load([start_m, 0])                            # [BLOCK_M, BLOCK_D]
+            do = do_base.load([start_m, 0])                          # [BLOCK_M, BLOCK_D]
+        else:
+            r64 = rows.to(tl.int64)[:, None]
+            q = load_tile(q_base + r64 * stride_qt + offs_d[None, :], rows, SQ, offs_d, HEAD_DIM,
+                          MASK, not EVEN_D)                          # [BLOCK_M, BLOCK_D]
+            do = load_tile(do_base + r64 * stride_dot + offs_d[None, :], rows, SQ, offs_d,
+                           HEAD_DIM, MASK, not EVEN_D)               # [BLOCK_M, BLOCK_D]
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -117,7 +122,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
@@ -150,6 +155,14 @@ def _attn_bwd_dkdv_kernel(
         off_h = off_hk * GROUP + g
         q_base = Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
         do_base = DO + off_b * stride_dob + q_off * stride_dot + off_h * stride_doh
+        if USE_TMA:  # Hopper: Q and dO tiles by TMA
+            n_rows = tl.maximum(SQ, 1)  # a TMA dimension is never empty
+            q_base = tl.make_tensor_descriptor(q_base, shape=[n_rows, HEAD_DIM],
+                                               strides=[stride_qt, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])
+            do_base = tl.make_tensor_descriptor(do_base, shape=[n_rows, HEAD_DIM],
+                                                strides=[stride_dot, 1],
+                                                block_shape=[BLOCK_M, BLOCK_D])
         lse = LSE + off_b * stride_lb + off_h * stride_lh + q_off
         delta = DELTA + off_b * stride_lb + off_h * stride_lh + q_off
         slope2 = 0.0
@@ -172,7 +185,7 @@ def _attn_bwd_dkdv_kernel(
                                               rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
                                               HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                               MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None,
-                                              True, DOT_PREC, UPCAST, BLOCK_M)
+                                              True, DOT_PREC, UPCAST, USE_TMA, BLOCK_M)
             for i in range(0, tl.load(blocks)):
                 blk_lo = tl.load(blocks + 2 + i) * SPARSE
                 blk_hi = tl.minimum(blk_lo + SPARSE, SQ)
@@ -183,7 +196,8 @@ def _attn_bwd_dkdv_kernel(
                                               rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
                                               HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                               MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
-                                              MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_M)
+                                              MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
+                                              BLOCK_M)
         else:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, lo, full_lo, SQ, SK,
@@ -192,7 +206,7 @@ def _attn_bwd_dkdv_kernel(
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          BLOCK_M)
+                                          USE_TMA, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, full_lo, full_hi, SQ,
                                           SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
@@ -200,7 +214,7 @@ def _attn_bwd_dkdv_kernel(
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST,
-                                          BLOCK_M)
+                                          USE_TMA, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, full_hi, hi, SQ, SK,
                                           HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
@@ -208,7 +222,7 @@ def _attn_bwd_dkdv_kernel(
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          BLOCK_M)
+                                          USE_TMA, BLOCK_M)
 
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
@@ -226,14 +240,19 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
                        HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
                        SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
-                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr):
+                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
-        c64 = cols.to(tl.int64)[:, None]
-        k = load_tile(k_base + c64 * stride_kt + offs_d[None, :], cols, SK, offs_d, HEAD_DIM,
-                      MASK, not EVEN_D)                              # [BLOCK_N, BLOCK_D]
-        v = load_tile(v_base + c64 * stride_vt + offs_d[None, :], cols, SK, offs_d, HEAD_DIM,
-                      MASK, not EVEN_D)                              # [BLOCK_N, BLOCK_D]
+        if USE_TMA:  # k_base, v_base are tensor descriptors (zero fill past the end)
+            k = k_base.load([start_n, 0])                            # [BLOCK_N, BLOCK_D]
+            v = v_base.load([start_n, 0])                            # [BLOCK_N, BLOCK_D]
+        else:
+            c64 = cols.to(tl.int64)[:, None]
+            k = load_tile(k_base + c64 * stride_kt + offs_d[None, :], cols, SK, offs_d, HEAD_DIM,
+                          MASK, not EVEN_D)                          # [BLOCK_N, BLOCK_D]
+            v = load_tile(v_base + c64 * stride_vt + offs_d[None, :], cols, SK, offs_d, HEAD_DIM,
+                          MASK, not EVEN_D)                          # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -280,7 +299,7 @@ def _attn_bwd_dq_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
@@ -322,6 +341,12 @@ def _attn_bwd_dq_kernel(
 
     k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
     v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
+    if USE_TMA:  # Hopper: K and V tiles by TMA
+        n_keys = tl.maximum(SK, 1)  # a TMA dimension is never empty
+        k_base = tl.make_tensor_descriptor(k_base, shape=[n_keys, HEAD_DIM],
+                                           strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_base = tl.make_tensor_descriptor(v_base, shape=[n_keys, HEAD_DIM],
+                                           strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_D])
     if HAS_BLOCK_MASK:
         # key blocks of this query block: n_partial, n_full, partial indices, full indices
         blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_m // SPARSE) * stride_bq
@@ -334,7 +359,7 @@ def _attn_bwd_dq_kernel(
                                     stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
                                     EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                     MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None, True,
-                                    DOT_PREC, UPCAST, BLOCK_N)
+                                    DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
         for i in range(0, tl.load(blocks)):
             blk_lo = tl.load(blocks + 2 + i) * SPARSE
             blk_hi = tl.minimum(blk_lo + SPARSE, SK)
@@ -344,7 +369,7 @@ def _attn_bwd_dq_kernel(
                                     stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
                                     EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                     MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True,
-                                    DOT_PREC, UPCAST, BLOCK_N)
+                                    DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
@@ -353,19 +378,22 @@ def _attn_bwd_dq_kernel(
                                 qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
                                 rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
                                 HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_N)
+                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
+                                BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                                 offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
                                 DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
                                 seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
                                 HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST, BLOCK_N)
+                                SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA,
+                                BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                                 offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
                                 qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
                                 rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
                                 HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, BLOCK_N)
+                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
+                                BLOCK_N)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,
