@@ -15,9 +15,8 @@ dS is multiplied by the tanh's derivative 1 - t^2 before the dQ/dK products.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, heavy_first, kv_range, load_tile, q_range, scores, seq_bounds,
-                     store_tile, visible, apply_attn_mask,
-                     dropout_keep)
+from .common import (LOG2E, apply_attn_mask, dropout_keep, heavy_first, kv_range, load_rows,
+                     load_tile, q_range, row_source, scores, seq_bounds, store_tile, visible)
 
 
 @triton.jit
@@ -58,15 +57,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
                          BLOCK_M: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m                                      # [BLOCK_M]
-        if USE_TMA:  # q_base, do_base are tensor descriptors (zero fill past the end)
-            q = q_base.load([start_m, 0])                            # [BLOCK_M, BLOCK_D]
-            do = do_base.load([start_m, 0])                          # [BLOCK_M, BLOCK_D]
-        else:
-            r64 = rows.to(tl.int64)[:, None]
-            q = load_tile(q_base + r64 * stride_qt + offs_d[None, :], rows, SQ, offs_d, HEAD_DIM,
-                          MASK, not EVEN_D)                          # [BLOCK_M, BLOCK_D]
-            do = load_tile(do_base + r64 * stride_dot + offs_d[None, :], rows, SQ, offs_d,
-                           HEAD_DIM, MASK, not EVEN_D)               # [BLOCK_M, BLOCK_D]
+        q = load_rows(q_base, start_m, offs_m, stride_qt, SQ, offs_d, HEAD_DIM, MASK, not EVEN_D,
+                      USE_TMA)                                       # [BLOCK_M, BLOCK_D]
+        do = load_rows(do_base, start_m, offs_m, stride_dot, SQ, offs_d, HEAD_DIM, MASK,
+                       not EVEN_D, USE_TMA)                          # [BLOCK_M, BLOCK_D]
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -155,14 +149,8 @@ def _attn_bwd_dkdv_kernel(
         off_h = off_hk * GROUP + g
         q_base = Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
         do_base = DO + off_b * stride_dob + q_off * stride_dot + off_h * stride_doh
-        if USE_TMA:  # Hopper: Q and dO tiles by TMA
-            n_rows = tl.maximum(SQ, 1)  # a TMA dimension is never empty
-            q_base = tl.make_tensor_descriptor(q_base, shape=[n_rows, HEAD_DIM],
-                                               strides=[stride_qt, 1],
-                                               block_shape=[BLOCK_M, BLOCK_D])
-            do_base = tl.make_tensor_descriptor(do_base, shape=[n_rows, HEAD_DIM],
-                                                strides=[stride_dot, 1],
-                                                block_shape=[BLOCK_M, BLOCK_D])
+        q_base = row_source(q_base, SQ, stride_qt, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_base = row_source(do_base, SQ, stride_dot, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         lse = LSE + off_b * stride_lb + off_h * stride_lh + q_off
         delta = DELTA + off_b * stride_lb + off_h * stride_lh + q_off
         slope2 = 0.0
@@ -244,15 +232,10 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
                        BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
-        if USE_TMA:  # k_base, v_base are tensor descriptors (zero fill past the end)
-            k = k_base.load([start_n, 0])                            # [BLOCK_N, BLOCK_D]
-            v = v_base.load([start_n, 0])                            # [BLOCK_N, BLOCK_D]
-        else:
-            c64 = cols.to(tl.int64)[:, None]
-            k = load_tile(k_base + c64 * stride_kt + offs_d[None, :], cols, SK, offs_d, HEAD_DIM,
-                          MASK, not EVEN_D)                          # [BLOCK_N, BLOCK_D]
-            v = load_tile(v_base + c64 * stride_vt + offs_d[None, :], cols, SK, offs_d, HEAD_DIM,
-                          MASK, not EVEN_D)                          # [BLOCK_N, BLOCK_D]
+        k = load_rows(k_base, start_n, offs_n, stride_kt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
+                      USE_TMA)                                       # [BLOCK_N, BLOCK_D]
+        v = load_rows(v_base, start_n, offs_n, stride_vt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
+                      USE_TMA)                                       # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -341,12 +324,8 @@ def _attn_bwd_dq_kernel(
 
     k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
     v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
-    if USE_TMA:  # Hopper: K and V tiles by TMA
-        n_keys = tl.maximum(SK, 1)  # a TMA dimension is never empty
-        k_base = tl.make_tensor_descriptor(k_base, shape=[n_keys, HEAD_DIM],
-                                           strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_base = tl.make_tensor_descriptor(v_base, shape=[n_keys, HEAD_DIM],
-                                           strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_D])
+    k_base = row_source(k_base, SK, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_base = row_source(v_base, SK, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     if HAS_BLOCK_MASK:
         # key blocks of this query block: n_partial, n_full, partial indices, full indices
         blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_m // SPARSE) * stride_bq

@@ -12,9 +12,9 @@ HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Ho
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, NEG_BIG, RESCALE_SLACK, heavy_first, kv_range, load_tile, scores, seq_bounds,
-                     store_tile, visible, apply_attn_mask,
-                     dropout_keep)
+from .common import (LN2, LOG2E, NEG_BIG, RESCALE_SLACK, apply_attn_mask, dropout_keep, heavy_first,
+                     kv_range, load_rows, load_tile, row_source, scores, seq_bounds, store_tile,
+                     visible)
 
 
 @triton.jit
@@ -31,14 +31,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows
                            and MASK_KIND == 0 and MASK_MOD is None)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
-        if USE_TMA:  # k_base, v_base are tensor descriptors; TMA zero-fills out-of-range
-            k = k_base.load([start_n, 0])                            # [BLOCK_N, BLOCK_D]
-            v = v_base.load([start_n, 0])
-        else:
-            k = load_tile(k_base + cols.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
-                          cols, SK, offs_d, HEAD_DIM, MASK, not EVEN_D)  # [BLOCK_N, BLOCK_D]
-            v = load_tile(v_base + cols.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
-                          cols, SK, offs_d, HEAD_DIM, MASK, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+        k = load_rows(k_base, start_n, offs_n, stride_kt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
+                      USE_TMA)                                       # [BLOCK_N, BLOCK_D]
+        v = load_rows(v_base, start_n, offs_n, stride_vt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
+                      USE_TMA)                                       # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -121,12 +117,8 @@ def _attn_fwd_kernel(
               + rows.to(tl.int64)[:, None] * stride_qt + offs_d[None, :])
     k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
     v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
-    if USE_TMA:  # Hopper: K and V tiles by TMA (one copy instruction per tile, no addresses)
-        n_keys = tl.maximum(SK, 1)  # a TMA dimension is never empty (no load reads it then)
-        k_base = tl.make_tensor_descriptor(k_base, shape=[n_keys, HEAD_DIM],
-                                           strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_base = tl.make_tensor_descriptor(v_base, shape=[n_keys, HEAD_DIM],
-                                           strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_D])
+    k_base = row_source(k_base, SK, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_base = row_source(v_base, SK, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
     q = load_tile(q_ptrs, rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
     if UPCAST:

@@ -40,6 +40,33 @@ def load_tile(ptrs, rows, n_rows, cols, N_COLS,
 
 
 @triton.jit
+def row_source(base, n_rows, stride, HEAD_DIM, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """What ``load_rows`` reads (BLOCK_R, BLOCK_D) tiles of an (n_rows, HEAD_DIM) matrix from:
+    a tensor descriptor (Hopper's TMA: one copy instruction per tile, zero fill past the
+    matrix) or the base pointer itself."""
+    if USE_TMA:  # (a TMA dimension is never empty: no load reads an empty matrix)
+        src = tl.make_tensor_descriptor(base, shape=[tl.maximum(n_rows, 1), HEAD_DIM],
+                                        strides=[stride, 1], block_shape=[BLOCK_R, BLOCK_D])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def load_rows(src, start, offs, stride, n_rows, cols, N_COLS, CHECK_ROWS: tl.constexpr,
+              CHECK_COLS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows start + offs of a ``row_source``, zero past n_rows and N_COLS."""
+    if USE_TMA:
+        x = src.load([start, 0])
+    else:
+        rows = start + offs
+        x = load_tile(src + rows.to(tl.int64)[:, None] * stride + cols[None, :], rows, n_rows,
+                      cols, N_COLS, CHECK_ROWS, CHECK_COLS)
+    return x
+
+
+@triton.jit
 def store_tile(ptrs, x, rows, n_rows, cols, N_COLS, CHECK_COLS: tl.constexpr):
     """Store a tile, skipping rows >= n_rows and cols >= N_COLS."""
     if CHECK_COLS:
