@@ -113,21 +113,25 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu" if _env.INTERPRET else "cuda")
 
 
+@functools.lru_cache(maxsize=None)
 def _tma_capable(device: torch.device) -> bool:
     """Whether ``device`` has TMA (the Tensor Memory Accelerator): Hopper and newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _use_tma(*tensors: torch.Tensor) -> bool:
-    """Tensor-descriptor loads of these tensors: a TMA device, 16-byte aligned data and
-    16-byte multiples as strides (TMA's rules). Sets Triton's allocator if none is set
-    (the descriptors are built in global scratch memory at launch)."""
-    x = tensors[0]
-    if not (_env.TMA and _tma_capable(x.device)):
+    """Tensor-descriptor loads of these (B, T, H, D) or (T, H, D) tensors: a TMA device,
+    16-byte aligned data and strides that are 16-byte multiples (TMA's rules): the token
+    stride always (it is the descriptor's row stride), the batch and head strides where
+    their dim has more than one entry (else they never move the base). Sets Triton's
+    allocator where none is set (the kernels build their descriptors in global scratch
+    memory; the setting is per thread, and autograd runs the backward on its own)."""
+    if not (_env.TMA and _tma_capable(tensors[0].device)):
         return False
-    for t in tensors:  # (B, T, H, D) or (T, H, D); strides of size-1 dims never move the base
-        if (t.data_ptr() % 16 or t.stride(-3) <= 0
-                or any(s * t.element_size() % 16 for s, n in zip(t.stride()[:-1], t.shape) if n > 1)):
+    for t in tensors:
+        size = t.element_size()
+        if (t.data_ptr() % 16 or t.stride(-3) <= 0 or t.stride(-3) * size % 16
+                or any(s * size % 16 for s, n in zip(t.stride()[:-1], t.shape) if n > 1)):
             return False
     from triton.runtime import _allocation
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):

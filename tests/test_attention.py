@@ -236,3 +236,13 @@ def test_tma_declines_unaligned_views(tma):
     check_against_reference(lambda q, k, v: tuple(flash_attention_with_lse(q, k, v)), q, k2, v2,
                             False)
     assert tma and not any(tma)
+
+
+def test_tma_rules(tma):
+    import flashtriton.launch as launch
+    x = torch.empty(2, 8, 2, 32, dtype=torch.float16, device=DEVICE)
+    assert launch._use_tma(x)
+    # The token stride is the descriptor's row stride: a 16-byte multiple even for one token.
+    assert not launch._use_tma(torch.empty(1, 1, 1, 20, dtype=torch.float16, device=DEVICE))
+    assert not launch._use_tma(torch.empty(2, 8, 3, 20, dtype=torch.float16, device=DEVICE))
+    assert launch._use_tma(x[:1, :, :1])  # size-1 batch and head: their strides move nothing
