@@ -15,11 +15,16 @@ from typing import Dict, List, Tuple
 from . import _env
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the
-# default used when autotuning is off.
+# default used when autotuning is off. The forward splits BLOCK_M into two halves that
+# overlap each other's softmax with the tensor cores: its halves want >= 64 rows per
+# warpgroup (256 rows at 8 warps, 128 at 4) for Hopper's wgmma without cross-warpgroup
+# row reductions.
 _GPU = {
     "fwd": {
-        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 4), (64, 64, 4, 3)],
-        128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)],
+        64: [(128, 64, 4, 3), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 4),
+             (64, 64, 4, 3)],
+        128: [(128, 64, 8, 3), (256, 64, 8, 2), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
+              (128, 64, 8, 4), (64, 64, 4, 3)],
         256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
     },
     "dkdv": {
@@ -105,7 +110,7 @@ def decode_split_granule(interpret: bool = None) -> int:
 
 
 def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: int,
-          elem_bytes: int, max_block: int = 128) -> List[Tuple[int, int, int, int]]:
+          elem_bytes: int, max_block: int = 1 << 30) -> List[Tuple[int, int, int, int]]:
     """The candidates that suit a call: its head-dim class, small tiles for fp32, and
     tiles no larger than a block mask's blocks (``max_block``)."""
     if len(configs) <= 1:

@@ -31,8 +31,9 @@ def _autotuned(kind: str, kernel, key=(*_KEY, "USE_TMA")):
     cands = configs.candidates(kind)
 
     def early_prune(cfgs, named_args, **kwargs):
+        max_block = kwargs["SPARSE"] if kwargs.get("HAS_BLOCK_MASK") else 1 << 30
         keep = configs.prune(kind, [_cfg_tuple(c) for c in cfgs], kwargs["BLOCK_D"],
-                             named_args["Q"].element_size(), kwargs.get("SPARSE", 128))
+                             named_args["Q"].element_size(), max_block)
         return [c for c in cfgs if _cfg_tuple(c) in keep]
 
     return triton.autotune(

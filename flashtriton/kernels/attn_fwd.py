@@ -1,7 +1,8 @@
 """Forward kernel: FlashAttention-2 tiling with online softmax.
 
-One program per (query block, batch * head). S and P exist only as
-(BLOCK_M, BLOCK_N) register tiles; the program writes O and the natural-log
+One program per (query block, batch * head), the block in two halves of BLOCK_M / 2 rows
+whose products and softmaxes interleave (_attn_fwd_inner). S and P exist only as
+(BLOCK_M / 2, BLOCK_N) register tiles; the program writes O and the natural-log
 LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
 Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K),
@@ -12,23 +13,69 @@ HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Ho
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, NEG_BIG, RESCALE_SLACK, apply_attn_mask, dropout_keep, heavy_first,
+from .common import (LN2, LOG2E, NEG_BIG, apply_attn_mask, dropout_keep, heavy_first,
                      kv_range, load_rows, load_tile, row_source, scores, seq_bounds, store_tile,
                      visible)
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows, offs_n, offs_d,
-                    lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                    mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
-                    sm_scale, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
-                    HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
-                    SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
-                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                  mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
+                  HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                  SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr):
+    """One key block of the online softmax for some query rows: P (fp32, to multiply V) and
+    the running acc, l, m after it."""
     PLAIN: tl.constexpr = (not HAS_SOFTCAP and not HAS_ALIBI and SCORE_MOD is None
                            and MASK_KIND == 0 and MASK_MOD is None)
+    if PLAIN and not MASK:
+        # Plain scores, no mask: the scale (>= 0 here) goes into the row max and into one
+        # FMA per score, instead of a multiply and a subtract. No branch here (a lazy
+        # rescale of acc was one): a branch makes the compiler wait for every product in
+        # flight, which ends the overlap of the two halves (see _attn_fwd_inner).
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    else:
+        s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        if SCORE_MOD is not None:  # natural-log score in (qk_scale: the plain scale), log2 out
+            s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
+        s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
+        if MASK_MOD is not None:
+            s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
+        if MASK:
+            s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
+                         float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    if HAS_DROPOUT:  # after the denominator: dropout acts on the normalised P
+        keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
+        p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+    return p, acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
+                    stride_vt, rows_a, rows_b, offs_n, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER,
+                    UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
+                    rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
+                    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
+                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Key blocks lo..hi for the two row halves a and b of the query block. Both q k^T
+    products are issued before the first softmax, so that the tensor cores compute half b's
+    scores (and then half a's P V) while the other half's softmax runs: the overlap FA3 gets
+    from its warpgroups, within one program (Triton 3.6 waits for a product right before its
+    first use, and ptxas interleaves the next product's issue with the exp2s)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
         k = load_rows(k_base, start_n, offs_n, stride_kt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
@@ -38,43 +85,34 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, rows
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
-        if PLAIN and not MASK:
-            # Plain scores, no mask: the scale (>= 0 here) goes into the row max and into one
-            # FMA per score, instead of a multiply and a subtract. The running maximum (and
-            # with it acc and l) is only moved when some row's maximum grew by more than
-            # RESCALE_SLACK (log2 units): until then P <= 2^RESCALE_SLACK, exact all the same,
-            # and the (BLOCK_M, BLOCK_D) rescale of acc is skipped.
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)       # [BLOCK_M]
-            if tl.max(m_new - m_i, 0) > RESCALE_SLACK:
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.math.exp2(qk * qk_scale - m_i[:, None])           # [BLOCK_M, BLOCK_N]
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
-            if SCORE_MOD is not None:  # natural-log score in (qk_scale: the plain scale), log2 out
-                s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
-            s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
-            if MASK_MOD is not None:
-                s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s,
-                             float("-inf"))
-            if MASK:
-                s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
-                             float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))                     # [BLOCK_M]
-            p = tl.math.exp2(s - m_new[:, None])                     # [BLOCK_M, BLOCK_N]
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        if HAS_DROPOUT:  # after the denominator: dropout acts on the normalised P
-            keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
-            p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-    return acc, l_i, m_i
+        qk_a = tl.dot(q_a, tl.trans(k), input_precision=DOT_PREC)   # [HALF, BLOCK_N]
+        qk_b = tl.dot(q_b, tl.trans(k), input_precision=DOT_PREC)
+        p, acc_a, l_a, m_a = _softmax_step(qk_a, acc_a, l_a, m_a, rows_a, cols, SQ, SK, LOWER,
+                                           UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
+                                           stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                           off_h, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                           MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK)
+        acc_a = tl.dot(p.to(v.dtype), v, acc_a, input_precision=DOT_PREC)
+        p, acc_b, l_b, m_b = _softmax_step(qk_b, acc_b, l_b, m_b, rows_b, cols, SQ, SK, LOWER,
+                                           UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
+                                           stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                           off_h, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                           MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK)
+        acc_b = tl.dot(p.to(v.dtype), v, acc_b, input_precision=DOT_PREC)
+    return acc_a, l_a, m_a, acc_b, l_b, m_b
+
+
+@triton.jit
+def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM,
+                EVEN_D: tl.constexpr):
+    """O = acc / l and the natural-log LSE of some rows (rows without keys: 0 and -inf)."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    store_tile(o_base + rows.to(tl.int64)[:, None] * stride_ot + offs_d[None, :],
+               out.to(o_base.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM, not EVEN_D)
+    tl.store(lse_base + rows, lse, mask=rows < SQ)
 
 
 @triton.jit
@@ -110,21 +148,27 @@ def _attn_fwd_kernel(
         if start_m >= SQ:
             return
 
-    rows = start_m + tl.arange(0, BLOCK_M)                           # [BLOCK_M]
+    HALF: tl.constexpr = BLOCK_M // 2
+    rows_a = start_m + tl.arange(0, HALF)                            # [HALF] each
+    rows_b = rows_a + HALF
     offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)                                   # [BLOCK_D]
-    q_ptrs = (Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
-              + rows.to(tl.int64)[:, None] * stride_qt + offs_d[None, :])
+    q_base = Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
     k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
     v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
     k_base = row_source(k_base, SK, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     v_base = row_source(v_base, SK, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
-    q = load_tile(q_ptrs, rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
+    q_a = load_tile(q_base + rows_a.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], rows_a,
+                    SQ, offs_d, HEAD_DIM, True, not EVEN_D)          # [HALF, BLOCK_D]
+    q_b = load_tile(q_base + rows_b.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], rows_b,
+                    SQ, offs_d, HEAD_DIM, True, not EVEN_D)
     if UPCAST:
-        q = q.to(tl.float32)
+        q_a = q_a.to(tl.float32)
+        q_b = q_b.to(tl.float32)
     # A negative scale moves onto q (negation is exact): the loops see qk_scale >= 0.
-    q = tl.where(qk_scale < 0, -q, q)
+    q_a = tl.where(qk_scale < 0, -q_a, q_a)
+    q_b = tl.where(qk_scale < 0, -q_b, q_b)
     qk_scale = tl.abs(qk_scale)
     slope2 = 0.0
     if HAS_ALIBI:
@@ -133,9 +177,10 @@ def _attn_fwd_kernel(
     if MASK_KIND != 0:
         mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
     rng_bh = (off_b * H + off_h).to(tl.int32)
-    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_a = tl.full([HALF], NEG_BIG, dtype=tl.float32)
+    l_a = tl.zeros([HALF], dtype=tl.float32)
+    acc_a = tl.zeros([HALF, BLOCK_D], dtype=tl.float32)
+    m_b, l_b, acc_b = m_a, l_a, acc_a
 
     if HAS_BLOCK_MASK:
         # key blocks of this query block: n_partial, n_full, partial indices, full indices
@@ -143,58 +188,47 @@ def _attn_fwd_kernel(
         for i in range(0, tl.load(blocks + 1)):  # full blocks: no mask_mod
             blk_lo = tl.load(blocks + 2 + BM_N + i) * SPARSE
             blk_hi = tl.minimum(blk_lo + SPARSE, SK)
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                            rows, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM,
-                                            LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
-                                            stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                            off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                            SCORE_MOD, SCORE_GRAD, None, True, DOT_PREC, UPCAST,
-                                            USE_TMA, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
+                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
+                rows_a, rows_b, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
+                DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
         for i in range(0, tl.load(blocks)):
             blk_lo = tl.load(blocks + 2 + i) * SPARSE
             blk_hi = tl.minimum(blk_lo + SPARSE, SK)
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                            rows, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM,
-                                            LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
-                                            stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                            off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                            SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
-                                            UPCAST, USE_TMA, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
+                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
+                rows_a, rows_b, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
+                DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
+                BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
         # Masked blocks at the window's left edge, fully visible blocks, masked blocks at the
         # right edge (the causal diagonal and the ragged end of the keys).
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                        rows, offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER,
-                                        UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                        stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
-                                        EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                        MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                                        True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                        rows, offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM,
-                                        LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
-                                        stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                        off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                        HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
-                                        MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
-                                        rows, offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER,
-                                        UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                        stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
-                                        EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                        MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                                        True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
+            rows_a, rows_b, offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+            off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
+            rows_a, rows_b, offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+            off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+            HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
+            rows_a, rows_b, offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+            off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * (1.0 / l_safe)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
-
-    o_ptrs = (O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
-              + rows.to(tl.int64)[:, None] * stride_ot + offs_d[None, :])
-    store_tile(o_ptrs, out.to(O.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM, not EVEN_D)
-    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + q_off + rows, lse, mask=rows < SQ)
+    o_base = O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
+    lse_base = LSE + off_b * stride_lb + off_h * stride_lh + q_off
+    _store_rows(acc_a, l_a, m_a, rows_a, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM, EVEN_D)
+    _store_rows(acc_b, l_b, m_b, rows_b, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM, EVEN_D)

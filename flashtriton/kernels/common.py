@@ -17,9 +17,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 # Finite stand-in for -inf as the running max: a row whose scores are all
 # masked keeps m = NEG_BIG, so exp2(-inf - m) = 0 and exp2(m - m) = 1, no NaN.
 NEG_BIG = tl.constexpr(-1.0e30)
-# How far (log2 units) a row's maximum may outgrow the running maximum before the forward
-# rescales its accumulator: P stays <= 2^8, exact in fp32 and well inside fp16 / bf16 range.
-RESCALE_SLACK = tl.constexpr(8.0)
 
 
 @triton.jit
