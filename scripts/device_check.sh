@@ -9,7 +9,7 @@
 # | tar -x -C .ab/old`, with /.ab/ in .git/info/exclude; then carry .ab and set
 # AB_TREE=.ab/old AB_NAME=OLD).
 set -u
-OUT=${OUT:-device_out}; mkdir -p "$OUT"
+OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 PARTS=" ${PARTS:-tests gpu demo bench variants} "
 commit=${1:-unknown}; shift || true
@@ -27,8 +27,12 @@ has gpu && FLASHTRITON_AUTOTUNE=0 timeout ${T_GPU:-120} python3 -m pytest tests/
 has demo && timeout ${T_DEMO:-60} python3 -m flashtriton.demo > "$OUT/demo.log" 2>&1
 has bench && timeout ${T_BENCH:-300} python3 -m flashtriton.bench --commit "$commit" \
   --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
-has ab && PYTHONPATH=$PWD/${AB_TREE:?set AB_TREE} timeout ${T_AB:-300} python3 -m flashtriton.bench \
-  --commit "${AB_NAME:-old}" --providers flashtriton --out "$OUT/ab_old" "$@" > "$OUT/ab_old.log" 2>&1
+# `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: the old tree
+# runs from its own directory, and the log names the package file it imported.
+has ab && (cd "${AB_TREE:?set AB_TREE}" && PYTHONPATH=$PWD python3 -c \
+  "import flashtriton; print('imported', flashtriton.__file__)" && timeout ${T_AB:-300} \
+  python3 -m flashtriton.bench --commit "${AB_NAME:-old}" --providers flashtriton \
+  --out "$OUT/ab_old" "$@") > "$OUT/ab_old.log" 2>&1
 has variants && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit "$commit" \
   --out "$OUT/bench" > "$OUT/bench_variants.log" 2>&1
 has only && FLASHTRITON_AUTOTUNE=0 timeout ${T_ONLY:-120} python3 -m pytest $ONLY -q \
@@ -50,6 +54,6 @@ has gpu      && { echo "== gpu tests"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests
                   grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1; }
 has demo     && { echo "== demo"; grep -E "PASS|FAIL" "$OUT/demo.log"; }
 has bench    && { echo "== bench"; cat "$OUT/bench/results.md" 2>/dev/null || tail -5 "$OUT/bench.log"; }
-has ab       && { echo "== ab: ${AB_NAME:-old}"; cat "$OUT/ab_old/results.md" 2>/dev/null || tail -5 "$OUT/ab_old.log"; }
+has ab       && { echo "== ab: ${AB_NAME:-old}"; grep -m1 imported "$OUT/ab_old.log"; cat "$OUT/ab_old/results.md" 2>/dev/null || tail -5 "$OUT/ab_old.log"; }
 has variants && { echo "== variants"; cat "$OUT/bench/variants.md" 2>/dev/null || tail -5 "$OUT/bench_variants.log"; }
 true
