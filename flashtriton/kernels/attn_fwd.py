@@ -1,8 +1,9 @@
 """Forward kernel: FlashAttention-2 tiling with online softmax.
 
 One program per (query block, batch * head), the block in two halves of BLOCK_M / 2 rows
-whose products and softmaxes interleave (_attn_fwd_inner). S and P exist only as
-(BLOCK_M / 2, BLOCK_N) register tiles; the program writes O and the natural-log
+whose products and softmaxes interleave (_attn_fwd_inner; SPLIT, for head dims up to 128:
+at 256 the two halves' accumulators do not fit the registers and one half is faster).
+S and P exist only as (BLOCK_M / 2, BLOCK_N) register tiles; the program writes O and the natural-log
 LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
 Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K),
@@ -70,12 +71,13 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
                     HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
                     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks lo..hi for the two row halves a and b of the query block. Both q k^T
     products are issued before the first softmax, so that the tensor cores compute half b's
     scores (and then half a's P V) while the other half's softmax runs: the overlap FA3 gets
     from its warpgroups, within one program (Triton 3.6 waits for a product right before its
-    first use, and ptxas interleaves the next product's issue with the exp2s)."""
+    first use, and ptxas interleaves the next product's issue with the exp2s). Without
+    SPLIT, half a is the whole block and b is untouched."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N]
         k = load_rows(k_base, start_n, offs_n, stride_kt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
@@ -86,19 +88,22 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk_a = tl.dot(q_a, tl.trans(k), input_precision=DOT_PREC)   # [HALF, BLOCK_N]
-        qk_b = tl.dot(q_b, tl.trans(k), input_precision=DOT_PREC)
+        if SPLIT:
+            qk_b = tl.dot(q_b, tl.trans(k), input_precision=DOT_PREC)
         p, acc_a, l_a, m_a = _softmax_step(qk_a, acc_a, l_a, m_a, rows_a, cols, SQ, SK, LOWER,
                                            UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
                                            stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
                                            off_h, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK)
         acc_a = tl.dot(p.to(v.dtype), v, acc_a, input_precision=DOT_PREC)
-        p, acc_b, l_b, m_b = _softmax_step(qk_b, acc_b, l_b, m_b, rows_b, cols, SQ, SK, LOWER,
-                                           UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
-                                           stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                           off_h, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                           MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK)
-        acc_b = tl.dot(p.to(v.dtype), v, acc_b, input_precision=DOT_PREC)
+        if SPLIT:
+            p, acc_b, l_b, m_b = _softmax_step(qk_b, acc_b, l_b, m_b, rows_b, cols, SQ, SK,
+                                               LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                               mask_base, stride_mm, stride_mn, seed, rng_bh,
+                                               dropout_p, off_b, off_h, HAS_LOWER, HAS_UPPER,
+                                               HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                               SCORE_MOD, MASK_MOD, MASK)
+            acc_b = tl.dot(p.to(v.dtype), v, acc_b, input_precision=DOT_PREC)
     return acc_a, l_a, m_a, acc_b, l_b, m_b
 
 
@@ -148,7 +153,8 @@ def _attn_fwd_kernel(
         if start_m >= SQ:
             return
 
-    HALF: tl.constexpr = BLOCK_M // 2
+    SPLIT: tl.constexpr = BLOCK_D <= 128  # measured: D=256 split 0.70x of unsplit (docs/perf.md)
+    HALF: tl.constexpr = BLOCK_M // (1 + SPLIT)
     rows_a = start_m + tl.arange(0, HALF)                            # [HALF] each
     rows_b = rows_a + HALF
     offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
@@ -161,8 +167,10 @@ def _attn_fwd_kernel(
 
     q_a = load_tile(q_base + rows_a.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], rows_a,
                     SQ, offs_d, HEAD_DIM, True, not EVEN_D)          # [HALF, BLOCK_D]
-    q_b = load_tile(q_base + rows_b.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], rows_b,
-                    SQ, offs_d, HEAD_DIM, True, not EVEN_D)
+    q_b = q_a
+    if SPLIT:
+        q_b = load_tile(q_base + rows_b.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
+                        rows_b, SQ, offs_d, HEAD_DIM, True, not EVEN_D)
     if UPCAST:
         q_a = q_a.to(tl.float32)
         q_b = q_b.to(tl.float32)
@@ -193,7 +201,7 @@ def _attn_fwd_kernel(
                 rows_a, rows_b, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
                 DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
                 dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
+                MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC, UPCAST, USE_TMA, SPLIT, BLOCK_N)
         for i in range(0, tl.load(blocks)):
             blk_lo = tl.load(blocks + 2 + i) * SPARSE
             blk_hi = tl.minimum(blk_lo + SPARSE, SK)
@@ -203,7 +211,7 @@ def _attn_fwd_kernel(
                 DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
                 dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                 MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
-                BLOCK_N)
+                SPLIT, BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
@@ -214,21 +222,23 @@ def _attn_fwd_kernel(
             rows_a, rows_b, offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
             qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
             off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
+            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
             rows_a, rows_b, offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
             qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
             off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-            HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
+            HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, SPLIT, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
             rows_a, rows_b, offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
             qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
             off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
+            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT, BLOCK_N)
 
     o_base = O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
     lse_base = LSE + off_b * stride_lb + off_h * stride_lh + q_off
     _store_rows(acc_a, l_a, m_a, rows_a, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM, EVEN_D)
-    _store_rows(acc_b, l_b, m_b, rows_b, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM, EVEN_D)
+    if SPLIT:
+        _store_rows(acc_b, l_b, m_b, rows_b, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM,
+                    EVEN_D)
