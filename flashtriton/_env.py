@@ -1,12 +1,13 @@
 """The one place that reads flashtriton's environment variables.
 
-| variable                 | values                          | effect                                                       |
-|--------------------------|---------------------------------|--------------------------------------------------------------|
-| ``TRITON_INTERPRET``     | ``1`` / unset                   | run the kernels on the CPU through Triton's interpreter      |
-| ``FLASHTRITON_AUTOTUNE`` | ``1`` (default) / ``0``         | ``0``: each kernel's default config instead of a search      |
-| ``FLASHTRITON_TMA``      | ``1`` (default) / ``0``         | ``0``: no tensor-descriptor (TMA) loads on Hopper and newer  |
-| ``FLASHTRITON_LOG``      | ``debug`` / ``info`` / unset    | log through ``logging`` (logger ``flashtriton``) to stderr;   |
-|                          |                                 | ``debug`` logs every launch and every autotuning decision    |
+| variable                    | values                       | effect                                                      |
+|-----------------------------|------------------------------|-------------------------------------------------------------|
+| ``TRITON_INTERPRET``        | ``1`` / unset                | run the kernels on the CPU through Triton's interpreter     |
+| ``FLASHTRITON_AUTOTUNE``    | ``1`` (default) / ``0``      | ``0``: each kernel's default config instead of a search     |
+| ``FLASHTRITON_TMA``         | ``1`` (default) / ``0``      | ``0``: no tensor-descriptor (TMA) loads on Hopper and newer |
+| ``FLASHTRITON_FAST_LAUNCH`` | ``1`` (default) / ``0``      | ``0``: every launch through Triton's ``JITFunction.run``    |
+| ``FLASHTRITON_LOG``         | ``debug`` / ``info`` / unset | log through ``logging`` (logger ``flashtriton``) to stderr; |
+|                             |                              | ``debug`` logs every launch and every autotuning decision   |
 
 Read once at import; tests change them with ``monkeypatch``.
 """
@@ -25,6 +26,7 @@ def _flag(name: str, default: bool) -> bool:
 INTERPRET: bool = _flag("TRITON_INTERPRET", False)
 AUTOTUNE: bool = _flag("FLASHTRITON_AUTOTUNE", True) and not INTERPRET
 TMA: bool = _flag("FLASHTRITON_TMA", True)
+FAST_LAUNCH: bool = _flag("FLASHTRITON_FAST_LAUNCH", True)
 LOG_LEVEL: str = os.environ.get("FLASHTRITON_LOG", "").strip().lower()
 
 logger = logging.getLogger("flashtriton")

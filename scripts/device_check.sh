@@ -24,7 +24,7 @@ has tests && FLASHTRITON_AUTOTUNE=0 timeout ${T_TESTS:-540} python3 -m pytest te
   -p no:cacheprovider --ignore=tests/test_gpu.py -rf --tb=line --durations=5 > "$OUT/tests.log" 2>&1
 has gpu && FLASHTRITON_AUTOTUNE=0 timeout ${T_GPU:-120} python3 -m pytest tests/test_gpu.py -q \
   -p no:cacheprovider -rf --tb=line > "$OUT/gpu_tests.log" 2>&1
-has demo && timeout ${T_DEMO:-60} python3 -m flashtriton.demo > "$OUT/demo.log" 2>&1
+has demo && timeout ${T_DEMO:-150} python3 -m flashtriton.demo > "$OUT/demo.log" 2>&1
 has bench && timeout ${T_BENCH:-300} python3 -m flashtriton.bench --commit "$commit" \
   --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
 # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: the old tree

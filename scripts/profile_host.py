@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flashtriton import flash_attention
+from flashtriton import _env, flash_attention
 from flashtriton.decode import attention_with_kvcache
 
 
@@ -47,6 +47,10 @@ def main():
     }
     for name, fn in rows.items():
         print(f"{name:32s} {per_call_us(fn):8.1f} us/call", flush=True)
+    _env.FAST_LAUNCH = False  # the same calls, every launch through Triton's JITFunction.run
+    for name in ("flashtriton fwd", "flashtriton fwd+bwd", "flashtriton decode (8K cache)"):
+        print(f"{name + ', fast launch off':32s} {per_call_us(rows[name]):8.1f} us/call", flush=True)
+    _env.FAST_LAUNCH = True
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(300):

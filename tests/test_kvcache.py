@@ -246,3 +246,14 @@ def test_cache_leftpad():
         ref = attention_reference(q[b:b + 1], kk, vv, causal=True)
         pt = attention_reference(q[b:b + 1], kk, vv, causal=True, dtype=DT)
         assert_rule(f"out[{b}]", out[b:b + 1], ref.out, pt.out, 2, DT)
+
+
+@pytest.mark.parametrize("B, HKV, want", [(4, 8, 8), (1, 8, 33), (16, 8, 2), (64, 8, 1)])
+def test_split_heuristic_fills_at_most_two_programs_per_sm(monkeypatch, B, HKV, want):
+    # 132 SMs (H200), a 64K cache: the splits fill the GPU without a nearly empty extra wave.
+    from flashtriton import decode
+    monkeypatch.setattr(decode, "_num_sms", lambda index: 132)
+    splits = decode._splits(0, B, HKV, 65536, 128, torch.device("cuda", 0))
+    assert splits == want
+    assert splits == 1 or 132 < splits * B * HKV <= 2 * 132
+    assert decode._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit

@@ -95,7 +95,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K, BMASK,
     stride_qb, stride_qt, stride_qh,
@@ -261,7 +261,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _attn_bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K, BMASK,
     stride_qb, stride_qt, stride_qh,

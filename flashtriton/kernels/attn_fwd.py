@@ -120,7 +120,7 @@ def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HE
     tl.store(lse_base + rows, lse, mask=rows < SQ)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a new seed per call: one compiled kernel
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, BMASK,
     stride_qb, stride_qt, stride_qh,
