@@ -59,7 +59,7 @@ _TUNED = {}
 # The dropout seed is left out of the match: the kernels do not specialise on it.
 _COMPILED = {}
 _COMPILED_MAX = 512
-_PLANS = {}        # (id(kernel), positional count) -> (number of leading tensor arguments, getter of the rest)
+_PLANS = {}  # (id(kernel), positional count) -> (leading tensor arguments, getter of the rest)
 FAST_LAUNCHES = 0  # how many launches took the cached path (tests read it)
 
 
@@ -72,7 +72,8 @@ def _plan(fn, args):
         while n < len(args) and (args[n] is None or isinstance(args[n], torch.Tensor)):
             n += 1
         names = fn.arg_names[len(args):]
-        get = operator.itemgetter(*names) if len(names) > 1 else lambda m: tuple(map(m.get, names))
+        get = (operator.itemgetter(*names) if len(names) > 1
+               else lambda m: tuple(map(m.get, names)))
         plan = _PLANS[(id(fn), len(args))] = (n, get)
     return plan
 

@@ -46,7 +46,8 @@ def _ds(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot, cols,
-                         offs_m, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale,
+                         offs_m, offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
+                         qk_scale,
                          cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                          off_b, off_h, sm_scale, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
                          HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -54,8 +55,11 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
                          HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
                          SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
                          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                         BLOCK_M: tl.constexpr):
-    for start_m in range(lo, hi, BLOCK_M):
+                         LISTED: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr):
+    for it in range(lo, hi, BLOCK_M):
+        start_m = it  # LISTED: the query blocks that blk_list names (see _attn_fwd_inner)
+        if LISTED:
+            start_m = tl.load(blk_list + it // SPARSE) * SPARSE + it % SPARSE
         rows = start_m + offs_m                                      # [BLOCK_M]
         q = load_rows(q_base, start_m, offs_m, stride_qt, SQ, offs_d, HEAD_DIM, MASK, not EVEN_D,
                       USE_TMA)                                       # [BLOCK_M, BLOCK_D]
@@ -163,54 +167,50 @@ def _attn_bwd_dkdv_kernel(
         if HAS_BLOCK_MASK:
             # query blocks of this key block: n_partial, n_full, partial indices, full indices
             blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_n // SPARSE) * stride_bq
-            for i in range(0, tl.load(blocks + 1)):  # full blocks: no mask_mod
-                blk_lo = tl.load(blocks + 2 + BM_N + i) * SPARSE
-                blk_hi = tl.minimum(blk_lo + SPARSE, SQ)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                              stride_dot, cols, offs_m, offs_d, blk_lo, blk_hi, SQ,
-                                              SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
-                                              slope2, mask_base, stride_mm, stride_mn, seed,
-                                              rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                              HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                              MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None,
-                                              True, DOT_PREC, UPCAST, USE_TMA, BLOCK_M)
-            for i in range(0, tl.load(blocks)):
-                blk_lo = tl.load(blocks + 2 + i) * SPARSE
-                blk_hi = tl.minimum(blk_lo + SPARSE, SQ)
-                dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                              stride_dot, cols, offs_m, offs_d, blk_lo, blk_hi, SQ,
-                                              SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
-                                              slope2, mask_base, stride_mm, stride_mn, seed,
-                                              rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                              HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                              MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
-                                              MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
-                                              BLOCK_M)
-        else:
+            # full blocks (no mask_mod), then partial ones, each list in one flat loop
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, lo, full_lo, SQ, SK,
+                                          stride_dot, cols, offs_m, offs_d, 0,
+                                          tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N, SQ, SK,
+                                          HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                          mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
+                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                          SCORE_MOD, SCORE_GRAD, None, True, DOT_PREC, UPCAST,
+                                          USE_TMA, True, SPARSE, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
+                                          stride_dot, cols, offs_m, offs_d, 0,
+                                          tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
                                           HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                                           mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          USE_TMA, BLOCK_M)
+                                          USE_TMA, True, SPARSE, BLOCK_M)
+        else:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, full_lo, full_hi, SQ,
+                                          stride_dot, cols, offs_m, offs_d, lo, full_lo, BMASK, SQ,
                                           SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                                           mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST,
-                                          USE_TMA, BLOCK_M)
+                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
+                                          USE_TMA, False, SPARSE, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, full_hi, hi, SQ, SK,
-                                          HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                          stride_dot, cols, offs_m, offs_d, full_lo, full_hi, BMASK,
+                                          SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
+                                          slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                                          dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
+                                          HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST,
+                                          USE_TMA, False, SPARSE, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
+                                          stride_dot, cols, offs_m, offs_d, full_hi, hi, BMASK, SQ,
+                                          SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                                           mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          USE_TMA, BLOCK_M)
+                                          USE_TMA, False, SPARSE, BLOCK_M)
 
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
@@ -222,15 +222,18 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, offs_n,
-                       offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
-                       slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                       offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale,
+                       cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
                        off_h, sm_scale, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
                        HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
                        SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
+                       LISTED: tl.constexpr, SPARSE: tl.constexpr, BLOCK_N: tl.constexpr):
+    for it in range(lo, hi, BLOCK_N):
+        start_n = it  # LISTED: the key blocks that blk_list names (see _attn_fwd_inner)
+        if LISTED:
+            start_n = tl.load(blk_list + it // SPARSE) * SPARSE + it % SPARSE
         cols = start_n + offs_n                                      # [BLOCK_N]
         k = load_rows(k_base, start_n, offs_n, stride_kt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
                       USE_TMA)                                       # [BLOCK_N, BLOCK_D]
@@ -329,50 +332,46 @@ def _attn_bwd_dq_kernel(
     if HAS_BLOCK_MASK:
         # key blocks of this query block: n_partial, n_full, partial indices, full indices
         blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_m // SPARSE) * stride_bq
-        for i in range(0, tl.load(blocks + 1)):  # full blocks: no mask_mod
-            blk_lo = tl.load(blocks + 2 + BM_N + i) * SPARSE
-            blk_hi = tl.minimum(blk_lo + SPARSE, SK)
-            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
-                                    rows, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM, LOWER,
-                                    UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                    stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
-                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                    MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None, True,
-                                    DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
-        for i in range(0, tl.load(blocks)):
-            blk_lo = tl.load(blocks + 2 + i) * SPARSE
-            blk_hi = tl.minimum(blk_lo + SPARSE, SK)
-            dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
-                                    rows, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM, LOWER,
-                                    UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                    stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale,
-                                    EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                    MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True,
-                                    DOT_PREC, UPCAST, USE_TMA, BLOCK_N)
+        # full blocks (no mask_mod), then partial ones, each list in one flat loop
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                                rows, offs_n, offs_d, 0, tl.load(blocks + 1) * SPARSE,
+                                blocks + 2 + BM_N, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale,
+                                cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                                dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
+                                SCORE_GRAD, None, True, DOT_PREC, UPCAST, USE_TMA, True, SPARSE,
+                                BLOCK_N)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                                rows, offs_n, offs_d, 0, tl.load(blocks) * SPARSE, blocks + 2, SQ,
+                                SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                                HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
+                                MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, True, SPARSE, BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                                qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
-                                rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
-                                HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
-                                BLOCK_N)
+                                offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
+                                UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
+                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
+                                UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                                DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                                seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
-                                HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA,
-                                BLOCK_N)
+                                offs_n, offs_d, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
+                                UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
+                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC,
+                                UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                                qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
-                                rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
-                                HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
-                                BLOCK_N)
+                                offs_n, offs_d, full_hi, hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
+                                UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
+                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
+                                UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,

@@ -3,8 +3,8 @@
 One program per (query block, batch * head), the block in two halves of BLOCK_M / 2 rows
 whose products and softmaxes interleave (_attn_fwd_inner; SPLIT, for head dims up to 128:
 at 256 the two halves' accumulators do not fit the registers and one half is faster).
-S and P exist only as (BLOCK_M / 2, BLOCK_N) register tiles; the program writes O and the natural-log
-LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
+S and P exist only as (BLOCK_M / 2, BLOCK_N) register tiles; the program writes O and the
+natural-log LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
 Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K),
 HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
@@ -64,21 +64,26 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_
 
 @triton.jit
 def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
-                    stride_vt, rows_a, rows_b, offs_n, offs_d, lo, hi, SQ, SK, HEAD_DIM, LOWER,
-                    UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
-                    rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
+                    stride_vt, rows_a, rows_b, offs_n, offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM,
+                    LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+                    seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
                     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
                     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+                    SPLIT: tl.constexpr, LISTED: tl.constexpr, SPARSE: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """Key blocks lo..hi for the two row halves a and b of the query block. Both q k^T
     products are issued before the first softmax, so that the tensor cores compute half b's
     scores (and then half a's P V) while the other half's softmax runs: the overlap FA3 gets
     from its warpgroups, within one program (Triton 3.6 waits for a product right before its
     first use, and ptxas interleaves the next product's issue with the exp2s). Without
-    SPLIT, half a is the whole block and b is untouched."""
-    for start_n in range(lo, hi, BLOCK_N):
+    SPLIT, half a is the whole block and b is untouched. LISTED: lo..hi count through the
+    key blocks (of SPARSE keys) that blk_list names, one flat loop for the pipeliner."""
+    for it in range(lo, hi, BLOCK_N):
+        start_n = it
+        if LISTED:
+            start_n = tl.load(blk_list + it // SPARSE) * SPARSE + it % SPARSE
         cols = start_n + offs_n                                      # [BLOCK_N]
         k = load_rows(k_base, start_n, offs_n, stride_kt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
                       USE_TMA)                                       # [BLOCK_N, BLOCK_D]
@@ -193,25 +198,22 @@ def _attn_fwd_kernel(
     if HAS_BLOCK_MASK:
         # key blocks of this query block: n_partial, n_full, partial indices, full indices
         blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_m // SPARSE) * stride_bq
-        for i in range(0, tl.load(blocks + 1)):  # full blocks: no mask_mod
-            blk_lo = tl.load(blocks + 2 + BM_N + i) * SPARSE
-            blk_hi = tl.minimum(blk_lo + SPARSE, SK)
-            acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-                rows_a, rows_b, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC, UPCAST, USE_TMA, SPLIT, BLOCK_N)
-        for i in range(0, tl.load(blocks)):
-            blk_lo = tl.load(blocks + 2 + i) * SPARSE
-            blk_hi = tl.minimum(blk_lo + SPARSE, SK)
-            acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-                rows_a, rows_b, offs_n, offs_d, blk_lo, blk_hi, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
-                SPLIT, BLOCK_N)
+        # Full blocks (no mask_mod), then partial ones; each list in one flat loop. Sub-blocks
+        # past the end of the keys (a ragged last block) are masked by MASK.
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
+            rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N,
+            SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+            stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER,
+            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC,
+            UPCAST, USE_TMA, SPLIT, True, SPARSE, BLOCK_N)
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
+            rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
+            HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+            seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+            HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
+            SPLIT, True, SPARSE, BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
@@ -219,22 +221,25 @@ def _attn_fwd_kernel(
         # right edge (the causal diagonal and the ragged end of the keys).
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            rows_a, rows_b, offs_n, offs_d, lo, full_lo, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-            off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT, BLOCK_N)
+            rows_a, rows_b, offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+            dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT,
+            False, SPARSE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            rows_a, rows_b, offs_n, offs_d, full_lo, full_hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-            off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-            HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, SPLIT, BLOCK_N)
+            rows_a, rows_b, offs_n, offs_d, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+            dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, SPLIT,
+            False, SPARSE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            rows_a, rows_b, offs_n, offs_d, full_hi, hi, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-            off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT, BLOCK_N)
+            rows_a, rows_b, offs_n, offs_d, full_hi, hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+            dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT,
+            False, SPARSE, BLOCK_N)
 
     o_base = O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
     lse_base = LSE + off_b * stride_lb + off_h * stride_lh + q_off
