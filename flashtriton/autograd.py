@@ -110,24 +110,26 @@ def _forward(*args) -> Tuple[Tensor, Tensor]:
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """out, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k, alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right,
-    softcap, dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods).
+    """out, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+    attn_mask, dropout_seed, kv_blocks, q_blocks, options), options = (max_seqlen_q,
+    max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+    block_size, mods): the Python scalars travel as one tuple (each argument of apply costs
+    host time).
 
     Only q, k, v are differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
-                dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, attn_mask, dropout_seed,
+                kv_blocks, q_blocks, options):
+        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+         dropout_p, block_size, mods) = options
         out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             alibi_slopes, attn_mask, softmax_scale, causal, window_left,
                             window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
                             block_size, mods)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                               attn_mask, dropout_seed, kv_blocks, q_blocks)
-        ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                       window_right, softcap, dropout_p, block_size, mods)
+        ctx.options = options
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -139,7 +141,7 @@ class FlashAttnFunction(torch.autograd.Function):
         dq, dk, dv = _call(torch.ops.flashtriton.attn_bwd, _attn_bwd, "flashtriton::attn_bwd",
                            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes,
                            attn_mask, *options, seed, kv_blocks, q_blocks, block_size, mods)
-        return (dq, dk, dv) + (None,) * 17
+        return (dq, dk, dv) + (None,) * 8
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *args) -> Tuple[Tensor, Tensor]:
@@ -148,5 +150,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *args) -> Tuple[Tensor, Tensor]:
     autograd.Function's bookkeeping costs more host time than a small attention's kernel."""
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) \
             or not _plain_eager(q):
-        return FlashAttnFunction.apply(q, k, v, *args)
+        (cu_q, cu_k, max_q, max_k, alibi, mask, scale, causal, left, right, softcap, dropout_p,
+         seed, kv_blocks, q_blocks, block_size, mods) = args
+        return FlashAttnFunction.apply(q, k, v, cu_q, cu_k, alibi, mask, seed, kv_blocks,
+                                       q_blocks, (max_q, max_k, scale, causal, left, right,
+                                                  softcap, dropout_p, block_size, mods))
     return _forward(q, k, v, *args)
