@@ -92,14 +92,12 @@ def launch_jit(fn, grid, *args, _cfg=None, **kwargs):
     for t in args[:n]:
         if t is not None:
             ptrs |= t.data_ptr()
-    seed = meta.get("seed", 0)
-    meta["seed"] = 0  # not part of the match (the kernels do not specialise on it)
+    seed = meta.pop("seed", 0)  # not part of the match (the kernels do not specialise on it)
     device = driver.active.get_current_device()
     key = (id(fn), id(_cfg), device, *[None if t is None else t.dtype for t in args[:n]],
            *args[n:], *meta.values())
-    meta["seed"] = seed
-    if "seed" not in kwargs:
-        del meta["seed"]
+    if "seed" in kwargs:
+        meta["seed"] = seed
     cacheable = ptrs % 16 == 0 and 0 <= seed < 2**31  # an int32 seed, as compiled
     compiled = _COMPILED.get(key) if cacheable else None
     if compiled is None:

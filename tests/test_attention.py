@@ -63,8 +63,8 @@ def test_softmax_scale(scale, causal):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_running_max_that_grows_along_the_keys(dtype):
     # Scores rise along the keys (quadratically) at a rate that differs per row: in some key
-    # blocks the row maxima grow by less than the forward's rescale slack (2^8, the running
-    # maximum is kept), in others by far more (it is moved), and rows disagree.
+    # blocks the row maxima grow a little, in others by far more, and rows disagree: the
+    # online softmax's rescaling of the accumulator must follow every row.
     B, S, H, D = 1, 70, 2, 16
     e = torch.zeros(D, dtype=torch.float64)
     e[0] = 1.0
