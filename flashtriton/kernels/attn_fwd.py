@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from .common import (LN2, LOG2E, NEG_BIG, apply_attn_mask, dropout_keep, heavy_first,
-                     kv_range, load_rows, load_tile, row_source, scores, seq_bounds, store_tile,
-                     visible)
+                     kv_range, load_rows, load_tile, row_source, rows_hi, scores, seq_bounds,
+                     store_tile, visible)
 
 
 @triton.jit
@@ -233,13 +233,26 @@ def _attn_fwd_kernel(
             dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
             MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, SPLIT,
             False, SPARSE, BLOCK_N)
+        mid = hi
+        if SPLIT and HAS_UPPER:
+            mid = rows_hi(start_m, HALF, SK, UPPER, full_hi, hi, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            rows_a, rows_b, offs_n, offs_d, full_hi, hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            rows_a, rows_b, offs_n, offs_d, full_hi, mid, BMASK, SQ, SK, HEAD_DIM, LOWER,
             UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
             MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT,
             False, SPARSE, BLOCK_N)
+        # Past half a's last visible key (the causal diagonal of its rows) only half b runs:
+        # the b state goes in as the "a" arguments of a one-half (SPLIT=False) loop.
+        if SPLIT and HAS_UPPER:
+            acc_b, l_b, m_b, _, _, _ = _attn_fwd_inner(
+                acc_b, l_b, m_b, acc_b, l_b, m_b, q_b, q_b, k_base, v_base, stride_kt, stride_vt,
+                rows_b, rows_b, offs_n, offs_d, mid, hi, BMASK, SQ, SK, HEAD_DIM, LOWER, UPPER,
+                DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, False,
+                False, SPARSE, BLOCK_N)
 
     o_base = O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
     lse_base = LSE + off_b * stride_lb + off_h * stride_lh + q_off

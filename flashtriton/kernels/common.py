@@ -149,6 +149,13 @@ def kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.c
 
 
 @triton.jit
+def rows_hi(start_m, ROWS: tl.constexpr, SK, UPPER, full_hi, hi, BLOCK_N: tl.constexpr):
+    """The first key block, in [full_hi, hi], that none of the query rows
+    [start_m, start_m + ROWS) sees under the upper bound (query i sees keys j <= i + UPPER)."""
+    return _clamp(_ceil_to(_clamp(start_m + ROWS + UPPER, 0, SK), BLOCK_N), full_hi, hi)
+
+
+@triton.jit
 def q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query blocks that see some key of [start_n, start_n + BLOCK_N).
