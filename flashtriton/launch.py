@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import triton
 from triton import knobs
-from triton.runtime import driver
+from triton.runtime import _allocation, driver
 
 from . import _env, configs
 from .kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
@@ -52,15 +52,48 @@ def _autotuned(kind: str, kernel, key=(*_KEY, "USE_TMA")):
 # key from every argument on every call (~100 us of host time for these kernels): after the
 # first call for a key, launch the JIT function with the tuned config directly.
 _TUNED = {}
-# Triton's JITFunction.run binds and specialises all ~75 arguments on every call (~30 us of
-# host time). A call whose kernel, tuning key, device, tensor dtypes and every non-tensor
-# argument equal an earlier call's, with 16-byte aligned tensors (what Triton specialises
-# pointers on), runs that call's compiled kernel: only the pointers and the grid are new.
+# Triton's JITFunction.run binds and specialises all ~75 arguments on every call (~60 us of
+# host time on the H200's host). A call whose kernel, tuning key, device, tensor dtypes and
+# every non-tensor argument equal an earlier call's, with 16-byte aligned tensors (what Triton
+# specialises pointers on), replays that call's compiled kernel: only the pointers are new.
 # The dropout seed is left out of the match: the kernels do not specialise on it.
 _COMPILED = {}
 _COMPILED_MAX = 512
 _PLANS = {}  # (id(kernel), positional count) -> (leading tensor arguments, getter of the rest)
-FAST_LAUNCHES = 0  # how many launches took the cached path (tests read it)
+FAST_LAUNCHES = 0  # how many launches took a cached path (tests read it)
+
+
+class Replay(NamedTuple):
+    """A compiled kernel with its grid and every argument after the leading tensors: calling
+    it with new leading tensors (same dtypes, 16-byte aligned) launches it on the current
+    stream, as Triton's JITFunction.run would after binding the same arguments."""
+    compiled: object
+    grid: Tuple[int, int, int]
+    lead: int       # how many leading (tensor or None) arguments the kernel takes
+    tail: tuple     # the arguments after them, in the kernel's order
+    device: int
+    scratch: bool   # the kernel builds tensor descriptors in global scratch memory
+
+    def __call__(self, *tensors) -> None:
+        """Launch with ``tensors`` (16-byte aligned; padded with None to ``lead``)."""
+        global FAST_LAUNCHES
+        full = (*tensors, *(None,) * (self.lead - len(tensors)), *self.tail)
+        if self.scratch:
+            _ensure_allocator()
+        c, grid = self.compiled, self.grid
+        stream = driver.active.get_current_stream(self.device)
+        c.run(*grid, stream, c.function, c.packed_metadata, c.launch_metadata(grid, stream, *full),
+              knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
+        FAST_LAUNCHES += 1
+
+
+def aligned(*tensors) -> bool:
+    """Every tensor (None skipped) 16-byte aligned: what Triton specialises pointers on."""
+    ptrs = 0
+    for t in tensors:
+        if t is not None:
+            ptrs |= t.data_ptr()
+    return ptrs % 16 == 0
 
 
 def _plan(fn, args):
@@ -78,49 +111,48 @@ def _plan(fn, args):
     return plan
 
 
-def launch_jit(fn, grid, *args, _cfg=None, **kwargs):
+def launch_jit(fn, grid, *args, _cfg=None, **kwargs) -> Optional[Replay]:
     """Launch the @triton.jit function ``fn`` (with the tuned config ``_cfg``, if any): through
     Triton's JITFunction.run, or the compiled kernel of an earlier call with the same
-    arguments but the pointers and the seed (see _COMPILED)."""
-    global FAST_LAUNCHES
+    arguments but the pointers and the seed (see _COMPILED). Returns the launch's Replay when
+    it can be replayed (fast launches on, aligned tensors, an int32 seed)."""
     if not _env.FAST_LAUNCH or _env.INTERPRET:
         fn[grid](*args, **kwargs, **(_cfg.all_kwargs() if _cfg is not None else {}))
-        return
+        return None
     meta = {**kwargs, **_cfg.kwargs} if _cfg is not None else dict(kwargs)
     n, rest = _plan(fn, args)
-    ptrs = 0
-    for t in args[:n]:
-        if t is not None:
-            ptrs |= t.data_ptr()
     seed = meta.pop("seed", 0)  # not part of the match (the kernels do not specialise on it)
     device = driver.active.get_current_device()
     key = (id(fn), id(_cfg), device, *[None if t is None else t.dtype for t in args[:n]],
            *args[n:], *meta.values())
     if "seed" in kwargs:
         meta["seed"] = seed
-    cacheable = ptrs % 16 == 0 and 0 <= seed < 2**31  # an int32 seed, as compiled
-    compiled = _COMPILED.get(key) if cacheable else None
-    if compiled is None:
+    if not (aligned(*args[:n]) and 0 <= seed < 2**31):  # as the cached kernels were compiled
+        fn[grid](*args, **kwargs, **(_cfg.all_kwargs() if _cfg is not None else {}))
+        return None
+    shown = tuple(grid(meta) if callable(grid) else grid)
+    entry = _COMPILED.get(key)
+    if entry is None:
         compiled = fn[grid](*args, **kwargs, **(_cfg.all_kwargs() if _cfg is not None else {}))
-        if cacheable and hasattr(compiled, "packed_metadata"):
-            if len(_COMPILED) >= _COMPILED_MAX:
-                _COMPILED.clear()
-            _COMPILED[key] = (compiled, _cfg)  # holds _cfg: its id stays its own
-        return
-    compiled = compiled[0]
-    shown = grid(meta) if callable(grid) else grid
-    full = (*args, *rest(meta))
-    stream = driver.active.get_current_stream(device)
-    compiled.run(shown[0], shown[1] if len(shown) > 1 else 1, shown[2] if len(shown) > 2 else 1,
-                 stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(shown, stream, *full),
-                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
-    FAST_LAUNCHES += 1
+        if not hasattr(compiled, "packed_metadata"):
+            return None
+        if len(_COMPILED) >= _COMPILED_MAX:
+            _COMPILED.clear()
+        _COMPILED[key] = (compiled, _cfg)  # holds _cfg: its id stays its own
+    else:
+        compiled = entry[0]
+    replay = Replay(compiled, (*shown, *(1,) * (3 - len(shown))), n, (*args[n:], *rest(meta)),
+                    device, compiled.metadata.global_scratch_size > 0)
+    if entry is not None:
+        replay(*args[:n])
+    return replay
 
 
-def _launch(kernel, grid, tuning_key, *args, **kwargs):
-    """Launch an autotuned kernel; at debug level, log its config, grid and new tunings."""
+def _launch(kernel, grid, tuning_key, *args, **kwargs) -> Optional[Replay]:
+    """Launch an autotuned kernel; at debug level, log its config, grid and new tunings.
+    Returns the launch's Replay, if it has one (not on the call that tunes)."""
     cfg = _TUNED.get((id(kernel), tuning_key))
+    replay = None
     if cfg is None:
         known = len(kernel.cache)
         kernel[grid](*args, **kwargs)
@@ -129,13 +161,55 @@ def _launch(kernel, grid, tuning_key, *args, **kwargs):
             _env.logger.debug("autotuned %s for key %s: %s", kernel.fn.__name__,
                               list(kernel.cache)[-1], cfg)
     else:
-        launch_jit(kernel.fn, grid, *args, _cfg=cfg, **kwargs)
+        replay = launch_jit(kernel.fn, grid, *args, _cfg=cfg, **kwargs)
     if _env.logger.isEnabledFor(logging.DEBUG):
         meta = dict(kwargs, **cfg.kwargs)
         shown = grid(meta) if callable(grid) else grid
         _env.logger.debug("launch %s grid=%s BLOCK_M=%s BLOCK_N=%s num_warps=%s num_stages=%s",
                           kernel.fn.__name__, tuple(shown), meta.get("BLOCK_M"),
                           meta.get("BLOCK_N"), cfg.num_warps, cfg.num_stages)
+    return replay
+
+
+# Whole calls replayed: (call site, signature) -> the Replays of its launches. A signature
+# holds everything but the data pointers that decides a call's kernels, configs, grids and
+# scalar arguments (shapes, strides, dtypes, the variant, the current device, the switches),
+# so a call that matches one skips the launchers' Python altogether: it allocates its outputs
+# and replays. Calls with tensors in the variant, packed sequences or dropout (a new seed per
+# call) take the launchers' path every time.
+_CALLS = {}
+_CALLS_MAX = 512
+
+
+def call_signature(site: str, scalars, *tensors) -> Optional[tuple]:
+    """The signature of a call at ``site`` (None: do not replay): its Python scalars (hashable)
+    and the shape, strides and dtype of each tensor argument (None where absent)."""
+    if not _env.FAST_LAUNCH or _env.INTERPRET:
+        return None
+    return (site, scalars, driver.active.get_current_device(), _env.TMA, _env.AUTOTUNE,
+            *[None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors])
+
+
+def _signature(site: str, variant: "Variant", varlen, *tensors) -> Optional[tuple]:
+    if (varlen is not None or variant.dropout_p or variant.alibi_slopes is not None
+            or variant.attn_mask is not None or variant.kv_blocks is not None
+            or variant.q_blocks is not None):
+        return None
+    return call_signature(site, variant, *tensors)
+
+
+def recall(signature) -> Optional[tuple]:
+    """What ``remember`` recorded under ``signature``, or None."""
+    return _CALLS.get(signature)
+
+
+def remember(signature, *entries) -> None:
+    """Record a call's Replays (and whatever else its replay needs) under its signature, if
+    every launch of the call could be replayed."""
+    if signature is not None and all(e is not None for e in entries):
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[signature] = entries
 
 
 def _cfg_tuple(cfg) -> Tuple[int, int, int, int]:
@@ -200,10 +274,15 @@ def _use_tma(*tensors: torch.Tensor) -> bool:
         if (t.data_ptr() % 16 or t.stride(-3) <= 0 or t.stride(-3) * size % 16
                 or any(s * size % 16 for s, n in zip(t.stride()[:-1], t.shape) if n > 1)):
             return False
-    from triton.runtime import _allocation
+    _ensure_allocator()
+    return True
+
+
+def _ensure_allocator() -> None:
+    """Triton's allocator for the kernels' descriptor scratch memory, where this thread has
+    none (the setting is per thread)."""
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
-    return True
 
 
 class Variant(NamedTuple):
@@ -370,6 +449,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         return out, lse
     if SK == 0 or k.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
+    signature = _signature("fwd", variant, varlen, q, k, v)
+    replays = recall(signature)
+    if replays is not None and aligned(q, k, v, out, lse):
+        replays[0](q, k, v, out, lse)
+        return out, lse
 
     def grid(meta):
         return (configs.cdiv(SQ, meta["BLOCK_M"]), B * H)
@@ -378,7 +462,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     (mask, *mask_strides), _ = _mask_args(variant)
     common, key = _common(q, varlen, SQ, SK, variant)
     use_tma = _use_tma(k, v)
-    _launch(
+    replay = _launch(
         _fwd, grid, (*key, use_tma),
         q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
@@ -387,6 +471,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         H, H // HKV, SQ, SK,
         USE_TMA=use_tma, **common,
     )
+    remember(signature, replay)
     return out, lse
 
 
@@ -402,17 +487,22 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     lse = lse.contiguous()  # delta below shares its strides
+    # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel
+    # (launched after it on the same stream).
+    delta = _empty(lse.shape, torch.float32, lse.device)
+    signature = _signature("bwd", variant, varlen, q, k, v, out, dout)
+    replays = recall(signature)
+    if replays is not None and aligned(q, k, v, out, dout, lse, delta, dq, dk, dv):
+        replays[0](q, k, v, out, dout, lse, delta, dq)
+        replays[1](q, k, v, dout, lse, delta, dk, dv)
+        return dq, dk, dv
     common, key = _common(q, varlen, SQ, SK, variant)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     stride_lb, stride_lh = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
     use_tma = _use_tma(q, k, v, dout)  # dQ reads K and V by TMA, dK/dV reads Q and dO
     key = (*key, use_tma)
-
-    # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel
-    # (launched after it on the same stream).
-    delta = _empty(lse.shape, torch.float32, lse.device)
-    _launch(
+    replay_dq = _launch(
         _dq, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), key,
         q, k, v, out, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
         *_block_args(variant.kv_blocks)[:1],
@@ -423,7 +513,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         H, H // HKV, SQ, SK,
         USE_TMA=use_tma, **common,
     )
-    _launch(
+    replay_dkdv = _launch(
         _dkdv, lambda meta: (configs.cdiv(SK, meta["BLOCK_N"]), B * HKV), key,
         q, k, v, dout, lse, delta, dk, dv, alibi, mask, *_cu(varlen),
         *_block_args(variant.q_blocks)[:1],
@@ -433,4 +523,5 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         HKV, H // HKV, SQ, SK,
         USE_TMA=use_tma, **common,
     )
+    remember(signature, replay_dq, replay_dkdv)
     return dq, dk, dv

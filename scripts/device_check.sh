@@ -47,7 +47,7 @@ has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cu
                   grep -E "passed|failed" "$OUT/only.log" | tail -1; }
 has ring     && { echo "== ring"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ring_tests.log" | tail -5;
                   cat "$OUT/bench/ring.md" 2>/dev/null || tail -15 "$OUT/bench_ring.log"; }
-has host     && { echo "== host"; head -8 "$OUT/host.log"; cat "$OUT/decode_sweep.log"; }
+has host     && { echo "== host"; head -14 "$OUT/host.log"; cat "$OUT/decode_sweep.log"; }
 has tests    && { echo "== tests"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -40;
                   grep -E "passed|failed" "$OUT/tests.log" | tail -1; }
 has gpu      && { echo "== gpu tests"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-300;

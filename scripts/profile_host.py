@@ -45,10 +45,29 @@ def main():
         "flashtriton decode (8K cache)": lambda: attention_with_kvcache(q1, kc, vc,
                                                                          cache_seqlens=lens),
     }
+    # The backward alone, three ways: autograd's backward of a kept graph (engine + our
+    # Function's backward), our launcher called directly, and SDPA's kept graph.
+    out = flash_attention(qg, kg, vg)
+    ref = F.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2),
+                                         vg.transpose(1, 2))
+    grad, grad_ref = torch.randn_like(out), torch.randn_like(ref)
+    from flashtriton import launch
+    lse = torch.zeros(1, 4, 128, device="cuda")
+    variant = launch.Variant(0.125)
+    rows.update({
+        "flashtriton fwd (grad on)": lambda: flash_attention(qg, kg, vg),
+        "sdpa fwd (grad on)": lambda: F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2)),
+        "flashtriton bwd of a kept graph": lambda: out.backward(grad, retain_graph=True),
+        "sdpa bwd of a kept graph": lambda: ref.backward(grad_ref, retain_graph=True),
+        "flashtriton attention_backward": lambda: launch.attention_backward(
+            grad, q, k, v, out.detach(), lse, variant),
+    })
     for name, fn in rows.items():
         print(f"{name:32s} {per_call_us(fn):8.1f} us/call", flush=True)
     _env.FAST_LAUNCH = False  # the same calls, every launch through Triton's JITFunction.run
-    for name in ("flashtriton fwd", "flashtriton fwd+bwd", "flashtriton decode (8K cache)"):
+    for name in ("flashtriton fwd", "flashtriton fwd+bwd", "flashtriton decode (8K cache)",
+                 "flashtriton attention_backward"):
         print(f"{name + ', fast launch off':32s} {per_call_us(rows[name]):8.1f} us/call", flush=True)
     _env.FAST_LAUNCH = True
     prof = cProfile.Profile()

@@ -17,6 +17,7 @@ from flashtriton import _env, flash_attention_with_lse, launch
 class FakeCompiled:
     packed_metadata = "packed"
     function = "function"
+    metadata = types.SimpleNamespace(global_scratch_size=0)
 
     def __init__(self):
         self.runs = []
@@ -46,10 +47,15 @@ class FakeJIT:
 
 
 class FakeAutotuner:
-    def __init__(self):
+    def __init__(self, real=None):
+        """A stand-in for launch._fwd / _dq / _dkdv (``real``: its argument names and tiles)."""
         self.fn = FakeJIT()
         self.cache = {}
         self.best_config = triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=1)
+        if real is not None:
+            self.fn.arg_names = real.fn.arg_names
+            self.best_config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4,
+                                             num_stages=1)
         self.tuned = 0
 
     def __getitem__(self, grid):
@@ -147,3 +153,108 @@ def test_kernel_without_tuning(fake):
     assert len(fn.slow) == 1
     (grid, _, args), = fn.compiled[0].runs
     assert grid == (4, 1, 1) and args[0] is q and args[2:] == (64, 0.5, 3, True, 8)
+
+
+@pytest.fixture
+def fake_attention(fake, monkeypatch):
+    """Fake forward and backward kernels with the real kernels' arguments; a fresh call table."""
+    monkeypatch.setattr(launch, "_CALLS", {})
+    kernels = {}
+    for name in ("_fwd", "_dq", "_dkdv"):
+        kernels[name] = FakeAutotuner(getattr(launch, name))
+        monkeypatch.setattr(launch, name, kernels[name])
+    yield kernels
+    launch._TUNED.clear()  # keyed by the fakes' ids
+
+
+def _tensors(B=2, N=40, dtype=torch.float16):
+    return [torch.zeros(B, N, 2, 32, dtype=dtype) for _ in range(3)]
+
+
+def test_repeated_forward_replays_the_call(fake_attention):
+    # Call 1 tunes, call 2 compiles (through JITFunction.run) and is remembered, calls 3 and
+    # 4 replay it with their own tensors and the same scalars; a call that differs in its
+    # variant, strides or dtype goes through the launchers again.
+    fwd = fake_attention["_fwd"]
+    variant = launch.Variant(0.125, causal=True)
+    for _ in range(2):
+        launch.attention_forward(*_tensors(), variant)
+    assert fwd.tuned == 1 and len(fwd.fn.slow) == 1 and len(launch._CALLS) == 1
+    (grid, slow_args, slow_kwargs), = fwd.fn.slow
+    for _ in range(2):
+        q, k, v = _tensors()
+        out, lse = launch.attention_forward(q, k, v, variant)
+    compiled = fwd.fn.compiled[0]
+    assert len(fwd.fn.slow) == 1 and len(compiled.runs) == 2
+    (shown, _, args) = compiled.runs[-1]
+    assert shown == (2, 4, 1) == (*grid, 1)   # cdiv(40, 32) query blocks, B * H
+    assert args[0] is q and args[1] is k and args[2] is v and args[3] is out and args[4] is lse
+    assert args[5:len(slow_args)] == slow_args[5:]
+    names = fwd.fn.arg_names[len(slow_args):]
+    assert args[len(slow_args):] == tuple({**slow_kwargs}[n] for n in names)
+
+    q, k, v = _tensors()
+    launch.attention_forward(q, k, v, variant._replace(softmax_scale=0.25))
+    launch.attention_forward(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, variant)
+    launch.attention_forward(*_tensors(dtype=torch.bfloat16), variant)
+    assert len(compiled.runs) == 2             # none of them replayed the first call
+    assert [a[1][0] is q for a in fwd.fn.slow[1:3]] == [True, True]
+
+
+def test_repeated_backward_replays_both_kernels(fake_attention):
+    dq_kernel, dkdv_kernel = fake_attention["_dq"], fake_attention["_dkdv"]
+    variant = launch.Variant(0.125)
+    for _ in range(3):
+        q, k, v = _tensors()
+        out, dout = torch.zeros_like(q), torch.zeros_like(q)
+        lse = torch.zeros(2, 2, 40)
+        dq, dk, dv = launch.attention_backward(dout, q, k, v, out, lse, variant)
+    assert len(dq_kernel.fn.slow) == len(dkdv_kernel.fn.slow) == 1
+    (_, _, dq_args), = dq_kernel.fn.compiled[0].runs
+    (_, _, dkdv_args), = dkdv_kernel.fn.compiled[0].runs
+    assert [a is b for a, b in zip(dq_args, (q, k, v, out, dout, lse))] == [True] * 6
+    assert dq_args[7] is dq and dkdv_args[6] is dk and dkdv_args[7] is dv
+    assert dq_args[6] is dkdv_args[5]          # the delta dQ writes is the one dK/dV reads
+
+
+def test_dropout_and_tensor_variants_are_not_replayed(fake_attention):
+    fwd = fake_attention["_fwd"]
+    slopes = torch.ones(2)
+    for variant in (launch.Variant(0.125, dropout_p=0.1, seed=5),
+                    launch.Variant(0.125, alibi_slopes=slopes)):
+        for _ in range(3):
+            launch.attention_forward(*_tensors(), variant)
+    assert not launch._CALLS
+
+
+def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
+    from flashtriton import decode
+    monkeypatch.setattr(decode, "check_qkv", lambda *args: None)  # CPU tensors, no interpreter
+    split = FakeAutotuner(launch._decode)
+    split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
+    merge = FakeJIT()
+    merge.arg_names = decode._attn_merge_kernel.arg_names
+    monkeypatch.setattr(launch, "_decode", split)
+    monkeypatch.setattr(decode, "_attn_merge_kernel", merge)
+
+    def step(num_splits=3):
+        q = torch.zeros(2, 1, 4, 32, dtype=torch.float16)
+        cache = torch.zeros(2, 3 * decode.configs.decode_split_granule(), 2, 32,
+                            dtype=torch.float16)
+        lens = torch.full((2,), 50, dtype=torch.int32)
+        out, lse = decode.attention_with_kvcache(q, cache, cache, cache_seqlens=lens,
+                                                 num_splits=num_splits)
+        return q, cache, lens, out, lse
+
+    for _ in range(2):
+        step()
+    assert len(split.fn.slow) == len(merge.slow) == 1 and len(launch._CALLS) == 1
+    q, cache, lens, out, lse = step()
+    (grid, _, args), = split.fn.compiled[0].runs
+    _, _, merge_args = merge.compiled[0].runs[-1]   # call 2 ran it cached, call 3 replayed
+    assert grid == (3, 4, 1)                   # splits x (B * HKV)
+    assert args[0] is q and args[1] is cache and args[3] is lens
+    assert args[8] is merge_args[0] and args[9] is merge_args[1]  # the partials merged
+    assert merge_args[2] is out and merge_args[3] is lse
+    step(num_splits=2)                         # another split size: tuned or compiled anew
+    assert split.tuned + len(split.fn.slow) == 3 and len(split.fn.compiled[0].runs) == 1
