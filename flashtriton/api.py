@@ -26,8 +26,9 @@ def _describe(x: torch.Tensor) -> str:
     return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
 
 
-def check_qkv(q, k, v, names=("q", "k", "v")) -> None:
-    """Raise TypeError/ValueError naming the argument for input the kernels cannot take."""
+def check_qkv(q, k, v, names=("q", "k", "v"), same_batch: bool = True) -> None:
+    """Raise TypeError/ValueError naming the argument for input the kernels cannot take.
+    same_batch=False: k and v may have another batch size than q (KV caches)."""
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -40,20 +41,21 @@ def check_qkv(q, k, v, names=("q", "k", "v")) -> None:
                             f"float16, bfloat16 or float32 ({_describe(x)})")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{nq}, {nk}, {nv} must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {q.device}, {k.device}, {v.device}")
-    if q.device.type == "cpu" and not _env.INTERPRET:
+    device = q.device  # each .device builds a torch.device: read once per tensor
+    if k.device != device or v.device != device:
+        raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {device}, {k.device}, {v.device}")
+    if device.type == "cpu" and not _env.INTERPRET:
         raise ValueError(f"{nq} is a CPU tensor ({_describe(q)}); flashtriton runs on a GPU, or on "
                          "the CPU through Triton's interpreter: set TRITON_INTERPRET=1 in the "
                          "environment before importing flashtriton")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{nq} is on device {q.device}; flashtriton supports CUDA/ROCm GPUs "
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{nq} is on device {device}; flashtriton supports CUDA/ROCm GPUs "
                          "(and the CPU with TRITON_INTERPRET=1)")
     B, SQ, H, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"{nk} and {nv} must have the same shape; got {nk} {_describe(k)} and "
                          f"{nv} {_describe(v)}")
-    if k.shape[0] != B:
+    if same_batch and k.shape[0] != B:
         raise ValueError(f"batch mismatch: {nq} {_describe(q)}, {nk} {_describe(k)}")
     if k.shape[3] != D:
         raise ValueError(f"headdim mismatch: {nq} {_describe(q)}, {nk} {_describe(k)}")

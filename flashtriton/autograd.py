@@ -98,6 +98,11 @@ def _call(op, impl, name, *args):
     profiler traces)."""
     if not _plain_eager(args[0]):
         return op(*args)
+    return _eager(impl, name, *args)
+
+
+def _eager(impl, name, *args):
+    """An op's implementation called directly, under the op's name in profiler traces."""
     if torch.autograd.profiler._is_profiler_enabled:
         with torch.profiler.record_function(name):
             return impl(*args)
@@ -155,4 +160,4 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *args) -> Tuple[Tensor, Tensor]:
         return FlashAttnFunction.apply(q, k, v, cu_q, cu_k, alibi, mask, seed, kv_blocks,
                                        q_blocks, (max_q, max_k, scale, causal, left, right,
                                                   softcap, dropout_p, block_size, mods))
-    return _forward(q, k, v, *args)
+    return _eager(_attn_fwd, "flashtriton::attn_fwd", q, k, v, *args)  # plain eager here

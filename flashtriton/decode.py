@@ -117,9 +117,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError("q must be a 4-D (batch, seqlen_q, nheads, headdim) tensor")
     B, SQ, H, D = q.shape
-    # Validate q against a (B, 1, HKV, D) view of the cache: dtypes, devices, heads, head dim.
-    check_qkv(q, k_cache[:1, :1].expand(q.shape[0], 1, -1, -1),
-              v_cache[:1, :1].expand(q.shape[0], 1, -1, -1), ("q", "k_cache", "v_cache"))
+    # dtypes, devices, heads and head dim of q against the cache (whose batch may differ)
+    check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), same_batch=False)
     HKV = k_cache.shape[2]
     if paged:
         page_size = k_cache.shape[1]

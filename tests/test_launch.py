@@ -229,7 +229,7 @@ def test_dropout_and_tensor_variants_are_not_replayed(fake_attention):
 
 def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
     from flashtriton import decode
-    monkeypatch.setattr(decode, "check_qkv", lambda *args: None)  # CPU tensors, no interpreter
+    monkeypatch.setattr(decode, "check_qkv", lambda *args, **kw: None)  # CPU, no interpreter
     split = FakeAutotuner(launch._decode)
     split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
     merge = FakeJIT()
