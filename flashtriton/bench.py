@@ -224,6 +224,19 @@ def copy_bandwidth_gbps(nbytes=2**31):
     return 2 * src.numel() * 2 / ms * 1e-6
 
 
+def _loop_us(fn, calls=50):
+    """Wall time per call of back-to-back calls (no cache flush between them): the larger of
+    a call's host time and its GPU time, so an eager row slower than its graph row that has
+    loop_us near its eager time is host-bound."""
+    import time
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
 def _graph(fn):
     """fn captured in a CUDA graph (serving engines replay decoding steps this way: the
     replay has no host overhead, so it times the kernels)."""
@@ -276,6 +289,7 @@ def run_decode(batches, lens, meta, copy_gbps):
                         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                         graph_ms = triton.testing.do_bench(_graph(fn).replay, warmup=25, rep=100,
                                                            return_mode="median")
+                        row["loop_us"] = _loop_us(fn)
                         row.update(status="ok", decode_ms=ms, decode_GBps=nbytes / ms * 1e-6,
                                    pct_of_copy=100 * nbytes / ms * 1e-6 / copy_gbps,
                                    graph_ms=graph_ms, graph_GBps=nbytes / graph_ms * 1e-6,
@@ -533,7 +547,8 @@ def main(argv=None):
                 jsonl.write(json.dumps(row) + "\n")
                 print(f"decode {row['provider']:20s} B={row['B']} N={row['N']} "
                       + (f"{row['decode_GBps']:7.0f} GB/s eager, {row['graph_GBps']:7.0f} GB/s "
-                         f"graph ({row['graph_pct_of_copy']:.0f}% of copy)"
+                         f"graph ({row['graph_pct_of_copy']:.0f}% of copy), "
+                         f"{row['loop_us']:.1f} us per call back to back"
                          if row["status"] == "ok" else row["status"]), flush=True)
     write_csv(rows, os.path.join(args.out, "results.csv"))
     table = markdown(rows, providers, meta)
