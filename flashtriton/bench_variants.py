@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl  # noqa: F401  (the interpreter needs it beside @triton.jit code)
 
-from .bench import Shape, _measure, _meta
+from . import launch
+from .bench import Shape, _measure, _meta, tiles_since
 
 WINDOW = 1024
 DOC = 2048
@@ -125,6 +126,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "variants.jsonl"), "w") as f:
         for name in args.variants:
             res = {}
+            tuned_before = set(launch._TUNED)  # flashtriton tunes in its check call below
             fns = {"flashtriton": _ours(name, B, H, N, "cuda"), "flex": _flex(name, B, H, N, "cuda")}
             q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             a, b = fns["flashtriton"](q, k, v, None).float(), fns["flex"](q, k, v, None).float()
@@ -139,12 +141,14 @@ def main(argv=None):
                                status="ok")
                     row.update(fwd_tflops=flop / row["fwd_ms"] * 1e-9,
                                bwd_tflops=2.5 * flop / row["bwd_ms"] * 1e-9)
+                    if prov == "flashtriton":  # the tiles its kernels were tuned to
+                        row["tiles"] = tiles_since(tuned_before)
                 res[prov] = row
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 print(name, prov, row.get("fwd_tflops"), row.get("bwd_tflops"), row["status"],
-                      flush=True)
+                      row.get("tiles", ""), flush=True)
             o, x = res["flashtriton"], res["flex"]
             if o["status"] == x["status"] == "ok":
                 lines.append(f"| {name} | {o['fwd_tflops']:.0f} / {o['bwd_tflops']:.0f} | "

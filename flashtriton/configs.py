@@ -18,13 +18,14 @@ from . import _env
 # default used when autotuning is off. The forward splits BLOCK_M into two halves that
 # overlap each other's softmax with the tensor cores: its halves want >= 64 rows per
 # warpgroup (256 rows at 8 warps, 128 at 4) for Hopper's wgmma without cross-warpgroup
-# row reductions.
+# row reductions. Block masks cap tiles at their block size (128): there (128, 64, 4, 2)
+# leaves 96 KB of shared memory per program, two programs per SM.
 _GPU = {
     "fwd": {
         64: [(128, 64, 4, 3), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 4),
              (64, 64, 4, 3)],
         128: [(256, 64, 8, 3), (256, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
-              (128, 64, 8, 4), (64, 64, 4, 3)],
+              (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 4, 2)],
         256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
     },
     "dkdv": {

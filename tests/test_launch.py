@@ -258,3 +258,17 @@ def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
     assert merge_args[2] is out and merge_args[3] is lse
     step(num_splits=2)                         # another split size: tuned or compiled anew
     assert split.tuned + len(split.fn.slow) == 3 and len(split.fn.compiled[0].runs) == 1
+
+
+def test_descriptor_scratch_is_shared_per_stream(monkeypatch):
+    monkeypatch.setattr(launch, "_SCRATCH", {})
+    first = launch._scratch(256, 128, stream=7)
+    assert launch._scratch(128, 128, stream=7) is first       # smaller: the same buffer
+    other = launch._scratch(128, 128, stream=8)               # another stream: its own
+    assert other is not first and other.numel() >= 128
+    grown = launch._scratch(1024, 128, stream=7)              # larger: a new, larger buffer
+    assert grown is not first and grown.numel() >= 1024
+    assert launch._scratch(512, 128, stream=7) is grown
+    if torch.cuda.is_available():  # a graph capture takes memory from the graph's pool
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert launch._scratch(64, 128, stream=7) is not grown
