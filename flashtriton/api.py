@@ -28,7 +28,26 @@ def _describe(x: torch.Tensor) -> str:
 
 def check_qkv(q, k, v, names=("q", "k", "v"), same_batch: bool = True) -> None:
     """Raise TypeError/ValueError naming the argument for input the kernels cannot take.
-    same_batch=False: k and v may have another batch size than q (KV caches)."""
+    same_batch=False: k and v may have another batch size than q (KV caches).
+
+    Every call pays for this (host time): valid input passes one combined test, reading
+    each attribute once; anything else goes through the checks one by one, which name
+    the problem."""
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        qs, ks, dtype = q.shape, k.shape, q.dtype
+        if (len(qs) == 4 and len(ks) == 4 and ks == v.shape and dtype in SUPPORTED_DTYPES
+                and k.dtype == dtype and v.dtype == dtype and 1 <= qs[3] <= MAX_HEAD_DIM
+                and ks[3] == qs[3] and (ks[0] == qs[0] or not same_batch)
+                and ks[2] > 0 and qs[2] % ks[2] == 0):
+            device = q.device
+            if (k.device == device and v.device == device
+                    and (device.type == "cuda" or (device.type == "cpu" and _env.INTERPRET))):
+                return
+    _diagnose_qkv(q, k, v, names, same_batch)
+
+
+def _diagnose_qkv(q, k, v, names, same_batch: bool) -> None:
+    """check_qkv's checks one by one: raises naming the first problem."""
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
