@@ -9,7 +9,6 @@ import math
 from typing import Optional, Tuple, Union
 
 import torch
-import triton
 
 from . import _env, configs, launch
 from .api import AttentionOutput, _check_alibi, _check_scale, _check_softcap, _check_window, \
@@ -67,6 +66,7 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
     return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 
 
+@launch.on_device_of
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
                            cache_seqlens: Union[int, torch.Tensor, None] = None,
@@ -231,6 +231,7 @@ def _partials(splits, B, H, SQ, D, device):
             torch.empty((splits, B, H, SQ), dtype=torch.float32, device=device))
 
 
+@launch.on_device_of
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor) -> Optional[launch.Replay]:
     """out (B, SQ, H, D), lse (B, H, SQ) <- S partial results o_part (S, B, H, SQ, D) fp32

@@ -212,6 +212,21 @@ def remember(signature, *entries) -> None:
         _CALLS[signature] = entries
 
 
+def on_device_of(fn):
+    """``fn`` run with the current CUDA device set to its first argument's: Triton launches on
+    the current device, while flash-attn and SDPA run on their inputs' device whatever is
+    current (a guard, as flash-attn's CUDAGuard)."""
+    @functools.wraps(fn)
+    def run(x, *args, **kwargs):
+        get_device = getattr(x, "get_device", None)  # not a tensor: fn's checks raise
+        index = get_device() if get_device is not None else -1  # -1: CPU (interpreter)
+        if index >= 0 and index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                return fn(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
+    return run
+
+
 def _cfg_tuple(cfg) -> Tuple[int, int, int, int]:
     return (cfg.kwargs.get("BLOCK_M", 0), cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
 
@@ -453,6 +468,7 @@ def _cu(varlen: Optional[Varlen]):
     return (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
 
 
+@on_device_of
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                       varlen: Optional[Varlen] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """O in q's shape and dtype; LSE fp32 in natural log, (B, H, SQ) or (H, total_q)."""
@@ -489,6 +505,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     return out, lse
 
 
+@on_device_of
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, variant: Variant,
                        varlen: Optional[Varlen] = None

@@ -5,6 +5,7 @@ Skipped on machines without one; the device run executes them (README, Testing).
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from accuracy import check_against_reference, make_qkv
 from conftest import ON_GPU
@@ -153,3 +154,25 @@ def test_forward_replays_from_a_cuda_graph():
     eager = flash_attention(q, k, v, causal=True)
     torch.testing.assert_close(captured, eager, atol=0, rtol=0)
     torch.testing.assert_close(other, flash_attention(k, v, q, causal=True), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_inputs_on_a_gpu_that_is_not_current():
+    """flash-attn and SDPA run on their inputs' device whatever device is current: so do we."""
+    from flashtriton import flash_attention
+    from flashtriton.decode import attention_with_kvcache
+    torch.cuda.set_device(0)
+    q, k, v = (torch.randn(2, 256, 4, 64, device="cuda:1", dtype=torch.float16,
+                           requires_grad=True) for _ in range(3))
+    out = flash_attention(q, k, v, causal=True)
+    out.sum().backward()
+    ref = F.scaled_dot_product_attention(*(x.detach().transpose(1, 2) for x in (q, k, v)),
+                                         is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    assert q.grad.device == q.device and torch.isfinite(q.grad).all()
+    cache = torch.randn(2, 512, 4, 64, device="cuda:1", dtype=torch.float16)
+    dec = attention_with_kvcache(q[:, :1].detach(), cache, cache, cache_seqlens=512)
+    dense = F.scaled_dot_product_attention(q[:, :1].detach().transpose(1, 2),
+                                           cache.transpose(1, 2), cache.transpose(1, 2))
+    torch.testing.assert_close(dec.out, dense.transpose(1, 2), atol=2e-3, rtol=2e-3)
+    assert torch.cuda.current_device() == 0

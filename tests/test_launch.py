@@ -218,7 +218,6 @@ def test_repeated_backward_replays_both_kernels(fake_attention):
 
 
 def test_dropout_and_tensor_variants_are_not_replayed(fake_attention):
-    fwd = fake_attention["_fwd"]
     slopes = torch.ones(2)
     for variant in (launch.Variant(0.125, dropout_p=0.1, seed=5),
                     launch.Variant(0.125, alibi_slopes=slopes)):
@@ -272,3 +271,36 @@ def test_descriptor_scratch_is_shared_per_stream(monkeypatch):
     if torch.cuda.is_available():  # a graph capture takes memory from the graph's pool
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         assert launch._scratch(64, 128, stream=7) is not grown
+
+
+def test_launchers_run_on_their_inputs_device(monkeypatch):
+    # Triton launches on the current device: a call whose tensors live on another GPU makes
+    # that GPU current for the call (stand-ins for two GPUs; tests/test_gpu.py runs it on two).
+    entered = []
+
+    class Device:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+
+        def __exit__(self, *exc):
+            return False
+
+    class OnGPU:
+        def __init__(self, index):
+            self.index = index
+
+        def get_device(self):
+            return self.index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    run = launch.on_device_of(lambda x, y: y)
+    assert run(OnGPU(1), "out") == "out" and entered == [1]
+    assert run(OnGPU(0), "out") == "out" and entered == [1]         # already current
+    assert run(torch.zeros(1), "out") == "out" and entered == [1]   # CPU
+    assert run([1, 2], "out") == "out" and entered == [1]           # not a tensor
+    for fn in (launch.attention_forward, launch.attention_backward):
+        assert fn.__wrapped__  # the launchers carry the guard
