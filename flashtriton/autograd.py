@@ -115,38 +115,27 @@ def _forward(*args) -> Tuple[Tensor, Tensor]:
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """out, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-    attn_mask, dropout_seed, kv_blocks, q_blocks, options), options = (max_seqlen_q,
-    max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-    block_size, mods): the Python scalars travel as one tuple (each argument of apply costs
-    host time).
-
-    Only q, k, v are differentiable."""
+    """out, lse = FlashAttnFunction.apply(q, k, v, rest), rest = attn_fwd's arguments after
+    q, k, v as one tuple (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
+    dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods): autograd processes
+    every argument of apply on every call (host time), and only q, k, v are differentiable;
+    the tensors in ``rest`` are inputs the backward reads, kept on ctx."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, attn_mask, dropout_seed,
-                kv_blocks, q_blocks, options):
-        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-         dropout_p, block_size, mods) = options
-        out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            alibi_slopes, attn_mask, softmax_scale, causal, window_left,
-                            window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
-                            block_size, mods)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                              attn_mask, dropout_seed, kv_blocks, q_blocks)
-        ctx.options = options
+    def forward(ctx, q, k, v, rest):
+        out, lse = _forward(q, k, v, *rest)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.rest = rest
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        (q, k, v, out, lse, cu_q, cu_k, alibi_slopes, attn_mask, seed, kv_blocks,
-         q_blocks) = ctx.saved_tensors
-        max_q, max_k, *options, block_size, mods = ctx.options
+        q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _call(torch.ops.flashtriton.attn_bwd, _attn_bwd, "flashtriton::attn_bwd",
-                           dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, alibi_slopes,
-                           attn_mask, *options, seed, kv_blocks, q_blocks, block_size, mods)
-        return (dq, dk, dv) + (None,) * 8
+                           dout, q, k, v, out, lse, *ctx.rest)
+        return dq, dk, dv, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *args) -> Tuple[Tensor, Tensor]:
@@ -155,9 +144,5 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *args) -> Tuple[Tensor, Tensor]:
     autograd.Function's bookkeeping costs more host time than a small attention's kernel."""
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) \
             or not _plain_eager(q):
-        (cu_q, cu_k, max_q, max_k, alibi, mask, scale, causal, left, right, softcap, dropout_p,
-         seed, kv_blocks, q_blocks, block_size, mods) = args
-        return FlashAttnFunction.apply(q, k, v, cu_q, cu_k, alibi, mask, seed, kv_blocks,
-                                       q_blocks, (max_q, max_k, scale, causal, left, right,
-                                                  softcap, dropout_p, block_size, mods))
+        return FlashAttnFunction.apply(q, k, v, args)
     return _eager(_attn_fwd, "flashtriton::attn_fwd", q, k, v, *args)  # plain eager here
