@@ -9,24 +9,16 @@ cProfile of the forward, and of forward + backward, by own time.
 
 import cProfile
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 
-from flashtriton import _env, flash_attention
+from flashtriton import _env, bench, flash_attention
 from flashtriton.decode import attention_with_kvcache
 
 
 def per_call_us(fn, calls=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
+    return bench.per_call_us(fn, calls, warmup=20)
 
 
 def main():
