@@ -264,23 +264,18 @@ def _strides(x: torch.Tensor):
     return (0, s[0], s[1]) if len(s) == 3 else s[:3]
 
 
-# Per stream, the global memory in which the kernels build their tensor descriptors (TMA).
-# Kernels on one stream run one after another, so each stream's launches share one buffer,
-# grown when a launch needs more (the old one goes back to the caching allocator on that
-# stream, stream-ordered); a CUDA graph's capture gets memory of its own from the graph's pool.
-_SCRATCH = {}
+# The global memory in which the kernels build their tensor descriptors (TMA): a fresh block
+# from torch's caching allocator per launch, on the current device (the launchers set it to
+# the inputs'), freed when the launch returns; later kernels on the stream reuse it in stream
+# order. Not cached per stream: the legacy default stream has the same handle on every
+# device, and torch.compile's CUDA-graph warmup allocates from the graph's pool, where a
+# buffer kept alive across calls breaks its check that every live tensor is an output.
 _SCRATCH_DEVICE = "cpu" if _env.INTERPRET else "cuda"
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's allocator: ``size`` bytes (torch's blocks are 512-byte aligned) for a launch
-    on ``stream``."""
-    if not _env.INTERPRET and torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.int8, device=_SCRATCH_DEVICE)
-    buf = _SCRATCH.get(stream)
-    if buf is None or buf.numel() < size:
-        buf = _SCRATCH[stream] = torch.empty(size, dtype=torch.int8, device=_SCRATCH_DEVICE)
-    return buf
+    """Triton's allocator: ``size`` bytes (torch's blocks are 512-byte aligned)."""
+    return torch.empty(size, dtype=torch.int8, device=_SCRATCH_DEVICE)
 
 
 @functools.lru_cache(maxsize=None)
