@@ -1,21 +1,54 @@
-"""Decode timing probe: do_bench right after the first call (as flashtriton.bench does), again,
-and per-call host time, for a few small shapes (H200 investigation of eager decode numbers)."""
-import time, torch, triton
-from flashtriton.decode import attention_with_kvcache
+"""Decode host-time probe (H200 investigation of eager decode numbers): for contiguous and
+paged (16-token pages) caches, whether repeated calls replay (calls remembered, fast launches
+per call), host time per call (best of 5 loops of 200 back-to-back calls), and the host-side
+ops one call runs (torch.profiler, self CPU time per op over 20 calls)."""
+import time
+import torch
+from torch.profiler import ProfilerActivity, profile
 from flashtriton import launch
-H, HKV, D = 32, 8, 128
-for B, N in [(1, 8192), (8, 1024), (1, 65536)]:
+from flashtriton.decode import attention_with_kvcache
+
+H, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def loop_us(fn, calls=200):
+    best = 1e9
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+for B, N in [(1, 1024), (1, 8192), (8, 1024), (8, 8192)]:
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-    kc = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16); vc = torch.randn_like(kc)
+    kc = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(B * N // PAGE, device="cuda").view(B, -1).to(torch.int32)
+    kp = torch.empty(B * N // PAGE, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vp = torch.empty_like(kp)
+    kp[table.view(-1).long()] = kc.view(-1, PAGE, HKV, D)
+    vp[table.view(-1).long()] = vc.view(-1, PAGE, HKV, D)
     lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
-    fn = lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
-    fn()
-    n0 = launch.FAST_LAUNCHES
-    ms1 = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-    n1 = launch.FAST_LAUNCHES
-    ms2 = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-    torch.cuda.synchronize(); t = time.perf_counter()
-    for _ in range(50): fn()
-    torch.cuda.synchronize(); loop = (time.perf_counter() - t) / 50 * 1e6
-    print(f"B={B} N={N}: do_bench after 1 call {ms1:.1f} us ({n1 - n0} fast launches), again "
-          f"{ms2:.1f} us, loop {loop:.1f} us/call, {len(launch._CALLS)} calls remembered")
+    for name, fn in [("contiguous", lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens)),
+                     ("paged16", lambda: attention_with_kvcache(q, kp, vp, cache_seqlens=lens,
+                                                                block_table=table))]:
+        for _ in range(3):
+            fn()
+        n0, c0 = launch.FAST_LAUNCHES, len(launch._CALLS)
+        for _ in range(10):
+            fn()
+        per_call = (launch.FAST_LAUNCHES - n0) / 10
+        us = loop_us(fn)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]
+        print(f"B={B} N={N} {name:10s}: {us:6.1f} us/call, {per_call:.1f} fast launches/call, "
+              f"{len(launch._CALLS)} calls remembered (+{len(launch._CALLS) - c0}); ops/call: "
+              + ", ".join(f"{e.key} x{e.count / 20:g} {e.self_cpu_time_total / 20:.1f}us"
+                          for e in ops), flush=True)
