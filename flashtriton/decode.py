@@ -55,13 +55,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat([rot.to(x.dtype), x[..., rd:]], dim=-1)
 
 
+# Caches this short are read by one program per (sequence, KV head), whose normalised result
+# is the output: no partials, no merge launch (host time of eager decoding, GPU time of the
+# second kernel).
+ONE_SPLIT_CACHE = 1024
+
+
 def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device) -> int:
     """Splits for at most two programs per SM (the decode tiles fit two per SM): rounding up
     past that left a nearly empty second wave (H200, B=4, 8 KV heads, 64K cache: 9 splits
-    3353 GB/s, 8 splits 4219). One tile per split at least."""
+    3353 GB/s, 8 splits 4219). One tile per split at least; one split for short caches."""
     max_splits = max(1, configs.cdiv(capacity, block_n))
     if num_splits > 0:
         return min(num_splits, max_splits)
+    if capacity <= ONE_SPLIT_CACHE:
+        return 1
     sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
     return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 
@@ -190,15 +198,26 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     known = launch.recall(signature)
     if known is not None:  # the same call as an earlier one but for the data: replay it
         run_decode, run_merge, splits = known
-        o_part, lse_part = _partials(splits, B, H, SQ, D, q.device)
-        if launch.aligned(*tensors, o_part, lse_part, out, lse):
-            run_decode(*tensors, o_part, lse_part)
-            run_merge(o_part, lse_part, out, lse)
-            return AttentionOutput(out, lse)
+        if splits == 1:
+            if launch.aligned(*tensors, out, lse):
+                run_decode(*tensors, out, lse)
+                return AttentionOutput(out, lse)
+        else:
+            o_part, lse_part = _partials(splits, B, H, SQ, D, q.device)
+            if launch.aligned(*tensors, o_part, lse_part, out, lse):
+                run_decode(*tensors, o_part, lse_part)
+                run_merge(o_part, lse_part, out, lse)
+                return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
     splits = _splits(num_splits, B, HKV, capacity, granule, q.device)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
-    o_part, lse_part = _partials(splits, B, H, SQ, D, q.device)
+    if splits == 1:  # the split's normalised result and LSE are the output
+        o_part, lse_part = out, lse
+        o_strides = (0, out.stride(0), out.stride(2), out.stride(1))  # (split, b, h, t)
+        lse_strides = (0, lse.stride(0), lse.stride(1))
+    else:
+        o_part, lse_part = _partials(splits, B, H, SQ, D, q.device)
+        o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
     block_m = max(16, configs.next_pow2((H // HKV) * SQ))
     bd = configs.block_d(D)
     has_softcap = softcap > 0
@@ -213,14 +232,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_table.stride(0) if paged else 0,
         (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
         alibi.stride(-1) if alibi is not None else 0,
-        *o_part.stride()[:4], *lse_part.stride()[:3],
+        *o_strides, *lse_strides,
         HKV, H // HKV, SQ, D, left, right,
         scale * (1.0 / softcap if has_softcap else math.log2(math.e)), softcap * math.log2(math.e),
         split_size, k_cache.shape[1] if paged else 1, configs.bucket(split_size),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags,
     )
-    run_merge = merge_partials(o_part, lse_part, out, lse)
+    run_merge = () if splits == 1 else merge_partials(o_part, lse_part, out, lse)  # (): none
     launch.remember(signature, run_decode, run_merge, splits)
     return AttentionOutput(out, lse)
 

@@ -248,6 +248,29 @@ def test_cache_leftpad():
         assert_rule(f"out[{b}]", out[b:b + 1], ref.out, pt.out, 2, DT)
 
 
+def test_one_split_writes_the_output_without_a_merge(monkeypatch):
+    # A short cache (<= decode.ONE_SPLIT_CACHE) is read in one split whose result is the
+    # output: no partial buffers, no merge launch; longer caches split and merge.
+    from flashtriton import decode
+    merges = []
+    real = decode.merge_partials
+    monkeypatch.setattr(decode, "merge_partials", lambda *a: merges.append(a[0].shape[0]) or real(*a))
+    assert decode._splits(0, 1, 8, decode.ONE_SPLIT_CACHE, 128, torch.device("cuda", 0)) == 1
+    gen = torch.Generator().manual_seed(3)
+    B, H, HKV, D = 2, 4, 2, 32
+    k_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    v_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    q = torch.randn(B, 1, H, D, generator=gen).to(DEVICE, DT)
+    lens = torch.tensor([CAP, 5], dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the first call launches, the second replays
+        one = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
+    assert merges == []
+    two = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=2)
+    assert merges == [2]
+    torch.testing.assert_close(one.out, two.out, atol=2e-2, rtol=0)
+    torch.testing.assert_close(one.lse, two.lse, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("B, HKV, want", [(4, 8, 8), (1, 8, 33), (16, 8, 2), (64, 8, 1)])
 def test_split_heuristic_fills_at_most_two_programs_per_sm(monkeypatch, B, HKV, want):
     # 132 SMs (H200), a 64K cache: the splits fill the GPU without a nearly empty extra wave.

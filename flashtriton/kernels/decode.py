@@ -4,7 +4,8 @@ of partial results by their LSEs (flash decoding).
 _attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP query heads
                       sharing the kv head and the SQ query tokens are packed into the rows of
                       one tile (row r: head r // SQ, token r % SQ), so each K/V byte is read
-                      once. Writes the split's normalised partial output and its LSE.
+                      once. Writes the split's normalised partial output and its LSE (with
+                      one split, O_PART and LSE_PART are the output and LSE themselves).
 _attn_merge_kernel    one program per (batch * head * query token): out = sum_s w_s o_s with
                       w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s).
 
