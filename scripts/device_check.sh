@@ -4,7 +4,8 @@
 # Usage: [PARTS="tests gpu demo bench variants"] bash scripts/device_check.sh [COMMIT] [bench args...]
 # The whole set takes longer than one 10-minute device call: run PARTS=tests, then the rest.
 # Other parts: ring (NCCL ring tests and bench_ring; 2+ GPUs), host (host-overhead profile and
-# decode split sweep), only (tests named by $ONLY), ab (the bench's flashtriton rows once more
+# decode split sweep), decode (the decode bench), probes (scripts/probe_*.py), atomic (the
+# atomic-dQ backward: its tests, and the bench with the switch off and on), only (tests named by $ONLY), ab (the bench's flashtriton rows once more
 # from an older tree, for A/B in one run: here `mkdir -p .ab/old && git archive OLD flashtriton
 # | tar -x -C .ab/old`, with /.ab/ in .git/info/exclude; then carry .ab and set
 # AB_TREE=.ab/old AB_NAME=OLD).
@@ -41,6 +42,22 @@ has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_TESTS:-200} python3 -m pytes
   -k nccl -q -p no:cacheprovider -rf --tb=short > "$OUT/ring_tests.log" 2>&1
 has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_BENCH:-200} python3 -m flashtriton.bench_ring \
   --commit "$commit" --out "$OUT/bench" ${RING_ARGS:-} > "$OUT/bench_ring.log" 2>&1
+has decode && timeout ${T_DECODE_BENCH:-120} python3 -m flashtriton.bench --commit "$commit" \
+  --suites decode --decode-batches 1 8 64 --decode-lens 1024 8192 65536 --out "$OUT/decode" \
+  > "$OUT/decode_bench.log" 2>&1
+has probes && { timeout 90 python3 scripts/probe_decode_sync.py; timeout 90 python3 \
+  scripts/probe_backward_host.py; } 2>&1 | grep -v Warn > "$OUT/probes.log"
+# The atomic-dQ backward (FLASHTRITON_ATOMIC_DQ=1, where the tree has it) against the default,
+# flashtriton rows only, one call: tests with the switch on, then both benches.
+has atomic && FLASHTRITON_ATOMIC_DQ=1 FLASHTRITON_AUTOTUNE=0 timeout ${T_ATOMIC_TESTS:-200} \
+  python3 -m pytest tests/test_attention.py tests/test_variants.py tests/test_mods.py \
+  tests/test_varlen.py tests/test_dropout.py -n 16 -q -p no:cacheprovider -rf --tb=line \
+  > "$OUT/atomic_tests.log" 2>&1
+for flag in 0 1; do
+  has atomic && FLASHTRITON_ATOMIC_DQ=$flag timeout ${T_ATOMIC_BENCH:-150} python3 -m \
+    flashtriton.bench --commit "$commit-atomic$flag" --providers flashtriton --suites train \
+    --dims 64 128 --seqlens 1024 4096 16384 --out "$OUT/atomic$flag" > "$OUT/atomic$flag.log" 2>&1
+done
 has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
 has host && timeout ${T_DECODE:-90} python3 scripts/sweep_decode.py > "$OUT/decode_sweep.log" 2>&1
 has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cut -c1-300;
@@ -48,6 +65,12 @@ has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cu
 has ring     && { echo "== ring"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ring_tests.log" | tail -5;
                   cat "$OUT/bench/ring.md" 2>/dev/null || tail -15 "$OUT/bench_ring.log"; }
 has host     && { echo "== host"; head -14 "$OUT/host.log"; cat "$OUT/decode_sweep.log"; }
+has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; }
+has decode   && { echo "== decode"; cat "$OUT/decode/results.md" 2>/dev/null || tail -5 "$OUT/decode_bench.log"; }
+has atomic   && { echo "== atomic-dQ tests"; grep -E "^(FAILED|ERROR)" "$OUT/atomic_tests.log" | cut -c1-300 | head;
+                  grep -E "passed|failed" "$OUT/atomic_tests.log" | tail -1;
+                  for flag in 0 1; do echo "== FLASHTRITON_ATOMIC_DQ=$flag";
+                  cat "$OUT/atomic$flag/results.md" 2>/dev/null || tail -5 "$OUT/atomic$flag.log"; done; }
 has tests    && { echo "== tests"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -40;
                   grep -E "passed|failed" "$OUT/tests.log" | tail -1; }
 has gpu      && { echo "== gpu tests"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-300;
