@@ -14,9 +14,9 @@ HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Ho
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, NEG_BIG, RESCALE_SLACK, apply_attn_mask, dropout_keep, heavy_first,
-                     kv_range, load_rows, load_tile, row_source, rows_hi, scores, seq_bounds,
-                     store_tile, visible)
+from .common import (LN2, LOG2E, NEG_BIG, RESCALE_SLACK, apply_attn_mask, dropout_keep,
+                     heavy_first, kv_range, load_rows, load_tile, row_source, rows_hi, scores,
+                     seq_bounds, store_tile, visible)
 
 
 @triton.jit
