@@ -5,10 +5,10 @@
 # The whole set takes longer than one 10-minute device call: run PARTS=tests, then the rest.
 # Other parts: ring (NCCL ring tests and bench_ring; 2+ GPUs), host (host-overhead profile and
 # decode split sweep), decode (the decode bench), probes (scripts/probe_*.py), atomic (the
-# atomic-dQ backward: its tests, and the bench with the switch off and on), only (tests named by $ONLY), ab (the bench's flashtriton rows once more
-# from an older tree, for A/B in one run: here `mkdir -p .ab/old && git archive OLD flashtriton
-# | tar -x -C .ab/old`, with /.ab/ in .git/info/exclude; then carry .ab and set
-# AB_TREE=.ab/old AB_NAME=OLD).
+# atomic-dQ backward: its tests, and the bench with the switch off and on), only (tests named
+# by $ONLY), ab (the bench's flashtriton rows once more from an older tree, for A/B in one
+# run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
+# in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

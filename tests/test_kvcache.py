@@ -254,7 +254,8 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     from flashtriton import decode
     merges = []
     real = decode.merge_partials
-    monkeypatch.setattr(decode, "merge_partials", lambda *a: merges.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(decode, "merge_partials",
+                        lambda *a: merges.append(a[0].shape[0]) or real(*a))  # splits merged
     assert decode._splits(0, 1, 8, decode.ONE_SPLIT_CACHE, 128, torch.device("cuda", 0)) == 1
     gen = torch.Generator().manual_seed(3)
     B, H, HKV, D = 2, 4, 2, 32
