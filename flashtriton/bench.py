@@ -373,6 +373,40 @@ def run_shape(shape: Shape, providers, dtype, meta):
     return rows
 
 
+def _speedups(train, providers):
+    """flashtriton's speed over each other provider, forward and backward, per shape group
+    (head dim, causal): the range over the shapes both ran (markdown lines)."""
+    others = [p for p in providers if p != "flashtriton"]
+    ok = {(r["provider"], r["suite"], r["B"], r["H"], r["HKV"], r["D"], r["N"], r["causal"]): r
+          for r in train if r.get("status") == "ok"}
+    groups = {}
+    for (prov, *shape), r in ok.items():
+        mine = ok.get(("flashtriton", *shape))
+        if prov == "flashtriton" or mine is None:
+            continue
+        key = (shape[0], shape[4], bool(shape[6]), prov)  # suite, D, causal, provider
+        groups.setdefault(key, []).append((mine["fwd_tflops"] / r["fwd_tflops"],
+                                           mine["bwd_tflops"] / r["bwd_tflops"]))
+    if not groups or "flashtriton" not in providers:
+        return []
+    lines = ["", "flashtriton's speed-up over each provider (its TFLOP/s over theirs, forward / "
+             "backward; the range over the sequence lengths of the table):", "",
+             "| suite | D | causal | " + " | ".join(others) + " |",
+             "|---|---|---|" + "---|" * len(others)]
+    for suite, D, causal in sorted({k[:3] for k in groups}):
+        cells = []
+        for prov in others:
+            ratios = groups.get((suite, D, causal, prov))
+            if not ratios:
+                cells.append("")
+                continue
+            f, b = zip(*ratios)
+            span = lambda v: "-".join(dict.fromkeys(f"{x:.2f}" for x in (min(v), max(v))))
+            cells.append(f"{span(f)}x / {span(b)}x")
+        lines.append(f"| {suite} | {D} | {int(causal)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(rows, providers, meta):
     head = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
             f"{meta['commit']}, {meta['date']}. TFLOP/s forward / backward (peak extra MiB)\n\n")
@@ -392,6 +426,7 @@ def markdown(rows, providers, meta):
                          if r.get("status") == "ok" else r["status"][:30])
         s, B, H, HKV, D, N, c = key
         lines.append(f"| {s} | {B} | {H}/{HKV} | {D} | {N} | {int(c)} | " + " | ".join(cells) + " |")
+    lines += _speedups(train, providers)
     dec = [r for r in rows if r.get("suite") == "decode"]
     if dec:
         dprov = sorted({r["provider"] for r in dec})

@@ -48,6 +48,9 @@ def test_markdown_csv_and_plots(tmp_path):
     md = bench.markdown(rows, ["flashtriton", "sdpa_flash", "naive"], meta)
     assert "| train | 4 | 16/16 | 128 | 4096 | 1 | 800 / 160 (512) | 400 / 80 (512) | out of memory |" in md
     assert "12.5" in md and "test-gpu" in md
+    # the speed-up table: flashtriton at twice sdpa_flash's speed; naive never ran
+    assert "| suite | D | causal | sdpa_flash | naive |" in md
+    assert "| train | 128 | 1 | 2.00x / 2.00x |  |" in md
     bench.write_csv(rows, tmp_path / "r.csv")
     with open(tmp_path / "r.csv") as f:
         got = list(csv.DictReader(f))
@@ -58,6 +61,15 @@ def test_markdown_csv_and_plots(tmp_path):
     else:
         assert sorted(p.split("/")[-1] for p in written) == ["memory.png", "tflops.png"]
         assert all((tmp_path / n).stat().st_size > 1000 for n in ("memory.png", "tflops.png"))
+
+
+def test_speedup_ranges_over_the_shapes_both_ran():
+    meta, rows = _rows()
+    for r in rows:
+        if r.get("provider") == "sdpa_flash" and r["N"] == 4096:
+            r.update(fwd_tflops=r["fwd_tflops"] * 4, bwd_tflops=r["bwd_tflops"] * 0.5)
+    md = bench.markdown(rows, ["flashtriton", "sdpa_flash"], meta)
+    assert "| train | 128 | 1 | 0.50-2.00x / 2.00-4.00x |" in md
 
 
 def test_decode_bytes_and_table():
