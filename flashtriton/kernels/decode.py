@@ -145,7 +145,8 @@ def _attn_merge_kernel(
     total = tl.sum(w, 0)
     parts = tl.load(O_PART + offs_s[:, None] * stride_os + pid * HEAD_DIM + offs_d[None, :],
                     mask=(offs_s[:, None] < N_SPLITS) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    total_safe = tl.where(total == 0.0, 1.0, total)                  # 0: every split empty
+    out = tl.sum(parts * w[:, None], 0) / total_safe
     tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d,
              out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    tl.store(LSE + pid, tl.where(total == 0.0, float("-inf"), m_safe + tl.log2(total) * LN2))
+    tl.store(LSE + pid, tl.where(total == 0.0, float("-inf"), m_safe + tl.log2(total_safe) * LN2))
