@@ -89,6 +89,11 @@ extra = [
         BLOCK_M=16, BLOCK_N=64),
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", ALIBI="*fp32",
           O_PART="*fp32", LSE_PART="*fp32")),
+    ("decode-one-split", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=False,
+        HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False,
+        HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False, BLOCK_M=16, BLOCK_N=64),
+     dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32",
+          LEFTPAD="*i32", ALIBI="*fp32", O_PART=bf, LSE_PART="*fp32")),  # writes out itself
     ("merge", _attn_merge_kernel, dict(BLOCK_S=8, BLOCK_D=128), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32")),
     ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8")),
 ]
