@@ -221,7 +221,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_m = max(16, configs.next_pow2((H // HKV) * SQ))
     bd = configs.block_d(D)
     has_softcap = softcap > 0
-    flags = dict(BLOCK_D=bd, EVEN_D=bd == D, PAGED=paged, HAS_LOWER=left >= 0,
+    flags = dict(BLOCK_D=bd, EVEN_D=bd == D, PAGED=paged,
+                 SAME_LAYOUT=k_cache.stride()[:3] == v_cache.stride()[:3], HAS_LOWER=left >= 0,
                  HAS_UPPER=right >= 0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
                  HAS_BATCH_IDX=cache_batch_idx is not None,
                  HAS_LEFTPAD=cache_leftpad is not None, BLOCK_M=block_m)

@@ -84,12 +84,12 @@ for kname in ("fwd", "dkdv", "dq"):
                       f"{str(e)[:200]}")
 # decode, merge, block mask
 extra = [
-    ("decode", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True, HAS_LOWER=False, HAS_UPPER=True,
+    ("decode", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True, PAGE_SIZE=16, SAME_LAYOUT=True, HAS_LOWER=False, HAS_UPPER=True,
         HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=True, DOT_PREC="tf32", UPCAST=False,
         BLOCK_M=16, BLOCK_N=64),
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", ALIBI="*fp32",
           O_PART="*fp32", LSE_PART="*fp32")),
-    ("decode-one-split", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=False,
+    ("decode-one-split", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=False, PAGE_SIZE=1, SAME_LAYOUT=False,
         HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False,
         HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False, BLOCK_M=16, BLOCK_N=64),
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32",

@@ -248,6 +248,30 @@ def test_cache_leftpad():
         assert_rule(f"out[{b}]", out[b:b + 1], ref.out, pt.out, 2, DT)
 
 
+@pytest.mark.parametrize("paged", [0, 16], ids=["contiguous", "page16"])
+def test_k_and_v_caches_with_different_layouts(paged):
+    # K and V addresses are computed once when their strides agree (a packed kv buffer, or
+    # two caches alike), separately otherwise: here V is a (heads, tokens) major view.
+    gen = torch.Generator().manual_seed(4)
+    B, H, HKV, D = 2, 4, 2, 32
+    k_full = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    v_full = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    q = torch.randn(B, 1, H, D, generator=gen).to(DEVICE, DT)
+    lens = torch.tensor([CAP - 3, CAP // 2], dtype=torch.int32)
+    if paged:
+        k_cache, v_cache, table = _paged(k_full, v_full, paged, gen)
+    else:
+        k_cache, v_cache, table = k_full, v_full, None
+    v_other = v_cache.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    assert v_other.stride() != k_cache.stride()
+    ref_out, ref_lse, pt_out, pt_lse = _reference(q, k_full, v_full, lens, False)
+    for splits in (1, 2):
+        out, lse = attention_with_kvcache(q, k_cache, v_other, cache_seqlens=lens.to(DEVICE),
+                                          block_table=table, num_splits=splits)
+        assert_rule(f"out[splits={splits}]", out, ref_out, pt_out, 2, DT)
+        assert_rule(f"lse[splits={splits}]", lse, ref_lse, pt_lse, 2, DT)
+
+
 def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     # A short cache (<= decode.ONE_SPLIT_CACHE) is read in one split whose result is the
     # output: no partial buffers, no merge launch; longer caches split and merge.

@@ -28,9 +28,10 @@ def _attn_decode_kernel(
     stride_bt, stride_ab, stride_ah,
     stride_os, stride_ob, stride_oh, stride_ot,
     stride_ls, stride_lb, stride_lh,
-    HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE, PAGE_SIZE,
+    HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE,
+    PAGE_SIZE: tl.constexpr,  # a power of two: the page arithmetic is shifts and masks
     SPLIT_BUCKET,  # autotuning key only
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, SAME_LAYOUT: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -88,10 +89,14 @@ def _attn_decode_kernel(
             ahead = cols + BLOCK_N
             next_page = tl.load(table + ahead // PAGE_SIZE, mask=ahead < SK, other=0).to(tl.int64)
             k_rows = page * stride_kb + (cols % PAGE_SIZE).to(tl.int64) * stride_kt
-            v_rows = page * stride_vb + (cols % PAGE_SIZE).to(tl.int64) * stride_vt
+            if not SAME_LAYOUT:
+                v_rows = page * stride_vb + (cols % PAGE_SIZE).to(tl.int64) * stride_vt
         else:
             k_rows = cache_b * stride_kb + cols.to(tl.int64) * stride_kt
-            v_rows = cache_b * stride_vb + cols.to(tl.int64) * stride_vt
+            if not SAME_LAYOUT:
+                v_rows = cache_b * stride_vb + cols.to(tl.int64) * stride_vt
+        if SAME_LAYOUT:  # V's strides are K's: one set of row offsets serves both
+            v_rows = k_rows
         k = load_tile(K + off_hk * stride_kh + k_rows[:, None] + offs_d[None, :], cols, hi, offs_d,
                       HEAD_DIM, True, not EVEN_D)                    # [BLOCK_N, BLOCK_D]
         v = load_tile(V + off_hk * stride_vh + v_rows[:, None] + offs_d[None, :], cols, hi, offs_d,
