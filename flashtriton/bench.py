@@ -224,19 +224,38 @@ def copy_bandwidth_gbps(nbytes=2**31):
     return 2 * src.numel() * 2 / ms * 1e-6
 
 
-def per_call_us(fn, calls=50, warmup=0):
-    """Wall time per call of back-to-back calls (no cache flush between them): the larger of
-    a call's host time and its GPU time, so an eager row slower than its graph row that has
-    loop_us near its eager time is host-bound."""
+def per_call_us(fn, calls=50, warmup=0, repeats=1):
+    """Wall time per call of back-to-back calls (no cache flush between them), the best of
+    ``repeats`` loops: the larger of a call's host time and its GPU time, so an eager row
+    slower than its graph row that has loop_us near its eager time is host-bound."""
     import time
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+def decode_inputs(B, N, H=32, HKV=8, D=128, page=16):
+    """One decoding step's bf16 inputs on the GPU: q (B, 1, H, D); a full contiguous cache
+    (B, N, HKV, D); the same keys and values in shuffled pages of ``page`` tokens with their
+    block table; cache_seqlens (all N)."""
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(B * N // page, device="cuda").view(B, -1).to(torch.int32)
+    kp = torch.empty(B * N // page, page, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vp = torch.empty_like(kp)
+    kp[table.view(-1).long()] = kc.view(-1, page, HKV, D)
+    vp[table.view(-1).long()] = vc.view(-1, page, HKV, D)
+    lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
+    return q, kc, vc, kp, vp, table, lens
 
 
 def _graph(fn):
@@ -263,15 +282,7 @@ def run_decode(batches, lens, meta, copy_gbps):
         for N in lens:
             base = dict(meta, suite="decode", B=B, H=H, HKV=HKV, N=N, D=D, causal=False)
             try:
-                q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-                kc = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
-                vc = torch.randn_like(kc)
-                table = torch.randperm(B * N // page, device="cuda").view(B, -1).to(torch.int32)
-                kp = torch.empty(B * N // page, page, HKV, D, device="cuda", dtype=torch.bfloat16)
-                vp = torch.empty_like(kp)
-                kp[table.view(-1).long()] = kc.view(-1, page, HKV, D)
-                vp[table.view(-1).long()] = vc.view(-1, page, HKV, D)
-                lens_t = torch.full((B,), N, dtype=torch.int32, device="cuda")
+                q, kc, vc, kp, vp, table, lens_t = decode_inputs(B, N, H, HKV, D, page)
                 qs, ks, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
                 fns = {
                     "flashtriton": lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens_t),

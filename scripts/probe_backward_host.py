@@ -8,6 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 from flashtriton import flash_attention, launch
+from flashtriton.bench import per_call_us
 
 inside = {"us": 0.0, "calls": 0, "threads": set()}
 real_backward = launch.attention_backward
@@ -35,18 +36,6 @@ class Identity(torch.autograd.Function):
         return grad, None, None
 
 
-def per_call_us(fn, calls=200):
-    best = 1e9
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    return best
-
-
 q, k, v = (torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 out = flash_attention(qg, kg, vg)
@@ -63,12 +52,11 @@ grad_ref = torch.randn_like(ref)
 rows["sdpa, kept graph"] = lambda: ref.backward(grad_ref, retain_graph=True)
 rows["flashtriton, kept graph"] = lambda: out.backward(grad, retain_graph=True)
 for name, fn in rows.items():
-    print(f"{name:32s} {per_call_us(fn):7.1f} us/call", flush=True)
+    print(f"{name:32s} {per_call_us(fn, calls=200, repeats=5):7.1f} us/call", flush=True)
 launch.attention_backward = timed_backward
-import flashtriton.autograd as ag  # the ops call launch.attention_backward by attribute
 for _ in range(10):
     out.backward(grad, retain_graph=True)
 inside.update(us=0.0, calls=0)
-total = per_call_us(lambda: out.backward(grad, retain_graph=True))
+total = per_call_us(lambda: out.backward(grad, retain_graph=True), calls=200, repeats=5)
 print(f"{'kept graph, launcher inside':32s} {total:7.1f} us/call, of which in the launcher "
       f"{inside['us'] / inside['calls']:.1f} us (mean), threads {sorted(inside['threads'])}")

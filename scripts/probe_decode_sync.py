@@ -2,37 +2,14 @@
 paged (16-token pages) caches, whether repeated calls replay (calls remembered, fast launches
 per call), host time per call (best of 5 loops of 200 back-to-back calls), and the host-side
 ops one call runs and its kernels' GPU time (torch.profiler, per call over 20 calls)."""
-import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 from flashtriton import launch
+from flashtriton.bench import decode_inputs, per_call_us
 from flashtriton.decode import attention_with_kvcache
 
-H, HKV, D, PAGE = 32, 8, 128, 16
-
-
-def loop_us(fn, calls=200):
-    best = 1e9
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    return best
-
-
 for B, N in [(1, 1024), (1, 8192), (8, 1024), (8, 8192)]:
-    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
-    kc = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    table = torch.randperm(B * N // PAGE, device="cuda").view(B, -1).to(torch.int32)
-    kp = torch.empty(B * N // PAGE, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
-    vp = torch.empty_like(kp)
-    kp[table.view(-1).long()] = kc.view(-1, PAGE, HKV, D)
-    vp[table.view(-1).long()] = vc.view(-1, PAGE, HKV, D)
-    lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
+    q, kc, vc, kp, vp, table, lens = decode_inputs(B, N)
     for name, fn in [("contiguous", lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens)),
                      ("paged16", lambda: attention_with_kvcache(q, kp, vp, cache_seqlens=lens,
                                                                 block_table=table))]:
@@ -42,7 +19,7 @@ for B, N in [(1, 1024), (1, 8192), (8, 1024), (8, 8192)]:
         for _ in range(10):
             fn()
         per_call = (launch.FAST_LAUNCHES - n0) / 10
-        us = loop_us(fn)
+        us = per_call_us(fn, calls=200, repeats=5)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
                 fn()
