@@ -273,14 +273,13 @@ def test_k_and_v_caches_with_different_layouts(paged):
 
 
 def test_one_split_writes_the_output_without_a_merge(monkeypatch):
-    # A short cache (<= decode.ONE_SPLIT_CACHE) is read in one split whose result is the
-    # output: no partial buffers, no merge launch; longer caches split and merge.
+    # One split (batches that fill the GPU, or num_splits=1) writes its result as the
+    # output: no partial buffers, no merge launch; more splits merge.
     from flashtriton import decode
     merges = []
     real = decode.merge_partials
     monkeypatch.setattr(decode, "merge_partials",
                         lambda *a: merges.append(a[0].shape[0]) or real(*a))  # splits merged
-    assert decode._splits(0, 1, 8, decode.ONE_SPLIT_CACHE, 128, torch.device("cuda", 0)) == 1
     gen = torch.Generator().manual_seed(3)
     B, H, HKV, D = 2, 4, 2, 32
     k_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
@@ -288,7 +287,7 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     q = torch.randn(B, 1, H, D, generator=gen).to(DEVICE, DT)
     lens = torch.tensor([CAP, 5], dtype=torch.int32, device=DEVICE)
     for _ in range(2):  # the first call launches, the second replays
-        one = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
+        one = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=1)
     assert merges == []
     two = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=2)
     assert merges == [2]
@@ -296,12 +295,15 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     torch.testing.assert_close(one.lse, two.lse, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("B, HKV, want", [(4, 8, 8), (1, 8, 33), (16, 8, 2), (64, 8, 1)])
-def test_split_heuristic_fills_at_most_two_programs_per_sm(monkeypatch, B, HKV, want):
-    # 132 SMs (H200), a 64K cache: the splits fill the GPU without a nearly empty extra wave.
+@pytest.mark.parametrize("B, HKV, N, want", [(4, 8, 65536, 8), (1, 8, 65536, 33),
+                                             (16, 8, 65536, 2), (64, 8, 65536, 1),
+                                             (1, 8, 1024, 8), (64, 8, 1024, 1)])
+def test_split_heuristic_fills_at_most_two_programs_per_sm(monkeypatch, B, HKV, N, want):
+    # 132 SMs (H200): the splits fill the GPU without a nearly empty extra wave, at most one
+    # 128-key tile each (a 1K cache at B=1: 8 splits).
     from flashtriton import decode
     monkeypatch.setattr(decode, "_num_sms", lambda index: 132)
-    splits = decode._splits(0, B, HKV, 65536, 128, torch.device("cuda", 0))
+    splits = decode._splits(0, B, HKV, N, 128, torch.device("cuda", 0))
     assert splits == want
-    assert splits == 1 or 132 < splits * B * HKV <= 2 * 132
+    assert splits == 1 or splits == N // 128 or 132 < splits * B * HKV <= 2 * 132
     assert decode._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit

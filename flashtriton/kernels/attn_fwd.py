@@ -14,9 +14,9 @@ HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Ho
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, NEG_BIG, RESCALE_SLACK, apply_attn_mask, dropout_keep,
-                     heavy_first, kv_range, load_rows, load_tile, row_source, rows_hi, scores,
-                     seq_bounds, store_tile, visible)
+from .common import (LN2, LOG2E, NEG_BIG, apply_attn_mask, dropout_keep, heavy_first,
+                     kv_range, load_rows, load_tile, row_source, rows_hi, scores, seq_bounds,
+                     store_tile, visible)
 
 
 @triton.jit
@@ -29,32 +29,17 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_
     the running acc, l, m after it."""
     PLAIN: tl.constexpr = (not HAS_SOFTCAP and not HAS_ALIBI and SCORE_MOD is None
                            and MASK_KIND == 0 and MASK_MOD is None)
-    # Head dims past 128 (one block, no halves): rescaling the (rows, 256) accumulator is a
-    # third of the loop's instructions, so it is done lazily (below).
-    LAZY: tl.constexpr = acc.shape[1] > 128
     if PLAIN and not MASK:
         # Plain scores, no mask: the scale (>= 0 here) goes into the row max and into one
-        # FMA per score, instead of a multiply and a subtract.
+        # FMA per score, instead of a multiply and a subtract. No branch here (a lazy
+        # rescale of acc was one): a branch makes the compiler wait for every product in
+        # flight, which ends the overlap of the two halves (see _attn_fwd_inner).
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if LAZY:
-            # The running maximum (and with it acc and l) moves only when some row's maximum
-            # grew by more than RESCALE_SLACK (log2 units): until then P <= 2^RESCALE_SLACK
-            # against the stale maximum, exact all the same (O = acc / l and LSE = m + log l
-            # use the same m). Not with the halves: a branch makes the compiler wait for
-            # every product in flight, which ends their overlap (see _attn_fwd_inner).
-            if tl.max(m_new - m_i, 0) > RESCALE_SLACK:
-                alpha = tl.math.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.math.exp2(qk * qk_scale - m_i[:, None])
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            alpha = tl.math.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
     else:
         s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
         if SCORE_MOD is not None:  # natural-log score in (qk_scale: the plain scale), log2 out
