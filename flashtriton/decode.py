@@ -191,23 +191,26 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                       *tensors)
     known = launch.recall(signature)
     if known is not None:  # the same call as an earlier one but for the data: replay it
-        run_decode, run_merge, splits, fused = known
-        bufs = _buffers(splits, fused, B, H, HKV, SQ, D, out, lse)
-        if launch.aligned(*tensors, *bufs):
-            run_decode(*tensors, *bufs)
-            if run_merge:
-                run_merge(bufs[0], bufs[1], out, lse)
-            return AttentionOutput(out, lse)
+        run_decode, run_merge, splits = known
+        if splits == 1:
+            if launch.aligned(*tensors, out, lse):
+                run_decode(*tensors, out, lse)
+                return AttentionOutput(out, lse)
+        else:
+            o_part, lse_part = _partials(splits, B, H, SQ, D, q.device)
+            if launch.aligned(*tensors, o_part, lse_part, out, lse):
+                run_decode(*tensors, o_part, lse_part)
+                run_merge(o_part, lse_part, out, lse)
+                return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
     splits = _splits(num_splits, B, HKV, capacity, granule, q.device)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
-    fused = splits > 1 and (H // HKV) * SQ <= MERGE_IN_KERNEL_ROWS
-    bufs = _buffers(splits, fused, B, H, HKV, SQ, D, out, lse)
-    o_part, lse_part = bufs[:2]
     if splits == 1:  # the split's normalised result and LSE are the output
+        o_part, lse_part = out, lse
         o_strides = (0, out.stride(0), out.stride(2), out.stride(1))  # (split, b, h, t)
         lse_strides = (0, lse.stride(0), lse.stride(1))
     else:
+        o_part, lse_part = _partials(splits, B, H, SQ, D, q.device)
         o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
     block_m = max(16, configs.next_pow2((H // HKV) * SQ))
     bd = configs.block_d(D)
@@ -216,52 +219,30 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                  SAME_LAYOUT=k_cache.stride()[:3] == v_cache.stride()[:3], HAS_LOWER=left >= 0,
                  HAS_UPPER=right >= 0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
                  HAS_BATCH_IDX=cache_batch_idx is not None,
-                 HAS_LEFTPAD=cache_leftpad is not None, MERGE=fused,
-                 BLOCK_S=_merge_block(splits, D) if fused else 2, BLOCK_M=block_m)
+                 HAS_LEFTPAD=cache_leftpad is not None, BLOCK_M=block_m)
     key = (q.dtype, configs.bucket(split_size), *flags.values())
     run_decode = launch._launch(
-        launch._decode, (splits, B * HKV), key, *tensors, *bufs,
+        launch._decode, (splits, B * HKV), key, *tensors, o_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0) if paged else 0,
         (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
         alibi.stride(-1) if alibi is not None else 0,
-        *o_strides, *lse_strides, out.stride(0), out.stride(1), out.stride(2),
+        *o_strides, *lse_strides,
         HKV, H // HKV, SQ, D, left, right,
         scale * (1.0 / softcap if has_softcap else math.log2(math.e)), softcap * math.log2(math.e),
-        split_size, splits, k_cache.shape[1] if paged else 1, configs.bucket(split_size),
+        split_size, k_cache.shape[1] if paged else 1, configs.bucket(split_size),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags,
     )
-    # (): no merge launch (one split, or merged by the decode kernel)
-    run_merge = () if splits == 1 or fused else merge_partials(o_part, lse_part, out, lse)
-    launch.remember(signature, run_decode, run_merge, splits, fused)
+    run_merge = () if splits == 1 else merge_partials(o_part, lse_part, out, lse)  # (): none
+    launch.remember(signature, run_decode, run_merge, splits)
     return AttentionOutput(out, lse)
 
 
-# With at most this many query rows per KV head (GQA group x query tokens), the last split
-# program of each (sequence, KV head) merges the partials itself, row after row; more rows
-# (speculative tokens, chunked prefill) take the merge kernel, one program per row.
-MERGE_IN_KERNEL_ROWS = 16
-
-
-def _merge_block(splits: int, D: int) -> int:
-    """Splits merged per load: at most 8192 fp32 values (64 registers a thread at 4 warps)."""
-    return max(2, min(configs.next_pow2(splits), 8192 // configs.block_d(D)))
-
-
-def _buffers(splits, fused, B, H, HKV, SQ, D, out, lse):
-    """The decode kernel's O_PART, LSE_PART, COUNTERS, OUT, LSE: with one split the output
-    and LSE themselves; else fp32 partials (S, B, H, SQ, D) and (S, B, H, SQ), and when the
-    kernel merges them, a zeroed arrival count per (sequence, KV head) (each call's own: calls
-    on other streams cannot meet) and the output and LSE."""
-    if splits == 1:
-        return out, lse, None, None, None
-    o_part = torch.empty((splits, B, H, SQ, D), dtype=torch.float32, device=out.device)
-    lse_part = torch.empty((splits, B, H, SQ), dtype=torch.float32, device=out.device)
-    if not fused:
-        return o_part, lse_part, None, None, None
-    return (o_part, lse_part, torch.zeros(B * HKV, dtype=torch.int32, device=out.device),
-            out, lse)
+def _partials(splits, B, H, SQ, D, device):
+    """The split kernel's fp32 partial outputs (S, B, H, SQ, D) and LSEs (S, B, H, SQ)."""
+    return (torch.empty((splits, B, H, SQ, D), dtype=torch.float32, device=device),
+            torch.empty((splits, B, H, SQ), dtype=torch.float32, device=device))
 
 
 @launch.on_device_of
@@ -275,7 +256,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
         _attn_merge_kernel, (B * H * SQ,),
         o_part, lse_part, out, lse, o_part.stride(0), lse_part.stride(0),
         out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
-        BLOCK_S=_merge_block(S, D), BLOCK_D=configs.block_d(D))
+        BLOCK_S=max(2, configs.next_pow2(S)), BLOCK_D=configs.block_d(D))
 
 
 def merge_attention_states(outs, lses) -> AttentionOutput:

@@ -27,7 +27,7 @@ _KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_VARLEN", "HAS_LOWER", "HAS_UPP
 
 
 _DECODE_KEY = ["SPLIT_BUCKET", "BLOCK_M", "BLOCK_D", "PAGED", "HAS_LOWER", "HAS_UPPER",
-               "HAS_SOFTCAP", "HAS_ALIBI", "HAS_BATCH_IDX", "HAS_LEFTPAD", "MERGE"]
+               "HAS_SOFTCAP", "HAS_ALIBI", "HAS_BATCH_IDX", "HAS_LEFTPAD"]
 
 
 def _autotuned(kind: str, kernel, key=(*_KEY, "USE_TMA")):

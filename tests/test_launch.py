@@ -226,12 +226,9 @@ def test_dropout_and_tensor_variants_are_not_replayed(fake_attention):
     assert not launch._CALLS
 
 
-@pytest.mark.parametrize("in_kernel", [False, True], ids=["merge-kernel", "merged-in-kernel"])
-def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_kernel):
+def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
     from flashtriton import decode
     monkeypatch.setattr(decode, "check_qkv", lambda *args, **kw: None)  # CPU, no interpreter
-    if not in_kernel:  # 2 query rows per KV head here: merged in the kernel unless told not to
-        monkeypatch.setattr(decode, "MERGE_IN_KERNEL_ROWS", 1)
     split = FakeAutotuner(launch._decode)
     split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
     merge = FakeJIT()
@@ -250,20 +247,14 @@ def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_ker
 
     for _ in range(2):
         step()
-    assert len(split.fn.slow) == 1 and len(merge.slow) == (not in_kernel)
-    assert len(launch._CALLS) == 1
+    assert len(split.fn.slow) == len(merge.slow) == 1 and len(launch._CALLS) == 1
     q, cache, lens, out, lse = step()
     (grid, _, args), = split.fn.compiled[0].runs
+    _, _, merge_args = merge.compiled[0].runs[-1]   # call 2 ran it cached, call 3 replayed
     assert grid == (3, 4, 1)                   # splits x (B * HKV)
     assert args[0] is q and args[1] is cache and args[3] is lens
-    assert args[8].shape == (3, 2, 4, 1, 32) and args[9].shape == (3, 2, 4, 1)  # partials
-    if in_kernel:  # a zeroed arrival count per (sequence, KV head), the output and LSE
-        assert torch.equal(args[10], torch.zeros(4, dtype=torch.int32))
-        assert args[11] is out and args[12] is lse and not merge.compiled
-    else:
-        _, _, merge_args = merge.compiled[0].runs[-1]   # call 2 ran it cached, 3 replayed
-        assert args[8] is merge_args[0] and args[9] is merge_args[1]  # the partials merged
-        assert merge_args[2] is out and merge_args[3] is lse and args[10] is None
+    assert args[8] is merge_args[0] and args[9] is merge_args[1]  # the partials merged
+    assert merge_args[2] is out and merge_args[3] is lse
     step(num_splits=2)                         # another split size: tuned or compiled anew
     assert split.tuned + len(split.fn.slow) == 3 and len(split.fn.compiled[0].runs) == 1
 

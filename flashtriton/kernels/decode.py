@@ -6,13 +6,8 @@ _attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP que
                       one tile (row r: head r // SQ, token r % SQ), so each K/V byte is read
                       once. Writes the split's normalised partial output and its LSE (with
                       one split, O_PART and LSE_PART are the output and LSE themselves).
-                      MERGE: the last split program of a (batch, kv head) to finish (a
-                      counter per pair, taken with an acquire-release atomic after the
-                      partials are stored) merges the pair's rows into OUT and LSE and sets
-                      the counter back to 0: one launch per decoding step.
 _attn_merge_kernel    one program per (batch * head * query token): out = sum_s w_s o_s with
-                      w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s) (_merge_row; many
-                      rows per kv head, and merge_attention_states).
+                      w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s).
 
 Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
 position SK - SQ + t: causal and window masks are aligned to the end of the cache.
@@ -27,23 +22,20 @@ from .common import LN2, LOG2E, NEG_BIG, load_tile, scores, visible
 @triton.jit
 def _attn_decode_kernel(
     Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, O_PART, LSE_PART,
-    COUNTERS, OUT, LSE,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ab, stride_ah,
     stride_os, stride_ob, stride_oh, stride_ot,
     stride_ls, stride_lb, stride_lh,
-    stride_outb, stride_outt, stride_outh,
-    HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE, N_SPLITS,
+    HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE,
     PAGE_SIZE: tl.constexpr,  # a power of two: the page arithmetic is shifts and masks
     SPLIT_BUCKET,  # autotuning key only
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, SAME_LAYOUT: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     split = tl.program_id(0)
     off_b = tl.program_id(1) // HKV
@@ -133,52 +125,6 @@ def _attn_decode_kernel(
     tl.store(o_ptrs, acc * (1.0 / l_safe)[:, None], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     tl.store(LSE_PART + split * stride_ls + off_b * stride_lb + heads * stride_lh + t, lse,
              mask=row_ok)
-    if MERGE:
-        # Every thread's stores are issued (barrier) before one thread's release: the last
-        # program to arrive sees all the pair's partials (its acquire), then resets the count.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(COUNTERS + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
-        if arrived == N_SPLITS - 1:
-            b64 = off_b.to(tl.int64)
-            for r_ in range(0, GROUP * SQ):
-                head = off_hk * GROUP + r_ // SQ
-                tok = r_ % SQ
-                _merge_row(O_PART, LSE_PART, OUT, LSE, (b64 * HKV * GROUP + head) * SQ + tok,
-                           b64 * stride_outb + tok * stride_outt + head * stride_outh,
-                           stride_os, stride_ls, N_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
-            tl.atomic_xchg(COUNTERS + tl.program_id(1), 0)
-
-
-@triton.jit
-def _merge_row(O_PART, LSE_PART, OUT, LSE, row, out_off, stride_os, stride_ls, N_SPLITS,
-               HEAD_DIM, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One query row merged from its N_SPLITS partials: row is its index in the contiguous
-    (B, H, SQ) part of O_PART (S, B, H, SQ, HEAD_DIM) and LSE_PART (S, B, H, SQ), and in LSE;
-    OUT + out_off its output row. BLOCK_S splits per load, the running maximum and sum in
-    log2 units carried across loads. Partials load through L2 (.cg): other programs wrote
-    them."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    m = tl.full([], NEG_BIG, tl.float32)
-    total = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, N_SPLITS, BLOCK_S):
-        ss = s0 + offs_s
-        lses = tl.load(LSE_PART + ss * stride_ls + row, mask=ss < N_SPLITS, other=float("-inf"),
-                       cache_modifier=".cg") * LOG2E                 # [BLOCK_S]
-        parts = tl.load(O_PART + ss[:, None] * stride_os + row * HEAD_DIM + offs_d[None, :],
-                        mask=(ss[:, None] < N_SPLITS) & (offs_d[None, :] < HEAD_DIM), other=0.0,
-                        cache_modifier=".cg")                        # [BLOCK_S, BLOCK_D]
-        m_new = tl.maximum(m, tl.max(lses, 0))
-        alpha = tl.math.exp2(m - m_new)
-        w = tl.math.exp2(lses - m_new)                               # 0 for empty splits
-        total = total * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(parts * w[:, None], 0)
-        m = m_new
-    total_safe = tl.where(total == 0.0, 1.0, total)                  # 0: every split empty
-    tl.store(OUT + out_off + offs_d, (acc / total_safe).to(OUT.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
-    tl.store(LSE + row, tl.where(total == 0.0, float("-inf"), (m + tl.log2(total_safe)) * LN2))
 
 
 @triton.jit
@@ -192,5 +138,20 @@ def _attn_merge_kernel(
     pid = tl.program_id(0).to(tl.int64)                              # ((b * H) + h) * SQ + t
     t = pid % SQ
     bh = pid // SQ
-    _merge_row(O_PART, LSE_PART, OUT, LSE, pid, (bh // H) * stride_ob + t * stride_ot
-               + (bh % H) * stride_oh, stride_os, stride_ls, N_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
+    b = bh // H
+    h = bh % H
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lses = tl.load(LSE_PART + offs_s * stride_ls + pid, mask=offs_s < N_SPLITS,
+                   other=float("-inf"))                              # [BLOCK_S]
+    m = tl.max(lses, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2((lses - m_safe) * LOG2E)                        # 0 for empty splits
+    total = tl.sum(w, 0)
+    parts = tl.load(O_PART + offs_s[:, None] * stride_os + pid * HEAD_DIM + offs_d[None, :],
+                    mask=(offs_s[:, None] < N_SPLITS) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    total_safe = tl.where(total == 0.0, 1.0, total)                  # 0: every split empty
+    out = tl.sum(parts * w[:, None], 0) / total_safe
+    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d,
+             out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE + pid, tl.where(total == 0.0, float("-inf"), m_safe + tl.log2(total_safe) * LN2))
