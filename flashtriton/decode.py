@@ -112,6 +112,28 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns ``AttentionOutput(out, lse)``: out (batch, seqlen_q, nheads, headdim), lse
     (batch, nheads, seqlen_q) float32. Not differentiable.
     """
+    # A plain step (no append, no rotary, per-sequence lengths) whose arguments match an
+    # earlier call's in everything but the data replays that call's launches before the
+    # checks, which the earlier call passed with the same shapes, strides, dtypes, devices
+    # and settings.
+    step = (k is None and rotary_cos is None and isinstance(cache_seqlens, torch.Tensor)
+            and isinstance(q, torch.Tensor) and q.stride(-1) == 1
+            and type(window_size) is tuple)
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+               alibi_slopes)
+    signature = None
+    if step:
+        signature = launch.call_signature(
+            "decode-step", (softmax_scale, causal, window_size, softcap, num_splits,
+                            *[None if t is None else t.get_device() for t in tensors]),
+            *tensors)
+        known = launch.recall(signature)
+        if known is not None:
+            B, SQ, H, _ = q.shape
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            lse = torch.empty((B, H, SQ), dtype=torch.float32, device=q.device)
+            if _replay(known, tensors, out, lse):
+                return AttentionOutput(out, lse)
     paged = block_table is not None
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must be 4-D of one shape; got k_cache "
@@ -187,21 +209,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.stride(-1) != 1:
         q = q.contiguous()
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi)
-    signature = launch.call_signature("decode", (scale, left, right, softcap, num_splits),
-                                      *tensors)
-    known = launch.recall(signature)
-    if known is not None:  # the same call as an earlier one but for the data: replay it
-        run_decode, run_merge, splits = known
-        if splits == 1:
-            if launch.aligned(*tensors, out, lse):
-                run_decode(*tensors, out, lse)
-                return AttentionOutput(out, lse)
-        else:
-            o_part, lse_part = _partials(splits, B, H, SQ, D, q.device)
-            if launch.aligned(*tensors, o_part, lse_part, out, lse):
-                run_decode(*tensors, o_part, lse_part)
-                run_merge(o_part, lse_part, out, lse)
-                return AttentionOutput(out, lse)
+    if not step:  # appends, rotary: the same call but for the data replays after them
+        signature = launch.call_signature("decode", (scale, left, right, softcap, num_splits),
+                                          *tensors)
+        known = launch.recall(signature)
+        if known is not None and _replay(known, tensors, out, lse):
+            return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
     splits = _splits(num_splits, B, HKV, capacity, granule, q.device)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
@@ -237,6 +250,23 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     run_merge = () if splits == 1 else merge_partials(o_part, lse_part, out, lse)  # (): none
     launch.remember(signature, run_decode, run_merge, splits)
     return AttentionOutput(out, lse)
+
+
+def _replay(known, tensors, out, lse) -> bool:
+    """Launch a remembered call's kernels on new tensors (False: not 16-byte aligned)."""
+    run_decode, run_merge, splits = known
+    if splits == 1:
+        if not launch.aligned(*tensors, out, lse):
+            return False
+        run_decode(*tensors, out, lse)
+        return True
+    B, SQ, H, D = out.shape
+    o_part, lse_part = _partials(splits, B, H, SQ, D, out.device)
+    if not launch.aligned(*tensors, o_part, lse_part, out, lse):
+        return False
+    run_decode(*tensors, o_part, lse_part)
+    run_merge(o_part, lse_part, out, lse)
+    return True
 
 
 def _partials(splits, B, H, SQ, D, device):

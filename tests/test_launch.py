@@ -259,6 +259,42 @@ def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
     assert split.tuned + len(split.fn.slow) == 3 and len(split.fn.compiled[0].runs) == 1
 
 
+def test_repeated_decode_step_replays_before_the_checks(fake_attention, monkeypatch):
+    # A plain decoding step that matches a remembered one replays without checking its
+    # arguments again (host time); a step that differs in a dtype, a stride, a setting or
+    # an append goes through the checks (and the launchers) again.
+    from flashtriton import decode
+    checks = []
+    monkeypatch.setattr(decode, "check_qkv", lambda *args, **kw: checks.append(args[3]))
+    split = FakeAutotuner(launch._decode)
+    split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
+    monkeypatch.setattr(launch, "_decode", split)
+    q = torch.zeros(2, 1, 4, 32, dtype=torch.float16)
+    cache = torch.zeros(2, decode.configs.decode_split_granule(), 2, 32, dtype=torch.float16)
+    lens = torch.full((2,), 50, dtype=torch.int32)
+
+    def step(**kw):
+        args = dict(dict(q=q, k_cache=cache, v_cache=cache, cache_seqlens=lens, num_splits=1), **kw)
+        return decode.attention_with_kvcache(args.pop("q"), args.pop("k_cache"),
+                                             args.pop("v_cache"), **args)
+    for _ in range(3):
+        step()
+    assert len(checks) == 2 and len(split.fn.compiled[0].runs) == 1  # call 3 replayed
+    out = step(q=q.clone())
+    assert len(checks) == 2 and len(split.fn.compiled[0].runs) == 2
+    assert split.fn.compiled[0].runs[-1][2][0] is not q and out.out.shape == q.shape
+    for kw in (dict(softcap=5.0), dict(causal=True), dict(q=q.transpose(2, 3).contiguous()
+                                                          .transpose(2, 3)),
+               dict(k_cache=cache.double(), v_cache=cache.double()), dict(window_size=[-1, -1]),
+               dict(k=q[:, :, :2], v=q[:, :, :2])):
+        before = len(checks)
+        try:
+            step(**kw)
+        except Exception:
+            pass  # the fakes cannot run every variant; what matters is that it was checked
+        assert len(checks) > before, kw
+
+
 def test_descriptor_scratch_is_not_kept_between_launches():
     # Each launch gets its own block (freed when the launch returns): a buffer kept across
     # calls would sit in a CUDA-graph pool during torch.compile's warmup (a live tensor that
