@@ -4,7 +4,9 @@
 # Usage: [PARTS="tests gpu demo bench variants"] bash scripts/device_check.sh [COMMIT] [bench args...]
 # The whole set takes longer than one 10-minute device call: run PARTS=tests, then the rest.
 # Other parts: ring (NCCL ring tests and bench_ring; 2+ GPUs), host (host-overhead profile and
-# decode split sweep), decode (the decode bench), probes (scripts/probe_*.py), atomic (the
+# decode split sweep), decode (the decode bench), probes (scripts/probe_decode_sync.py and
+# probe_backward_host.py), bwdprobe (scripts/probe_backward_kernels.py: each backward kernel's
+# GPU time against cuDNN's, and dK/dV tiles forced one by one; $BWDPROBE_ARGS), atomic (the
 # atomic-dQ backward: its tests, and the bench with the switch off and on), only (tests named
 # by $ONLY), ab (the bench's flashtriton rows once more from an older tree, for A/B in one
 # run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
@@ -47,6 +49,9 @@ has decode && timeout ${T_DECODE_BENCH:-120} python3 -m flashtriton.bench --comm
   > "$OUT/decode_bench.log" 2>&1
 has probes && { timeout 90 python3 scripts/probe_decode_sync.py; timeout 90 python3 \
   scripts/probe_backward_host.py; } 2>&1 | grep -v Warn > "$OUT/probes.log"
+has bwdprobe && timeout ${T_BWDPROBE:-300} python3 scripts/probe_backward_kernels.py \
+  ${BWDPROBE_ARGS:---dims 128 --seqlens 4096 16384 --tiles 64,64,4,2 64,64,4,3 64,128,8,2 128,64,8,2} \
+  2>&1 | grep -v Warn > "$OUT/bwdprobe.log"
 # The atomic-dQ backward (FLASHTRITON_ATOMIC_DQ=1, where the tree has it) against the default,
 # flashtriton rows only, one call: tests with the switch on, then both benches.
 has atomic && FLASHTRITON_ATOMIC_DQ=1 FLASHTRITON_AUTOTUNE=0 timeout ${T_ATOMIC_TESTS:-200} \
@@ -66,6 +71,7 @@ has ring     && { echo "== ring"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/
                   cat "$OUT/bench/ring.md" 2>/dev/null || tail -15 "$OUT/bench_ring.log"; }
 has host     && { echo "== host"; head -14 "$OUT/host.log"; cat "$OUT/decode_sweep.log"; }
 has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; }
+has bwdprobe && { echo "== backward kernels"; cut -c1-300 "$OUT/bwdprobe.log"; }
 has decode   && { echo "== decode"; cat "$OUT/decode/results.md" 2>/dev/null || tail -5 "$OUT/decode_bench.log"; }
 has atomic   && { echo "== atomic-dQ tests"; grep -E "^(FAILED|ERROR)" "$OUT/atomic_tests.log" | cut -c1-300 | head;
                   grep -E "passed|failed" "$OUT/atomic_tests.log" | tail -1;
