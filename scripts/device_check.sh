@@ -44,8 +44,9 @@ has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_TESTS:-200} python3 -m pytes
   -k nccl -q -p no:cacheprovider -rf --tb=short > "$OUT/ring_tests.log" 2>&1
 has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_BENCH:-200} python3 -m flashtriton.bench_ring \
   --commit "$commit" --out "$OUT/bench" ${RING_ARGS:-} > "$OUT/bench_ring.log" 2>&1
-has decode && timeout ${T_DECODE_BENCH:-120} python3 -m flashtriton.bench --commit "$commit" \
-  --suites decode --decode-batches 1 8 64 --decode-lens 1024 8192 65536 --out "$OUT/decode" \
+has decode && timeout ${T_DECODE_BENCH:-180} python3 -m flashtriton.bench --commit "$commit" \
+  --suites decode --decode-batches 1 8 64 --decode-lens ${DECODE_LENS:-1024 8192 65536 131072} \
+  --out "$OUT/decode" \
   > "$OUT/decode_bench.log" 2>&1
 has probes && { timeout 90 python3 scripts/probe_decode_sync.py; timeout 90 python3 \
   scripts/probe_backward_host.py; } 2>&1 | grep -v Warn > "$OUT/probes.log"
