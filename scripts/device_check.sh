@@ -4,8 +4,8 @@
 # Usage: [PARTS="tests gpu demo bench variants"] bash scripts/device_check.sh [COMMIT] [bench args...]
 # The whole set takes longer than one 10-minute device call: run PARTS=tests, then the rest.
 # Other parts: ring (NCCL ring tests and bench_ring; 2+ GPUs), host (host-overhead profile and
-# decode split sweep), decode (the decode bench), probes (scripts/probe_decode_sync.py and
-# probe_backward_host.py), bwdprobe (scripts/probe_backward_kernels.py: each backward kernel's
+# decode split sweep), decode (the decode bench), probes (scripts/probe_decode_sync.py,
+# probe_backward_host.py and probe_decode_eager.py), bwdprobe (scripts/probe_backward_kernels.py: each backward kernel's
 # GPU time against cuDNN's, and dK/dV tiles forced one by one; $BWDPROBE_ARGS), atomic (the
 # atomic-dQ backward: its tests, and the bench with the switch off and on), only (tests named
 # by $ONLY), ab (the bench's flashtriton rows once more from an older tree, for A/B in one
@@ -49,7 +49,8 @@ has decode && timeout ${T_DECODE_BENCH:-180} python3 -m flashtriton.bench --comm
   --out "$OUT/decode" \
   > "$OUT/decode_bench.log" 2>&1
 has probes && { timeout 90 python3 scripts/probe_decode_sync.py; timeout 90 python3 \
-  scripts/probe_backward_host.py; } 2>&1 | grep -v Warn > "$OUT/probes.log"
+  scripts/probe_backward_host.py; timeout 120 python3 scripts/probe_decode_eager.py; } 2>&1 \
+  | grep -v Warn > "$OUT/probes.log"
 has bwdprobe && timeout ${T_BWDPROBE:-300} python3 scripts/probe_backward_kernels.py \
   ${BWDPROBE_ARGS:---dims 128 --seqlens 4096 16384 --tiles 64,64,4,2 64,64,4,3 64,128,8,2 128,64,8,2} \
   2>&1 | grep -v Warn > "$OUT/bwdprobe.log"
