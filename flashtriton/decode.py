@@ -123,10 +123,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                alibi_slopes)
     signature = None
     if step:
-        signature = launch.call_signature(
-            "decode-step", (softmax_scale, causal, window_size, softcap, num_splits,
-                            *[None if t is None else t.get_device() for t in tensors]),
-            *tensors)
+        try:
+            signature = launch.call_signature(
+                "decode-step", (softmax_scale, causal, window_size, softcap, num_splits,
+                                *[None if t is None else t.get_device() for t in tensors]),
+                *tensors)
+        except AttributeError:  # not a tensor where one belongs: the checks below say so
+            step = False
         known = launch.recall(signature)
         if known is not None:
             B, SQ, H, _ = q.shape
@@ -134,7 +137,17 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             lse = torch.empty((B, H, SQ), dtype=torch.float32, device=q.device)
             if _replay(known, tensors, out, lse):
                 return AttentionOutput(out, lse)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("cache_seqlens", cache_seqlens), ("block_table", block_table),
+                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        int_ok = name == "cache_seqlens"
+        if not (x is None or isinstance(x, torch.Tensor) or (int_ok and isinstance(x, int))):
+            raise TypeError(f"{name} must be a torch.Tensor{', an int' if int_ok else ''} or "
+                            f"None, got {type(x).__name__}")
     paged = block_table is not None
+    if k_cache is None or v_cache is None:
+        raise TypeError("k_cache and v_cache are required tensors")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must be 4-D of one shape; got k_cache "
                          f"{_describe(k_cache)}, v_cache {_describe(v_cache)}")

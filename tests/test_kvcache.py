@@ -307,3 +307,20 @@ def test_split_heuristic_fills_at_most_two_programs_per_sm(monkeypatch, B, HKV, 
     assert splits == want
     assert splits == 1 or splits == N // 128 or 132 < splits * B * HKV <= 2 * 132
     assert decode._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit
+
+
+@pytest.mark.parametrize("bad", ["k_cache", "block_table", "cache_seqlens", "k_cache_none"])
+def test_non_tensor_arguments_raise_type_errors(bad):
+    # A list where a tensor belongs is a TypeError naming the argument, also for a call that
+    # matches a remembered step in everything else (the replay path must not swallow it).
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 4, 32, generator=gen).to(DEVICE, DT)
+    cache = torch.randn(1, CAP, 2, 32, generator=gen).to(DEVICE, DT)
+    lens = torch.tensor([CAP], dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        attention_with_kvcache(q, cache, cache, cache_seqlens=lens)
+    args = dict(k_cache=cache, cache_seqlens=lens)
+    name = bad.replace("_none", "")
+    args[name] = None if bad.endswith("none") else [1, 2, 3]
+    with pytest.raises(TypeError, match=name):
+        attention_with_kvcache(q, args.pop("k_cache"), cache, **args)
