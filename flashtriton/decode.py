@@ -141,13 +141,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                     ("cache_seqlens", cache_seqlens), ("block_table", block_table),
                     ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
                     ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        int_ok = name == "cache_seqlens"
-        if not (x is None or isinstance(x, torch.Tensor) or (int_ok and isinstance(x, int))):
-            raise TypeError(f"{name} must be a torch.Tensor{', an int' if int_ok else ''} or "
-                            f"None, got {type(x).__name__}")
+        int_ok, none_ok = name == "cache_seqlens", name not in ("k_cache", "v_cache")
+        if not (isinstance(x, torch.Tensor) or (none_ok and x is None)
+                or (int_ok and isinstance(x, int))):
+            raise TypeError(f"{name} must be a torch.Tensor{', an int' if int_ok else ''}"
+                            f"{' or None' if none_ok else ''}, got {type(x).__name__}")
     paged = block_table is not None
-    if k_cache is None or v_cache is None:
-        raise TypeError("k_cache and v_cache are required tensors")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must be 4-D of one shape; got k_cache "
                          f"{_describe(k_cache)}, v_cache {_describe(v_cache)}")
