@@ -2,6 +2,8 @@
 
     python -m flashtriton.bench                                  # training sweep + GQA sweep + host overhead
     python -m flashtriton.bench --dims 128 --seqlens 4096 8192 --causal 1 --suites train
+    python -m flashtriton.bench --merge run1/results.jsonl run2/results.jsonl --out all
+                                                                 # one table and plots of several runs
 
 Suites:
   train     batch * seqlen = --tokens (16K), nheads * headdim = --dmodel (2048), --dims x --seqlens x --causal
@@ -540,7 +542,8 @@ def main(argv=None):
     p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64])
     p.add_argument("--decode-lens", nargs="+", type=int, default=[1024, 8192, 65536, 131072])
     p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
-    p.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384,
+                                                                  32768])
     p.add_argument("--gqa-seqlens", nargs="+", type=int, default=[2048, 8192, 32768])
     p.add_argument("--causal", nargs="+", type=int, default=[0, 1])
     p.add_argument("--tokens", type=int, default=16384)
@@ -548,7 +551,11 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--out", default="bench_out")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--merge", nargs="+", metavar="JSONL",
+                   help="write the table, CSV and plots of saved runs' results.jsonl (no GPU)")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU (python -m flashtriton.demo runs on the CPU)")
     dtype = getattr(torch, args.dtype)
@@ -599,12 +606,33 @@ def main(argv=None):
                          f"graph ({row['graph_pct_of_copy']:.0f}% of copy), "
                          f"{row['loop_us']:.1f} us per call back to back"
                          if row["status"] == "ok" else row["status"]), flush=True)
-    write_csv(rows, os.path.join(args.out, "results.csv"))
+    report(rows, providers, meta, args.out)
+
+
+def report(rows, providers, meta, out_dir):
+    """results.csv, results.md and the plots of ``rows`` in ``out_dir``; prints the table."""
+    write_csv(rows, os.path.join(out_dir, "results.csv"))
     table = markdown(rows, providers, meta)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(table)
-    plot(rows, args.out)
+    plot(rows, out_dir)
     print(table)
+
+
+def merge(paths, out_dir):
+    """One report of the rows of several runs (their results.jsonl, e.g. one per GPU or per
+    call): providers in the order they first appear; the header names every commit and date."""
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise SystemExit(f"no rows in {' '.join(paths)}")
+    providers = list(dict.fromkeys(r["provider"] for r in rows if r.get("suite") != "decode"))
+    meta = {k: ", ".join(dict.fromkeys(str(r.get(k)) for r in rows))
+            for k in ("gpu", "torch", "triton", "commit", "date")}
+    os.makedirs(out_dir, exist_ok=True)
+    report(rows, providers, meta, out_dir)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 import csv
 import importlib.util
+import json
 
+import pytest
 import torch
 
 from flashtriton import bench
@@ -114,3 +116,24 @@ def test_tiles_since_names_the_tuned_configs(monkeypatch):
                         triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3))
     assert bench.tiles_since(before) == {"dkdv": "64x128/8w/2s", "decode": "0x64/4w/3s"}
     assert bench.tiles_since(set(launch._TUNED)) == {}
+
+
+def test_merge_joins_runs_into_one_report(tmp_path):
+    meta, rows = _rows()
+    half = len(rows) // 2
+    paths = []
+    for i, part in enumerate((rows[:half], rows[half:])):
+        path = tmp_path / f"run{i}.jsonl"
+        with open(path, "w") as f:
+            for r in part:
+                f.write(json.dumps(dict(r, commit=f"c{i}")) + "\n")
+        paths.append(str(path))
+    bench.main(["--merge", *paths, "--out", str(tmp_path / "all")])
+    md = (tmp_path / "all" / "results.md").read_text()
+    assert "commit c0, c1" in md
+    assert "| train | 4 | 16/16 | 128 | 4096 | 1 | 800 / 160 (512) | 400 / 80 (512) | out of memory |" in md
+    with open(tmp_path / "all" / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="no rows"):
+        bench.main(["--merge", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x")])
