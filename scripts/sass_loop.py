@@ -44,7 +44,8 @@ def source_for(fn, consts, pointers):
     derives from typical arguments: 16-byte aligned pointers and strides divisible by 16
     (without it the compiler pipelines no load and the shared memory would not be the
     runtime's)."""
-    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    runtime = {p.name for p in fn.params if p.do_not_specialize}  # never constants at runtime
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names and k not in runtime}
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOATS else "i32")
            for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

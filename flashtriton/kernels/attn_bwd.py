@@ -110,7 +110,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed"])
+# GROUP stays a runtime value: specialised to the constant 1 (no GQA), the non-causal kernel
+# with the stats descriptors crashes Triton 3.6's ptxas (SIGSEGV; compile_check's "full").
+@triton.jit(do_not_specialize=["seed", "GROUP"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K, BMASK,
     stride_qb, stride_qt, stride_qh,
