@@ -37,7 +37,7 @@ bf = "*bf16"
 variants = {
     "plain-causal": dict(HAS_UPPER=True),
     # the kernels as the launcher specialises them without GQA (GROUP 1 is a constant unless
-    # the kernel opts out: see _attn_bwd_dkdv_kernel)
+    # the kernel opts out with do_not_specialize)
     "full-mha": dict(GROUP=1),
     "pointer-loads": dict(HAS_UPPER=True, USE_TMA=False),  # the forward without TMA
     "window": dict(HAS_LOWER=True, HAS_UPPER=True),
