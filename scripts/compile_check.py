@@ -39,6 +39,8 @@ variants = {
     # the kernels as the launcher specialises them without GQA (GROUP 1 is a constant unless
     # the kernel opts out with do_not_specialize)
     "full-mha": dict(GROUP=1),
+    "gqa-sq1": dict(SQ=1),  # one query token (a constant 1), GQA: GROUP stays a loop
+    "sk1": dict(SK=1),
     "pointer-loads": dict(HAS_UPPER=True, USE_TMA=False),  # the forward without TMA
     "window": dict(HAS_LOWER=True, HAS_UPPER=True),
     "softcap-alibi": dict(HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_UPPER=True),

@@ -149,7 +149,10 @@ def _attn_bwd_dkdv_kernel(
 
     lo, full_lo, full_hi, hi = q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                        BLOCK_M, BLOCK_N)
-    for g in range(0, GROUP):
+    # The GQA loop is never pipelined: with seqlen_q 1 (a constant) the query-block loops
+    # inside fold away, and Triton 3.6's pipeliner, given this loop, fails on its descriptor
+    # creations ("tensormap_create ... doesn't know how to predicate"; compile_check gqa-sq1).
+    for g in tl.range(0, GROUP, num_stages=1):
         off_h = off_hk * GROUP + g
         q_base = Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
         do_base = DO + off_b * stride_dob + q_off * stride_dot + off_h * stride_doh
