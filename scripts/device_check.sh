@@ -48,9 +48,13 @@ has decode && timeout ${T_DECODE_BENCH:-180} python3 -m flashtriton.bench --comm
   --suites decode --decode-batches 1 8 64 --decode-lens ${DECODE_LENS:-1024 8192 65536 131072} \
   --out "$OUT/decode" \
   > "$OUT/decode_bench.log" 2>&1
+# The probes run with the GPU's SM and memory clocks read once a second (nvidia-smi dmon; read
+# only: the clocks are left as they are), to see whether host-bound loops run at low clocks.
+has probes && { nvidia-smi dmon -s pc -d 1 -o T > "$OUT/clocks.log" 2>&1 & DMON=$!; }
 has probes && { timeout 90 python3 scripts/probe_decode_sync.py; timeout 90 python3 \
   scripts/probe_backward_host.py; timeout 120 python3 scripts/probe_decode_eager.py; } 2>&1 \
   | grep -v Warn > "$OUT/probes.log"
+has probes && kill $DMON 2>/dev/null
 has bwdprobe && timeout ${T_BWDPROBE:-300} python3 scripts/probe_backward_kernels.py \
   ${BWDPROBE_ARGS:---dims 128 --seqlens 4096 16384 --tiles 64,64,4,2 64,64,4,3 64,128,8,2 128,64,8,2} \
   2>&1 | grep -v Warn > "$OUT/bwdprobe.log"
@@ -72,7 +76,9 @@ has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cu
 has ring     && { echo "== ring"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ring_tests.log" | tail -5;
                   cat "$OUT/bench/ring.md" 2>/dev/null || tail -15 "$OUT/bench_ring.log"; }
 has host     && { echo "== host"; head -14 "$OUT/host.log"; cat "$OUT/decode_sweep.log"; }
-has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; }
+has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; echo "== clocks during the probes";
+                  grep -m2 '^#' "$OUT/clocks.log"; awk '$1 !~ /^#/ && NF > 3 {n++; if (lo == "" || $NF < lo) lo = $NF;
+                  if ($NF > hi) hi = $NF} END {print "last column: min", lo, "max", hi, "over", n, "s"}' "$OUT/clocks.log"; }
 has bwdprobe && { echo "== backward kernels"; cut -c1-300 "$OUT/bwdprobe.log"; }
 has decode   && { echo "== decode"; cat "$OUT/decode/results.md" 2>/dev/null || tail -5 "$OUT/decode_bench.log"; }
 has atomic   && { echo "== atomic-dQ tests"; grep -E "^(FAILED|ERROR)" "$OUT/atomic_tests.log" | cut -c1-300 | head;
