@@ -539,15 +539,19 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         H, H // HKV, SQ, SK,
         USE_TMA=use_tma, **common,
     )
+    # dK/dV reads each query block's LSE and delta by TMA too where their rows start 16-byte
+    # aligned (delta is allocated like lse): no varlen offsets, SQ a multiple of 4.
+    stats_tma = (use_tma and varlen is None and lse.data_ptr() % 16 == 0
+                 and stride_lb % 4 == 0 and stride_lh % 4 == 0)
     replay_dkdv = _launch(
-        _dkdv, lambda meta: (configs.cdiv(SK, meta["BLOCK_N"]), B * HKV), key,
+        _dkdv, lambda meta: (configs.cdiv(SK, meta["BLOCK_N"]), B * HKV), (*key, stats_tma),
         q, k, v, dout, lse, delta, dk, dv, alibi, mask, *_cu(varlen),
         *_block_args(variant.q_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.q_blocks)[1:],
         HKV, H // HKV, SQ, SK,
-        USE_TMA=use_tma, **common,
+        USE_TMA=use_tma, STATS_TMA=stats_tma, **common,
     )
     remember(signature, replay_dq, replay_dkdv)
     return dq, dk, dv

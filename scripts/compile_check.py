@@ -37,7 +37,7 @@ bf = "*bf16"
 variants = {
     "plain-causal": dict(HAS_UPPER=True),
     # the kernels as the launcher specialises them without GQA (GROUP 1 is a constant unless
-    # the kernel opts out with do_not_specialize)
+    # the kernel opts out: see _attn_bwd_dkdv_kernel)
     "full-mha": dict(GROUP=1),
     "gqa-sq1": dict(SQ=1),  # one query token (a constant 1), GQA: GROUP stays a loop
     "sk1": dict(SK=1),

@@ -33,7 +33,8 @@ FLOATS = ("qk_scale", "cap2", "sm_scale", "dropout_p")
 DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False,
                 HAS_ALIBI=False, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
                 MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False,
-                DOT_PREC="tf32", UPCAST=False, USE_TMA=True, BLOCK_M=128, BLOCK_N=64)
+                DOT_PREC="tf32", UPCAST=False, USE_TMA=True, STATS_TMA=True, BLOCK_M=128,
+                BLOCK_N=64)
 SKELETON = re.compile(r"(HGMMA|WARPGROUP\.(?:ARRIVE|DEPBAR)|MUFU\.EX2|BAR\.SYNC|BRA|DEPBAR)")
 
 

@@ -225,6 +225,25 @@ def test_tma_matches_reference(tma, shape, causal, dtype):
     assert tma and all(tma)
 
 
+@pytest.mark.parametrize("sq,expect", [(40, True), (37, False)], ids=["sq40", "sq37"])
+def test_tma_row_stats_where_aligned(tma, monkeypatch, sq, expect):
+    # The dK/dV kernel reads LSE and delta by 1-D descriptors where each head's rows start
+    # 16-byte aligned (SQ a multiple of 4), by pointers otherwise; both give the reference.
+    import flashtriton.launch as launch
+    chose, real = [], launch._launch
+
+    def spy(kernel, *args, **kw):
+        if kernel is launch._dkdv:
+            chose.append(kw["STATS_TMA"])
+        return real(kernel, *args, **kw)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    q, k, v = make_qkv(1, sq, 50, 2, 1, 32, torch.bfloat16, DEVICE)
+    check_against_reference(
+        lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=True)), q, k, v, True)
+    assert chose == [expect] and all(tma)
+
+
 def test_tma_varlen(tma):
     from test_varlen import _check_varlen
     _check_varlen([19, 0, 1, 33], [25, 7, 0, 16], 4, 2, 40, torch.bfloat16, True,

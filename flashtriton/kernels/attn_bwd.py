@@ -27,12 +27,22 @@ def _lse2(LSE, rows, SQ):
 
 
 @triton.jit
-def _row_stats(LSE, DELTA, rows, SQ, MASK: tl.constexpr):
-    """LSE in the log2 domain and delta (rows all < SQ unless MASK)."""
-    if MASK:
-        return _lse2(LSE, rows, SQ), tl.load(DELTA + rows, mask=rows < SQ, other=0.0)
-    lse = tl.load(LSE + rows)
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), tl.load(DELTA + rows)
+def _row_stats(LSE, DELTA, start_m, rows, SQ, MASK: tl.constexpr, STATS_TMA: tl.constexpr):
+    """LSE in the log2 domain (+inf past SQ and for empty rows) and delta of rows start_m +
+    ... (all < SQ unless MASK), from pointers or (STATS_TMA) from 1-D tensor descriptors: one
+    TMA copy each, zero past SQ."""
+    if STATS_TMA:
+        lse = LSE.load([start_m])
+        delta = DELTA.load([start_m])
+        if MASK:
+            lse = tl.where(rows < SQ, lse, float("inf"))
+    elif MASK:
+        lse = tl.load(LSE + rows, mask=rows < SQ, other=float("inf"))
+        delta = tl.load(DELTA + rows, mask=rows < SQ, other=0.0)
+    else:
+        lse = tl.load(LSE + rows)
+        delta = tl.load(DELTA + rows)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), delta
 
 
 @triton.jit
@@ -55,7 +65,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
                          HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
                          SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
                          DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                         LISTED: tl.constexpr, SPARSE: tl.constexpr, BLOCK_M: tl.constexpr):
+                         LISTED: tl.constexpr, SPARSE: tl.constexpr, STATS_TMA: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
     for it in range(lo, hi, BLOCK_M):
         start_m = it  # LISTED: the query blocks that blk_list names (see _attn_fwd_inner)
         if LISTED:
@@ -68,7 +79,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        lse2, delta = _row_stats(LSE, DELTA, rows, SQ, MASK)
+        lse2, delta = _row_stats(LSE, DELTA, start_m, rows, SQ, MASK, STATS_TMA)
         # Transposed tiles [BLOCK_N, BLOCK_M]: dV and dK accumulate p^T dO and dS^T Q.
         # ALiBi's |i + DIAG - j| is symmetric under (i, j, DIAG) -> (j, i, -DIAG).
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
@@ -99,7 +110,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed"])
+# GROUP stays a runtime value: specialised to the constant 1 (no GQA), the non-causal kernel
+# with the stats descriptors crashes Triton 3.6's ptxas (SIGSEGV; compile_check's "full").
+@triton.jit(do_not_specialize=["seed", "GROUP"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K, BMASK,
     stride_qb, stride_qt, stride_qh,
@@ -121,7 +134,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STATS_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)
@@ -160,6 +173,11 @@ def _attn_bwd_dkdv_kernel(
         do_base = row_source(do_base, SQ, stride_dot, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         lse = LSE + off_b * stride_lb + off_h * stride_lh + q_off
         delta = DELTA + off_b * stride_lb + off_h * stride_lh + q_off
+        if STATS_TMA:  # (the launcher checked that these rows start 16-byte aligned)
+            lse = tl.make_tensor_descriptor(lse, shape=[tl.maximum(SQ, 1)], strides=[1],
+                                            block_shape=[BLOCK_M])
+            delta = tl.make_tensor_descriptor(delta, shape=[tl.maximum(SQ, 1)], strides=[1],
+                                              block_shape=[BLOCK_M])
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
@@ -179,7 +197,7 @@ def _attn_bwd_dkdv_kernel(
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, None, True, DOT_PREC, UPCAST,
-                                          USE_TMA, True, SPARSE, BLOCK_M)
+                                          USE_TMA, True, SPARSE, STATS_TMA, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, 0,
                                           tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
@@ -188,7 +206,7 @@ def _attn_bwd_dkdv_kernel(
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          USE_TMA, True, SPARSE, BLOCK_M)
+                                          USE_TMA, True, SPARSE, STATS_TMA, BLOCK_M)
         else:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, lo, full_lo, BMASK, SQ,
@@ -197,7 +215,7 @@ def _attn_bwd_dkdv_kernel(
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          USE_TMA, False, SPARSE, BLOCK_M)
+                                          USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, full_lo, full_hi, BMASK,
                                           SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
@@ -205,7 +223,7 @@ def _attn_bwd_dkdv_kernel(
                                           dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
                                           HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST,
-                                          USE_TMA, False, SPARSE, BLOCK_M)
+                                          USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, full_hi, hi, BMASK, SQ,
                                           SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
@@ -213,7 +231,7 @@ def _attn_bwd_dkdv_kernel(
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          USE_TMA, False, SPARSE, BLOCK_M)
+                                          USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
 
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
