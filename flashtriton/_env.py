@@ -6,6 +6,8 @@
 | ``FLASHTRITON_AUTOTUNE``    | ``1`` (default) / ``0``      | ``0``: each kernel's default config instead of a search     |
 | ``FLASHTRITON_TMA``         | ``1`` (default) / ``0``      | ``0``: no tensor-descriptor (TMA) loads on Hopper and newer |
 | ``FLASHTRITON_FAST_LAUNCH`` | ``1`` (default) / ``0``      | ``0``: every launch through Triton's ``JITFunction.run``    |
+| ``FLASHTRITON_PDL``         | ``1`` (default) / ``0``      | ``0``: no programmatic dependent launch of the decoding     |
+|                             |                              | kernels on Hopper and newer                                 |
 | ``FLASHTRITON_LOG``         | ``debug`` / ``info`` / unset | log through ``logging`` (logger ``flashtriton``) to stderr; |
 |                             |                              | ``debug`` logs every launch and every autotuning decision   |
 
@@ -27,6 +29,7 @@ INTERPRET: bool = _flag("TRITON_INTERPRET", False)
 AUTOTUNE: bool = _flag("FLASHTRITON_AUTOTUNE", True) and not INTERPRET
 TMA: bool = _flag("FLASHTRITON_TMA", True)
 FAST_LAUNCH: bool = _flag("FLASHTRITON_FAST_LAUNCH", True)
+PDL: bool = _flag("FLASHTRITON_PDL", True)
 LOG_LEVEL: str = os.environ.get("FLASHTRITON_LOG", "").strip().lower()
 
 logger = logging.getLogger("flashtriton")

@@ -244,7 +244,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                  SAME_LAYOUT=k_cache.stride()[:3] == v_cache.stride()[:3], HAS_LOWER=left >= 0,
                  HAS_UPPER=right >= 0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
                  HAS_BATCH_IDX=cache_batch_idx is not None,
-                 HAS_LEFTPAD=cache_leftpad is not None, BLOCK_M=block_m)
+                 HAS_LEFTPAD=cache_leftpad is not None, PDL=launch.use_pdl(q.device),
+                 BLOCK_M=block_m)
     key = (q.dtype, configs.bucket(split_size), *flags.values())
     run_decode = launch._launch(
         launch._decode, (splits, B * HKV), key, *tensors, o_part, lse_part,
@@ -258,6 +259,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         split_size, k_cache.shape[1] if paged else 1, configs.bucket(split_size),
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags,
+        **launch.pdl_option(flags["PDL"]),
     )
     run_merge = () if splits == 1 else merge_partials(o_part, lse_part, out, lse)  # (): none
     launch.remember(signature, run_decode, run_merge, splits)
@@ -294,11 +296,13 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     and lse_part (S, B, H, SQ), weighted by exp(lse_s - lse). Empty partials (lse -inf)
     weigh 0; all empty gives out 0, lse -inf. Returns the launch's Replay, if any."""
     S, B, H, SQ, D = o_part.shape
+    pdl = launch.use_pdl(out.device)
     return launch.launch_jit(
         _attn_merge_kernel, (B * H * SQ,),
         o_part, lse_part, out, lse, o_part.stride(0), lse_part.stride(0),
         out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
-        BLOCK_S=max(2, configs.next_pow2(S)), BLOCK_D=configs.block_d(D))
+        BLOCK_S=max(2, configs.next_pow2(S)), BLOCK_D=configs.block_d(D), PDL=pdl,
+        **launch.pdl_option(pdl))
 
 
 def merge_attention_states(outs, lses) -> AttentionOutput:

@@ -186,7 +186,7 @@ def call_signature(site: str, scalars, *tensors) -> Optional[tuple]:
     and the shape, strides and dtype of each tensor argument (None where absent)."""
     if not _env.FAST_LAUNCH or _env.INTERPRET:
         return None
-    return (site, scalars, driver.active.get_current_device(), _env.TMA, _env.AUTOTUNE,
+    return (site, scalars, driver.active.get_current_device(), _env.TMA, _env.AUTOTUNE, _env.PDL,
             *[None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors])
 
 
@@ -282,6 +282,17 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def _tma_capable(device: torch.device) -> bool:
     """Whether ``device`` has TMA (the Tensor Memory Accelerator): Hopper and newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and newer): a kernel launched so may start while
+    the one before it on the stream runs, and waits for it in its code (griddepcontrol.wait)."""
+    return _env.PDL and not _env.INTERPRET and _tma_capable(device)
+
+
+def pdl_option(pdl: bool) -> dict:
+    """The launch option for a kernel taking PDL (none without: the interpreter has none)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def _use_tma(*tensors: torch.Tensor) -> bool:

@@ -131,6 +131,38 @@ def test_decode_step_replays_from_a_cuda_graph():
     torch.testing.assert_close(captured.lse, eager.lse, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl):
+    """Launched as programmatic dependents (Hopper), the split and merge kernels may start
+    before the kernel ahead of them on the stream ends: a cache rewritten by the kernel just
+    before the step must be read whole, and the result must equal a synchronised call's."""
+    from flashtriton import _env, launch
+    from flashtriton.decode import attention_with_kvcache
+    monkeypatch.setattr(_env, "PDL", pdl)
+    monkeypatch.setattr(launch, "_CALLS", {})
+    B, N, H, HKV, D = 1, 65536, 32, 8, 128
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    old, new = (torch.randn(2, B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+    kv = old.clone()
+    lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
+    for _ in range(2):  # tune, then remember the call
+        attention_with_kvcache(q, kv[0], kv[1], cache_seqlens=lens)
+    kv.copy_(new)
+    torch.cuda.synchronize()
+    want = attention_with_kvcache(q, kv[0], kv[1], cache_seqlens=lens)
+    for _ in range(3):
+        kv.copy_(old)
+        torch.cuda.synchronize()
+        kv.copy_(new)  # 268 MB: the step's kernels queue behind this copy
+        got = attention_with_kvcache(q, kv[0], kv[1], cache_seqlens=lens)
+        torch.testing.assert_close(got.out, want.out, atol=0, rtol=0)
+        torch.testing.assert_close(got.lse, want.lse, atol=0, rtol=0)
+    (run_split, run_merge, splits), = launch._CALLS.values()  # this step's launches
+    assert splits > 1 and launch.use_pdl(q.device) == pdl  # Hopper
+    assert run_split.compiled.metadata.launch_pdl == run_merge.compiled.metadata.launch_pdl == pdl
+
+
 def test_forward_replays_from_a_cuda_graph():
     """A captured forward (TMA loads: its descriptors live in scratch memory from the graph's
     pool) replayed on new inputs equals an eager call on them, and eager calls between

@@ -6,6 +6,10 @@ _attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP que
                       one tile (row r: head r // SQ, token r % SQ), so each K/V byte is read
                       once. Writes the split's normalised partial output and its LSE (with
                       one split, O_PART and LSE_PART are the output and LSE themselves).
+                      With PDL (Hopper), both kernels are launched as programmatic dependents:
+                      each may start before the kernel ahead of it on the stream ends and
+                      waits for it (griddepcontrol.wait) before reading what it wrote, so the
+                      launch gaps overlap the work.
 _attn_merge_kernel    one program per (batch * head * query token): out = sum_s w_s o_s with
                       w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s).
 
@@ -15,6 +19,7 @@ position SK - SQ + t: causal and window masks are aligned to the end of the cach
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import LN2, LOG2E, NEG_BIG, load_tile, scores, visible
 
@@ -34,9 +39,12 @@ def _attn_decode_kernel(
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, SAME_LAYOUT: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, PDL: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernels before,
+        gdc_wait()  # then let the merge kernel after this one launch
+        gdc_launch_dependents()
     split = tl.program_id(0)
     off_b = tl.program_id(1) // HKV
     off_hk = (tl.program_id(1) % HKV).to(tl.int64)
@@ -132,6 +140,7 @@ def _attn_merge_kernel(
     O_PART, LSE_PART, OUT, LSE,
     stride_os, stride_ls, stride_ob, stride_ot, stride_oh,
     H, SQ, N_SPLITS, HEAD_DIM, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Partials O_PART (S, B, H, SQ, D) fp32 and LSE_PART (S, B, H, SQ), contiguous; OUT
     (B, SQ, H, D) strided; LSE (B, H, SQ) contiguous."""
@@ -142,6 +151,8 @@ def _attn_merge_kernel(
     h = bh % H
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
+    if PDL:  # launched while the split kernel runs: wait until its partials are written
+        gdc_wait()
     lses = tl.load(LSE_PART + offs_s * stride_ls + pid, mask=offs_s < N_SPLITS,
                    other=float("-inf"))                              # [BLOCK_S]
     m = tl.max(lses, 0)
