@@ -82,9 +82,18 @@ class Replay(NamedTuple):
             _ensure_allocator()
         c, grid = self.compiled, self.grid
         stream = driver.active.get_current_stream(self.device)
-        c.run(*grid, stream, c.function, c.packed_metadata, c.launch_metadata(grid, stream, *full),
-              knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
+        enter_hook = _live(knobs.runtime.launch_enter_hook)
+        exit_hook = _live(knobs.runtime.launch_exit_hook)
+        meta = c.launch_metadata(grid, stream, *full) if enter_hook or exit_hook else None
+        c.run(*grid, stream, c.function, c.packed_metadata, meta, enter_hook, exit_hook, *full)
         FAST_LAUNCHES += 1
+
+
+def _live(hook):
+    """A launch hook, or None where it would do nothing: Triton (3.5 on) keeps an empty
+    HookChain where no hook is set, which its launcher calls, with metadata built for it,
+    on every launch."""
+    return hook if getattr(hook, "calls", hook) else None
 
 
 def aligned(*tensors) -> bool:
@@ -173,21 +182,24 @@ def _launch(kernel, grid, tuning_key, *args, **kwargs) -> Optional[Replay]:
 
 # Whole calls replayed: (call site, signature) -> the Replays of its launches. A signature
 # holds everything but the data pointers that decides a call's kernels, configs, grids and
-# scalar arguments (shapes, strides, dtypes, the variant, the current device, the switches),
-# so a call that matches one skips the launchers' Python altogether: it allocates its outputs
-# and replays. Calls with tensors in the variant, packed sequences or dropout (a new seed per
-# call) take the launchers' path every time.
+# scalar arguments (shapes, strides, dtypes and devices, the variant, the switches), so a
+# call that matches one skips the launchers' Python altogether: it allocates its outputs and
+# replays. (The launchers run on their first tensor's device, on_device_of: its device is
+# the current one.) Calls with tensors in the variant, packed sequences or dropout (a new
+# seed per call) take the launchers' path every time.
 _CALLS = {}
 _CALLS_MAX = 512
 
 
 def call_signature(site: str, scalars, *tensors) -> Optional[tuple]:
     """The signature of a call at ``site`` (None: do not replay): its Python scalars (hashable)
-    and the shape, strides and dtype of each tensor argument (None where absent)."""
+    and the shape, strides, dtype and device index of each tensor argument (None where
+    absent)."""
     if not _env.FAST_LAUNCH or _env.INTERPRET:
         return None
-    return (site, scalars, driver.active.get_current_device(), _env.TMA, _env.AUTOTUNE, _env.PDL,
-            *[None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors])
+    return (site, scalars, _env.TMA, _env.AUTOTUNE, _env.PDL,
+            *[None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+              for t in tensors])
 
 
 def _signature(site: str, variant: "Variant", varlen, *tensors) -> Optional[tuple]:

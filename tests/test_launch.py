@@ -21,12 +21,14 @@ class FakeCompiled:
 
     def __init__(self):
         self.runs = []
+        self.hooks = []
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        return "metadata"
 
     def run(self, gx, gy, gz, stream, function, packed, meta, enter_hook, exit_hook, *args):
         self.runs.append(((gx, gy, gz), stream, args))
+        self.hooks.append((meta, enter_hook, exit_hook))
 
 
 class FakeJIT:
@@ -104,6 +106,18 @@ def test_third_call_runs_the_compiled_kernel(fake):
     (grid, stream, args), = fake.fn.compiled[0].runs
     assert grid == (3, 5, 1) and stream == 1234
     assert args[0] is q and args[1] is k and args[2:] == (64, 0.5, 77, True, 16)
+
+
+def test_launch_hooks_only_where_set(fake, monkeypatch):
+    # Triton's launcher calls its launch hooks, with metadata built for them, on every launch
+    # (Triton >= 3.5 keeps an empty HookChain where none is set): a cached launch hands it
+    # none where no hook would run, and the hook with its metadata where one is set.
+    for _ in range(3):
+        _call(fake, *_pair())
+    hook = lambda metadata: None  # noqa: E731
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
+    _call(fake, *_pair())
+    assert fake.fn.compiled[0].hooks == [(None, None, None), ("metadata", hook, None)]
 
 
 @pytest.mark.parametrize("change", ["int", "float", "constexpr", "dtype", "unaligned", "seed64"])
