@@ -8,8 +8,9 @@ _attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP que
                       one split, O_PART and LSE_PART are the output and LSE themselves).
                       With PDL (Hopper), both kernels are launched as programmatic dependents:
                       each may start before the kernel ahead of it on the stream ends and
-                      waits for it (griddepcontrol.wait) before reading what it wrote, so the
-                      launch gaps overlap the work.
+                      waits for it (griddepcontrol.wait) before reading what it wrote; the
+                      split kernel lets the merge launch once its loop is done, so the merge's
+                      launch overlaps the split kernel's stores.
 _attn_merge_kernel    one program per (batch * head * query token): out = sum_s w_s o_s with
                       w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s).
 
@@ -42,9 +43,8 @@ def _attn_decode_kernel(
     DOT_PREC: tl.constexpr, PDL: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    if PDL:  # launched early (programmatic dependent launch): wait for the kernels before,
-        gdc_wait()  # then let the merge kernel after this one launch
-        gdc_launch_dependents()
+    if PDL:  # launched early (programmatic dependent launch): wait for the kernels before
+        gdc_wait()
     split = tl.program_id(0)
     off_b = tl.program_id(1) // HKV
     off_hk = (tl.program_id(1) % HKV).to(tl.int64)
@@ -125,6 +125,8 @@ def _attn_decode_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
+    if PDL:  # the merge kernel may launch now (it waits for this grid before its loads)
+        gdc_launch_dependents()
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
