@@ -4,6 +4,7 @@ with instruction counts of the non-tensor float pipes. A tuning aid (docs/perf.m
 whether a product overlaps the softmax before any GPU time is spent.
 
     python scripts/sass_loop.py --kernel dq --dim 128 --block-m 128 --block-n 64 --warps 8 --stages 2
+    python scripts/sass_loop.py --kernel fwd --causal --set HAS_ALIBI=1   # a variant's constexprs
 """
 import argparse
 import collections
@@ -88,9 +89,17 @@ def main():
     p.add_argument("--warps", type=int, default=8)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=INT",
+                   help="a constexpr of DEFAULTS set to an integer (1/0 for the flags)")
     args = p.parse_args()
+    overrides = {}
+    for item in args.set:
+        name, value = item.split("=")
+        if name not in DEFAULTS:
+            p.error(f"--set {name}: not one of {sorted(DEFAULTS)}")
+        overrides[name] = bool(int(value)) if isinstance(DEFAULTS[name], bool) else int(value)
     kernel = compile_kernel(args.kernel, args.dim, args.block_m, args.block_n, args.warps,
-                            args.stages, args.causal)
+                            args.stages, args.causal, **overrides)
     sass = sass_of(kernel)
     prev = None
     for line in sass.splitlines():
