@@ -277,6 +277,7 @@ def _graph(fn):
 
 def run_decode(batches, lens, meta, copy_gbps):
     import triton
+    from flashtriton import launch
     from flashtriton.decode import attention_with_kvcache
     H, HKV, D, page = 32, 8, 128, 16
     rows = []
@@ -305,7 +306,10 @@ def run_decode(batches, lens, meta, copy_gbps):
                         graph_ms = triton.testing.do_bench(_graph(fn).replay, warmup=25, rep=100,
                                                            return_mode="median")
                         # the best of 5 loops: one loop of 50 calls swung with host noise
+                        replays = launch.FAST_LAUNCHES
                         row["loop_us"] = per_call_us(fn, calls=100, repeats=5)
+                        if prov != "sdpa":  # replayed launches per call (1 or 2; 0: slow path)
+                            row["replays_per_call"] = (launch.FAST_LAUNCHES - replays) / 500
                         row.update(status="ok", decode_ms=ms, decode_GBps=nbytes / ms * 1e-6,
                                    pct_of_copy=100 * nbytes / ms * 1e-6 / copy_gbps,
                                    graph_ms=graph_ms, graph_GBps=nbytes / graph_ms * 1e-6,
