@@ -10,7 +10,8 @@
 # atomic-dQ backward: its tests, and the bench with the switch off and on), only (tests named
 # by $ONLY), ab (the bench's flashtriton rows once more from an older tree, for A/B in one
 # run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
-# in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD).
+# in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD), abvariants (the same
+# for bench_variants; VARIANTS="alibi window" picks variants for both runs).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -37,7 +38,11 @@ has ab && (cd "${AB_TREE:?set AB_TREE}" && PYTHONPATH=$PWD python3 -c \
   python3 -m flashtriton.bench --commit "${AB_NAME:-old}" --providers flashtriton \
   --out "$OUT/ab_old" "$@") > "$OUT/ab_old.log" 2>&1
 has variants && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit "$commit" \
-  --out "$OUT/bench" > "$OUT/bench_variants.log" 2>&1
+  --out "$OUT/bench" ${VARIANTS:+--variants $VARIANTS} > "$OUT/bench_variants.log" 2>&1
+# The variants bench once more from the older tree of `ab` (AB_TREE), for an A/B in one run.
+has abvariants && (cd "${AB_TREE:?set AB_TREE}" && PYTHONPATH=$PWD timeout ${T_VARIANTS:-200} \
+  python3 -m flashtriton.bench_variants --commit "${AB_NAME:-old}" --out "$OUT/ab_old" \
+  ${VARIANTS:+--variants $VARIANTS}) > "$OUT/ab_variants.log" 2>&1
 has only && FLASHTRITON_AUTOTUNE=0 timeout ${T_ONLY:-120} python3 -m pytest $ONLY -q \
   -p no:cacheprovider -rf --tb=short > "$OUT/only.log" 2>&1
 has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_TESTS:-200} python3 -m pytest tests/test_ring.py \
@@ -93,4 +98,5 @@ has demo     && { echo "== demo"; grep -E "PASS|FAIL" "$OUT/demo.log"; }
 has bench    && { echo "== bench"; cat "$OUT/bench/results.md" 2>/dev/null || tail -5 "$OUT/bench.log"; }
 has ab       && { echo "== ab: ${AB_NAME:-old}"; grep -m1 imported "$OUT/ab_old.log"; cat "$OUT/ab_old/results.md" 2>/dev/null || tail -5 "$OUT/ab_old.log"; }
 has variants && { echo "== variants"; cat "$OUT/bench/variants.md" 2>/dev/null || tail -5 "$OUT/bench_variants.log"; }
+has abvariants && { echo "== variants, ${AB_NAME:-old}"; cat "$OUT/ab_old/variants.md" 2>/dev/null || tail -5 "$OUT/ab_variants.log"; }
 true
