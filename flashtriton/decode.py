@@ -270,16 +270,18 @@ def _replay(known, tensors, out, lse) -> bool:
     """Launch a remembered call's kernels on new tensors (False: not 16-byte aligned)."""
     run_decode, run_merge, splits = known
     if splits == 1:
-        if not launch.aligned(*tensors, out, lse):
+        ptrs = launch.pointers(*tensors, out, lse)
+        if ptrs is None:
             return False
-        run_decode(*tensors, out, lse)
+        run_decode(*ptrs)
         return True
     B, SQ, H, D = out.shape
     o_part, lse_part = _partials(splits, B, H, SQ, D, out.device)
-    if not launch.aligned(*tensors, o_part, lse_part, out, lse):
+    ptrs = launch.pointers(*tensors, o_part, lse_part, out, lse)
+    if ptrs is None:
         return False
-    run_decode(*tensors, o_part, lse_part)
-    run_merge(o_part, lse_part, out, lse)
+    run_decode(*ptrs[:-2])
+    run_merge(*ptrs[-4:])
     return True
 
 

@@ -74,10 +74,11 @@ class Replay(NamedTuple):
     device: int
     scratch: bool   # the kernel builds tensor descriptors in global scratch memory
 
-    def __call__(self, *tensors) -> None:
-        """Launch with ``tensors`` (16-byte aligned; padded with None to ``lead``)."""
+    def __call__(self, *pointers) -> None:
+        """Launch with the leading arguments ``pointers`` (``pointers(...)`` of the new
+        tensors, or the tensors themselves; padded with None to ``lead``)."""
         global FAST_LAUNCHES
-        full = (*tensors, *(None,) * (self.lead - len(tensors)), *self.tail)
+        full = (*pointers, *(None,) * (self.lead - len(pointers)), *self.tail)
         if self.scratch:
             _ensure_allocator()
         c, grid = self.compiled, self.grid
@@ -96,13 +97,17 @@ def _live(hook):
     return hook if getattr(hook, "calls", hook) else None
 
 
-def aligned(*tensors) -> bool:
-    """Every tensor (None skipped) 16-byte aligned: what Triton specialises pointers on."""
-    ptrs = 0
-    for t in tensors:
-        if t is not None:
-            ptrs |= t.data_ptr()
-    return ptrs % 16 == 0
+def pointers(*tensors) -> Optional[tuple]:
+    """The tensors' data pointers as ints (None stays None), or None where one is not 16-byte
+    aligned (what Triton specialises pointers on). Replays hand these to the compiled kernel:
+    for an int, Triton's launcher skips the data_ptr() call and the cuPointerGetAttribute
+    check it makes for each tensor (the tensors passed the check on the call that compiled)."""
+    ptrs = tuple(None if t is None else t.data_ptr() for t in tensors)
+    bits = 0
+    for p in ptrs:
+        if p is not None:
+            bits |= p
+    return None if bits % 16 else ptrs
 
 
 def _plan(fn, args):
@@ -136,7 +141,8 @@ def launch_jit(fn, grid, *args, _cfg=None, **kwargs) -> Optional[Replay]:
            *args[n:], *meta.values())
     if "seed" in kwargs:
         meta["seed"] = seed
-    if not (aligned(*args[:n]) and 0 <= seed < 2**31):  # as the cached kernels were compiled
+    ptrs = pointers(*args[:n])
+    if not (ptrs is not None and 0 <= seed < 2**31):  # as the cached kernels were compiled
         fn[grid](*args, **kwargs, **(_cfg.all_kwargs() if _cfg is not None else {}))
         return None
     shown = tuple(grid(meta) if callable(grid) else grid)
@@ -153,7 +159,7 @@ def launch_jit(fn, grid, *args, _cfg=None, **kwargs) -> Optional[Replay]:
     replay = Replay(compiled, (*shown, *(1,) * (3 - len(shown))), n, (*args[n:], *rest(meta)),
                     device, compiled.metadata.global_scratch_size > 0)
     if entry is not None:
-        replay(*args[:n])
+        replay(*ptrs)
     return replay
 
 
@@ -499,8 +505,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         return out.zero_(), lse.fill_(float("-inf"))
     signature = _signature("fwd", variant, varlen, q, k, v)
     replays = recall(signature)
-    if replays is not None and aligned(q, k, v, out, lse):
-        replays[0](q, k, v, out, lse)
+    ptrs = pointers(q, k, v, out, lse) if replays is not None else None
+    if ptrs is not None:
+        replays[0](*ptrs)
         return out, lse
 
     def grid(meta):
@@ -541,9 +548,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     delta = _empty(lse.shape, torch.float32, lse.device)
     signature = _signature("bwd", variant, varlen, q, k, v, out, dout)
     replays = recall(signature)
-    if replays is not None and aligned(q, k, v, out, dout, lse, delta, dq, dk, dv):
-        replays[0](q, k, v, out, dout, lse, delta, dq)
-        replays[1](q, k, v, dout, lse, delta, dk, dv)
+    ptrs = pointers(q, k, v, out, dout, lse, delta, dq, dk, dv) if replays is not None else None
+    if ptrs is not None:
+        q_, k_, v_, out_, dout_, lse_, delta_, dq_, dk_, dv_ = ptrs
+        replays[0](q_, k_, v_, out_, dout_, lse_, delta_, dq_)
+        replays[1](q_, k_, v_, dout_, lse_, delta_, dk_, dv_)
         return dq, dk, dv
     common, key = _common(q, varlen, SQ, SK, variant)
     alibi, stride_ab, stride_ah = _alibi_args(variant)

@@ -131,7 +131,7 @@ def pieces(N, num_splits):
     if splits > 1:
         rows["alloc partials (_partials)"] = lambda: decode._partials(splits, B, H, SQ, D,
                                                                       q.device)
-    rows["aligned"] = lambda: launch.aligned(*tensors, *parts, out, lse)
+    rows["pointers"] = lambda: launch.pointers(*tensors, *parts, out, lse)
     rows["split launch (Replay)"] = lambda: run_decode(*tensors, *parts)
     if splits > 1:
         rows["merge launch (Replay)"] = lambda: run_merge(o_part, lse_part, out, lse)

@@ -105,7 +105,7 @@ def test_third_call_runs_the_compiled_kernel(fake):
     assert len(fake.fn.slow) == 1 and launch.FAST_LAUNCHES == before + 1
     (grid, stream, args), = fake.fn.compiled[0].runs
     assert grid == (3, 5, 1) and stream == 1234
-    assert args[0] is q and args[1] is k and args[2:] == (64, 0.5, 77, True, 16)
+    assert args == (q.data_ptr(), k.data_ptr(), 64, 0.5, 77, True, 16)
 
 
 def test_launch_hooks_only_where_set(fake, monkeypatch):
@@ -166,7 +166,7 @@ def test_kernel_without_tuning(fake):
         launch.launch_jit(fn, (4,), q, k, 64, 0.5, seed=3, FLAG=True, BLOCK_M=8)
     assert len(fn.slow) == 1
     (grid, _, args), = fn.compiled[0].runs
-    assert grid == (4, 1, 1) and args[0] is q and args[2:] == (64, 0.5, 3, True, 8)
+    assert grid == (4, 1, 1) and args[0] == q.data_ptr() and args[2:] == (64, 0.5, 3, True, 8)
 
 
 @pytest.fixture
@@ -202,7 +202,8 @@ def test_repeated_forward_replays_the_call(fake_attention):
     assert len(fwd.fn.slow) == 1 and len(compiled.runs) == 2
     (shown, _, args) = compiled.runs[-1]
     assert shown == (2, 4, 1) == (*grid, 1)   # cdiv(40, 32) query blocks, B * H
-    assert args[0] is q and args[1] is k and args[2] is v and args[3] is out and args[4] is lse
+    # the tensors as their data pointers (Triton's launcher then skips its pointer checks)
+    assert args[:5] == tuple(t.data_ptr() for t in (q, k, v, out, lse))
     assert args[5:len(slow_args)] == slow_args[5:]
     names = fwd.fn.arg_names[len(slow_args):]
     assert args[len(slow_args):] == tuple({**slow_kwargs}[n] for n in names)
@@ -226,9 +227,9 @@ def test_repeated_backward_replays_both_kernels(fake_attention):
     assert len(dq_kernel.fn.slow) == len(dkdv_kernel.fn.slow) == 1
     (_, _, dq_args), = dq_kernel.fn.compiled[0].runs
     (_, _, dkdv_args), = dkdv_kernel.fn.compiled[0].runs
-    assert [a is b for a, b in zip(dq_args, (q, k, v, out, dout, lse))] == [True] * 6
-    assert dq_args[7] is dq and dkdv_args[6] is dk and dkdv_args[7] is dv
-    assert dq_args[6] is dkdv_args[5]          # the delta dQ writes is the one dK/dV reads
+    assert dq_args[:6] == tuple(t.data_ptr() for t in (q, k, v, out, dout, lse))
+    assert dq_args[7] == dq.data_ptr() and dkdv_args[6:8] == (dk.data_ptr(), dv.data_ptr())
+    assert dq_args[6] == dkdv_args[5]          # the delta dQ writes is the one dK/dV reads
 
 
 def test_dropout_and_tensor_variants_are_not_replayed(fake_attention):
@@ -266,9 +267,9 @@ def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
     (grid, _, args), = split.fn.compiled[0].runs
     _, _, merge_args = merge.compiled[0].runs[-1]   # call 2 ran it cached, call 3 replayed
     assert grid == (3, 4, 1)                   # splits x (B * HKV)
-    assert args[0] is q and args[1] is cache and args[3] is lens
-    assert args[8] is merge_args[0] and args[9] is merge_args[1]  # the partials merged
-    assert merge_args[2] is out and merge_args[3] is lse
+    assert args[0] == q.data_ptr() and args[1] == cache.data_ptr() and args[3] == lens.data_ptr()
+    assert args[8] == merge_args[0] and args[9] == merge_args[1]  # the partials merged
+    assert merge_args[2] == out.data_ptr() and merge_args[3] == lse.data_ptr()
     step(num_splits=2)                         # another split size: tuned or compiled anew
     assert split.tuned + len(split.fn.slow) == 3 and len(split.fn.compiled[0].runs) == 1
 
@@ -296,7 +297,7 @@ def test_repeated_decode_step_replays_before_the_checks(fake_attention, monkeypa
     assert len(checks) == 2 and len(split.fn.compiled[0].runs) == 1  # call 3 replayed
     out = step(q=q.clone())
     assert len(checks) == 2 and len(split.fn.compiled[0].runs) == 2
-    assert split.fn.compiled[0].runs[-1][2][0] is not q and out.out.shape == q.shape
+    assert split.fn.compiled[0].runs[-1][2][0] != q.data_ptr() and out.out.shape == q.shape
     for kw in (dict(softcap=5.0), dict(causal=True), dict(q=q.transpose(2, 3).contiguous()
                                                           .transpose(2, 3)),
                dict(k_cache=cache.double(), v_cache=cache.double()), dict(window_size=[-1, -1]),
