@@ -93,8 +93,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
                            float("-inf"))
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
-            p_t = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, True),
-                           p_t, 0.0)
+            # No end checks without a score_mod: rows past SQ have zero q and dO (and an
+            # infinite LSE), keys past SK are not stored. A score_mod may overflow there.
+            p_t = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, True,
+                                   0 if SCORE_MOD is None else 2), p_t, 0.0)
         pd_t = p_t
         if HAS_DROPOUT:  # the forward's mask, regenerated
             keep_t = dropout_keep(seed, rng_bh, rows, cols, dropout_p, True)
@@ -273,7 +275,10 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
             s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
-            p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), p, 0.0)
+            # No end checks without a score_mod: rows past SQ are not stored, keys past SK are
+            # zero rows of K (their dS adds nothing). A score_mod may overflow there.
+            p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, False,
+                                 0 if SCORE_MOD is None else 2), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)

@@ -48,8 +48,9 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_
         if MASK_MOD is not None:
             s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
         if MASK:
-            s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
-                         float("-inf"))
+            # rows past SQ are never stored: only the keys' end is checked
+            s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, False, 1),
+                         s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
