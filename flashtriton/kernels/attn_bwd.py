@@ -210,6 +210,9 @@ def _attn_bwd_dkdv_kernel(
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
                                           USE_TMA, True, SPARSE, STATS_TMA, BLOCK_M)
         else:
+            # Masked query blocks at the diagonal, fully visible ones, masked ones at the
+            # window's far edge; the last start at or past every key's upper bound (q_range's
+            # full_lo) and check the lower bound only (HAS_UPPER False there).
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, lo, full_lo, BMASK, SQ,
                                           SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
@@ -230,7 +233,7 @@ def _attn_bwd_dkdv_kernel(
                                           stride_dot, cols, offs_m, offs_d, full_hi, hi, BMASK, SQ,
                                           SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                                           mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, False,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
                                           USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
@@ -377,6 +380,7 @@ def _attn_bwd_dq_kernel(
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
+        # as in the forward: the right edge's blocks check the upper bound only
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                                 offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
                                 UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
@@ -395,7 +399,7 @@ def _attn_bwd_dq_kernel(
                                 offs_n, offs_d, full_hi, hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
                                 UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
                                 stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
                                 HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
                                 UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
 
