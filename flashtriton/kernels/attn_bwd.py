@@ -93,8 +93,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
                            float("-inf"))
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
-            p_t = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, True),
-                           p_t, 0.0)
+            # No end checks without a score_mod: rows past SQ have zero q and dO (and an
+            # infinite LSE), keys past SK are not stored. A score_mod may overflow there.
+            p_t = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, True,
+                                   0 if SCORE_MOD is None else 2), p_t, 0.0)
         pd_t = p_t
         if HAS_DROPOUT:  # the forward's mask, regenerated
             keep_t = dropout_keep(seed, rng_bh, rows, cols, dropout_p, True)
@@ -208,6 +210,9 @@ def _attn_bwd_dkdv_kernel(
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
                                           USE_TMA, True, SPARSE, STATS_TMA, BLOCK_M)
         else:
+            # Masked query blocks at the diagonal, fully visible ones, masked ones at the
+            # window's far edge; the last start at or past every key's upper bound (q_range's
+            # full_lo) and check the lower bound only (HAS_UPPER False there).
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, lo, full_lo, BMASK, SQ,
                                           SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
@@ -228,7 +233,7 @@ def _attn_bwd_dkdv_kernel(
                                           stride_dot, cols, offs_m, offs_d, full_hi, hi, BMASK, SQ,
                                           SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                                           mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, False,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
                                           USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
@@ -273,7 +278,10 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
             s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
-            p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), p, 0.0)
+            # No end checks without a score_mod: rows past SQ are not stored, keys past SK are
+            # zero rows of K (their dS adds nothing). A score_mod may overflow there.
+            p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, False,
+                                 0 if SCORE_MOD is None else 2), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
@@ -372,6 +380,7 @@ def _attn_bwd_dq_kernel(
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
+        # as in the forward: the right edge's blocks check the upper bound only
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                                 offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
                                 UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
@@ -390,7 +399,7 @@ def _attn_bwd_dq_kernel(
                                 offs_n, offs_d, full_hi, hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
                                 UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
                                 stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
                                 HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
                                 UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
 

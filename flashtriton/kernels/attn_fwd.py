@@ -48,8 +48,9 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_
         if MASK_MOD is not None:
             s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
         if MASK:
-            s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), s,
-                         float("-inf"))
+            # rows past SQ are never stored: only the keys' end is checked
+            s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, False, 1),
+                         s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -218,7 +219,9 @@ def _attn_fwd_kernel(
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
         # Masked blocks at the window's left edge, fully visible blocks, masked blocks at the
-        # right edge (the causal diagonal and the ragged end of the keys).
+        # right edge (the causal diagonal and the ragged end of the keys). The right edge's
+        # blocks start at or past every row's lower bound (kv_range's full_lo): they check the
+        # upper bound only (HAS_LOWER False there).
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
             rows_a, rows_b, offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
@@ -240,7 +243,7 @@ def _attn_fwd_kernel(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
             rows_a, rows_b, offs_n, offs_d, full_hi, mid, BMASK, SQ, SK, HEAD_DIM, LOWER,
             UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-            dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+            dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
             MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT,
             False, SPARSE, BLOCK_N)
         # Past half a's last visible key (the causal diagonal of its rows) only half b runs:
@@ -250,7 +253,7 @@ def _attn_fwd_kernel(
                 acc_b, l_b, m_b, acc_b, l_b, m_b, q_b, q_b, k_base, v_base, stride_kt, stride_vt,
                 rows_b, rows_b, offs_n, offs_d, mid, hi, BMASK, SQ, SK, HEAD_DIM, LOWER, UPPER,
                 DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                 MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, False,
                 False, SPARSE, BLOCK_N)
 

@@ -184,17 +184,23 @@ def q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: t
 
 @triton.jit
 def visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-            TRANSPOSED: tl.constexpr = False):
+            TRANSPOSED: tl.constexpr = False, ENDS: tl.constexpr = 2):
     """(len(rows), len(cols)) mask of the (query, key) pairs that are attended, or
     (len(cols), len(rows)) when TRANSPOSED (built in that orientation: transposing a mask
-    tile costs a layout conversion and registers)."""
+    tile costs a layout conversion and registers). ENDS: which ends it checks, 2 rows < SQ
+    and cols < SK, 1 cols < SK only, 0 neither (where a kernel's zero-filled rows past the
+    ends contribute nothing: each test is one more select per score)."""
     if TRANSPOSED:
         r = rows[None, :]
         c = cols[:, None]
     else:
         r = rows[:, None]
         c = cols[None, :]
-    keep = (r < SQ) & (c < SK)
+    keep = c == c
+    if ENDS >= 1:
+        keep = c < SK
+    if ENDS >= 2:
+        keep = keep & (r < SQ)
     if HAS_UPPER:
         keep = keep & (c <= r + UPPER)
     if HAS_LOWER:
