@@ -236,6 +236,18 @@ def scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG,
 
 
 @triton.jit
+def alibi_part(positions, anchor, slope2):
+    """One-sided ALiBi (HAS_ALIBI == 2: every visible key j at or left of the diagonal,
+    j <= i + DIAG): its bias -slope2 * (i + DIAG - j) is the key part alibi_part(j) minus the
+    row part alibi_part(i + DIAG), both relative to ``anchor``. The row part is one constant
+    per row: it cancels in the softmax, so the kernels add only the key part to the scores
+    (one FMA with the scale) and move the row part into each row's log-sum-exp. The anchor,
+    a diagonal position of the block's rows, keeps both parts small (exact to fp32) wherever
+    the softmax weights are not negligible."""
+    return slope2 * (positions - anchor).to(tl.float32)
+
+
+@triton.jit
 def apply_attn_mask(s, mask_base, rows, cols, n_rows, n_cols, stride_r, stride_c,
                     MASK_KIND: tl.constexpr):
     """An SDPA attn_mask tile on log2-domain scores s (rows x cols), read in place.
