@@ -470,7 +470,9 @@ def _common_cached(head_dim, dtype, is_varlen, sq_bucket, sk_bucket, softmax_sca
         HAS_LOWER=window_left >= 0,
         HAS_UPPER=right >= 0,
         HAS_SOFTCAP=has_softcap,
-        HAS_ALIBI=has_alibi,
+        # 2: one-sided ALiBi (every visible key at or left of the diagonal: causal, or a window
+        # that ends there): the kernels' cheaper form (kernels.common.alibi_part)
+        HAS_ALIBI=(2 if 0 <= right and right + diag_offset <= 0 else 1) if has_alibi else 0,
         MASK_KIND=mask_kind,
         HAS_DROPOUT=dropout_p > 0.0,
         dropout_p=float(dropout_p),

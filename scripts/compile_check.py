@@ -43,7 +43,8 @@ variants = {
     "sk1": dict(SK=1),
     "pointer-loads": dict(HAS_UPPER=True, USE_TMA=False),  # the forward without TMA
     "window": dict(HAS_LOWER=True, HAS_UPPER=True),
-    "softcap-alibi": dict(HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_UPPER=True),
+    "softcap-alibi": dict(HAS_SOFTCAP=True, HAS_ALIBI=1, HAS_UPPER=True),
+    "alibi-one-sided": dict(HAS_ALIBI=2, HAS_UPPER=True),  # causal ALiBi (alibi_part)
     "varlen": dict(IS_VARLEN=True, HAS_UPPER=True),
     "mask-bool": dict(MASK_KIND=1),
     "dropout": dict(HAS_DROPOUT=True),

@@ -32,7 +32,7 @@ POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", DO="*bf16", DK="*bf1
 FLOATS = ("qk_scale", "cap2", "sm_scale", "dropout_p")
 # The plain variant of the training kernels; callers override what they test.
 DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False,
-                HAS_ALIBI=False, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
+                HAS_ALIBI=0, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
                 MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False,
                 DOT_PREC="tf32", UPCAST=False, USE_TMA=True, STATS_TMA=True, BLOCK_M=128,
                 BLOCK_N=64)

@@ -64,6 +64,23 @@ def test_alibi(shape, causal, per_batch):
                             alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("window,causal,form", [((-1, -1), True, 2), ((9, 0), False, 2),
+                                                ((9, 3), False, 1), ((-1, -1), False, 1)],
+                         ids=["causal", "window-left", "window-both", "full"])
+def test_alibi_forms_fp32(window, causal, form):
+    # Causal ALiBi and windows that end at the diagonal take the one-sided form (the rows'
+    # part of the bias moved into the LSE, kernels.common.alibi_part), the others the
+    # general one; both match the reference in fp32, LSE included, with steep slopes.
+    from flashtriton import launch
+    q, k, v = make_qkv(2, 37, 53, 3, 3, 32, torch.float32, DEVICE)
+    slopes = torch.tensor([1.0, 0.25, 0.0625], device=DEVICE)
+    variant = launch.Variant(0.125, causal=causal, window_left=window[0],
+                             window_right=window[1], alibi_slopes=slopes)
+    assert launch._common(q, None, 37, 53, variant)[0]["HAS_ALIBI"] == form
+    opts = dict(window_size=window, alibi_slopes=slopes)
+    check_against_reference(_run(opts, causal), q, k, v, causal, **opts)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_all_variants_together(shape):
     H = shape[3]

@@ -15,8 +15,9 @@ dS is multiplied by the tanh's derivative 1 - t^2 before the dQ/dK products.
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, apply_attn_mask, dropout_keep, heavy_first, kv_range, load_rows,
-                     load_tile, q_range, row_source, scores, seq_bounds, store_tile, visible)
+from .common import (LOG2E, alibi_part, apply_attn_mask, dropout_keep, heavy_first, kv_range,
+                     load_rows, load_tile, q_range, row_source, scores, seq_bounds, store_tile,
+                     visible)
 
 
 @triton.jit
@@ -57,7 +58,7 @@ def _ds(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot, cols,
                          offs_m, offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                         qk_scale,
+                         alibi_at, qk_scale,
                          cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                          off_b, off_h, sm_scale, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
                          HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -80,10 +81,15 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
             q = q.to(tl.float32)
             do = do.to(tl.float32)
         lse2, delta = _row_stats(LSE, DELTA, start_m, rows, SQ, MASK, STATS_TMA)
+        if HAS_ALIBI == 2:  # one-sided ALiBi: the rows' part into lse2 (alibi_part)
+            lse2 = lse2 + alibi_part(rows + DIAG, alibi_at, slope2)
         # Transposed tiles [BLOCK_N, BLOCK_M]: dV and dK accumulate p^T dO and dS^T Q.
         # ALiBi's |i + DIAG - j| is symmetric under (i, j, DIAG) -> (j, i, -DIAG).
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
-        s_t, t_t = scores(qk_t, cols, rows, qk_scale, cap2, slope2, -DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        s_t, t_t = scores(qk_t, cols, rows, qk_scale, cap2, slope2, -DIAG, HAS_SOFTCAP,
+                          HAS_ALIBI == 1)
+        if HAS_ALIBI == 2:  # the key part, one value per key row of the tile
+            s_t = s_t + alibi_part(cols, alibi_at, slope2)[:, None]
         if SCORE_MOD is not None:
             t_t = s_t  # the natural-log score, argument of SCORE_GRAD
             s_t = SCORE_MOD(s_t, off_b, off_h, rows[None, :], cols[:, None]) * LOG2E
@@ -93,8 +99,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
                            float("-inf"))
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
-            p_t = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, True),
-                           p_t, 0.0)
+            # No end checks without a score_mod: rows past SQ have zero q and dO (and an
+            # infinite LSE), keys past SK are not stored. A score_mod may overflow there.
+            p_t = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, True,
+                                   0 if SCORE_MOD is None else 2), p_t, 0.0)
         pd_t = p_t
         if HAS_DROPOUT:  # the forward's mask, regenerated
             keep_t = dropout_keep(seed, rng_bh, rows, cols, dropout_p, True)
@@ -179,6 +187,7 @@ def _attn_bwd_dkdv_kernel(
             delta = tl.make_tensor_descriptor(delta, shape=[tl.maximum(SQ, 1)], strides=[1],
                                               block_shape=[BLOCK_M])
         slope2 = 0.0
+        alibi_at = start_n  # one-sided ALiBi: the anchor of alibi_part, the block's first key
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
         mask_base = AMASK
@@ -192,7 +201,8 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, 0,
                                           tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N, SQ, SK,
-                                          HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                          HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
+                                          qk_scale, cap2, slope2,
                                           mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
@@ -201,16 +211,21 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, 0,
                                           tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
-                                          HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                          HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
+                                          qk_scale, cap2, slope2,
                                           mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
                                           USE_TMA, True, SPARSE, STATS_TMA, BLOCK_M)
         else:
+            # Masked query blocks at the diagonal, fully visible ones, masked ones at the
+            # window's far edge; the last start at or past every key's upper bound (q_range's
+            # full_lo) and check the lower bound only (HAS_UPPER False there).
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, lo, full_lo, BMASK, SQ,
-                                          SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                          SK, HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
+                                          qk_scale, cap2, slope2,
                                           mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
                                           off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
@@ -218,7 +233,8 @@ def _attn_bwd_dkdv_kernel(
                                           USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, full_lo, full_hi, BMASK,
-                                          SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2,
+                                          SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
+                                          qk_scale, cap2,
                                           slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
                                           dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
                                           HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
@@ -226,9 +242,10 @@ def _attn_bwd_dkdv_kernel(
                                           USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
                                           stride_dot, cols, offs_m, offs_d, full_hi, hi, BMASK, SQ,
-                                          SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                          SK, HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
+                                          qk_scale, cap2, slope2,
                                           mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, False,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
                                           USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
@@ -243,10 +260,11 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, offs_n,
-                       offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale,
-                       cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                       off_h, sm_scale, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
-                       HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                       offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM, LOWER, UPPER, alibi_at,
+                       qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                       dropout_p, off_b, off_h, sm_scale, EVEN_D: tl.constexpr,
+                       HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
                        SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
@@ -264,7 +282,10 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
-        s, t = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
+        s, t = scores(qk, rows, cols, qk_scale, cap2, slope2, alibi_at, HAS_SOFTCAP,
+                      HAS_ALIBI == 1)
+        if HAS_ALIBI == 2:  # the key part (alibi_part); the rows' part is in lse2
+            s = s + alibi_part(cols, alibi_at, slope2)[None, :]
         if SCORE_MOD is not None:
             t = s  # the natural-log score, argument of SCORE_GRAD
             s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
@@ -273,7 +294,10 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
             s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
-            p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER), p, 0.0)
+            # No end checks without a score_mod: rows past SQ are not stored, keys past SK are
+            # zero rows of K (their dS adds nothing). A score_mod may overflow there.
+            p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, False,
+                                 0 if SCORE_MOD is None else 2), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
@@ -338,8 +362,12 @@ def _attn_bwd_dq_kernel(
         do = do.to(tl.float32)
     lse2 = _lse2(LSE + off_b * stride_lb + off_h * stride_lh + q_off, rows, SQ)
     slope2 = 0.0
+    alibi_at = DIAG  # one-sided ALiBi: the anchor of alibi_part (as in the forward)
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
+        if HAS_ALIBI == 2:
+            alibi_at = start_m + DIAG
+            lse2 = lse2 + alibi_part(rows + DIAG, alibi_at, slope2)
     mask_base = AMASK
     if MASK_KIND != 0:
         mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
@@ -356,7 +384,8 @@ def _attn_bwd_dq_kernel(
         # full blocks (no mask_mod), then partial ones, each list in one flat loop
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                                 rows, offs_n, offs_d, 0, tl.load(blocks + 1) * SPARSE,
-                                blocks + 2 + BM_N, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale,
+                                blocks + 2 + BM_N, SQ, SK, HEAD_DIM, LOWER, UPPER, alibi_at,
+                                qk_scale,
                                 cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
                                 dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
                                 HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
@@ -364,7 +393,7 @@ def _attn_bwd_dq_kernel(
                                 BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                                 rows, offs_n, offs_d, 0, tl.load(blocks) * SPARSE, blocks + 2, SQ,
-                                SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+                                SK, HEAD_DIM, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2,
                                 mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
                                 off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
                                 HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
@@ -372,25 +401,26 @@ def _attn_bwd_dq_kernel(
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
+        # as in the forward: the right edge's blocks check the upper bound only
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                                 offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
-                                UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
                                 stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
                                 HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
                                 UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                                 offs_n, offs_d, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
-                                UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
                                 stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
                                 HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC,
                                 UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
                                 offs_n, offs_d, full_hi, hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
-                                UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
                                 stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
                                 HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
                                 UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
 

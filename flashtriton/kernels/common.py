@@ -184,17 +184,23 @@ def q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: t
 
 @triton.jit
 def visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-            TRANSPOSED: tl.constexpr = False):
+            TRANSPOSED: tl.constexpr = False, ENDS: tl.constexpr = 2):
     """(len(rows), len(cols)) mask of the (query, key) pairs that are attended, or
     (len(cols), len(rows)) when TRANSPOSED (built in that orientation: transposing a mask
-    tile costs a layout conversion and registers)."""
+    tile costs a layout conversion and registers). ENDS: which ends it checks, 2 rows < SQ
+    and cols < SK, 1 cols < SK only, 0 neither (where a kernel's zero-filled rows past the
+    ends contribute nothing: each test is one more select per score)."""
     if TRANSPOSED:
         r = rows[None, :]
         c = cols[:, None]
     else:
         r = rows[:, None]
         c = cols[None, :]
-    keep = (r < SQ) & (c < SK)
+    keep = c == c
+    if ENDS >= 1:
+        keep = c < SK
+    if ENDS >= 2:
+        keep = keep & (r < SQ)
     if HAS_UPPER:
         keep = keep & (c <= r + UPPER)
     if HAS_LOWER:
@@ -227,6 +233,18 @@ def scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG,
     if HAS_ALIBI:
         s2 = s2 - slope2 * tl.abs(rows[:, None] + DIAG - cols[None, :]).to(tl.float32)
     return s2, t
+
+
+@triton.jit
+def alibi_part(positions, anchor, slope2):
+    """One-sided ALiBi (HAS_ALIBI == 2: every visible key j at or left of the diagonal,
+    j <= i + DIAG): its bias -slope2 * (i + DIAG - j) is the key part alibi_part(j) minus the
+    row part alibi_part(i + DIAG), both relative to ``anchor``. The row part is one constant
+    per row: it cancels in the softmax, so the kernels add only the key part to the scores
+    (one FMA with the scale) and move the row part into each row's log-sum-exp. The anchor,
+    a diagonal position of the block's rows, keeps both parts small (exact to fp32) wherever
+    the softmax weights are not negligible."""
+    return slope2 * (positions - anchor).to(tl.float32)
 
 
 @triton.jit
