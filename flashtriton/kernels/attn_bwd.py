@@ -10,6 +10,8 @@
 P is rebuilt tile by tile as exp2(s2 - LSE * log2(e)); no N x N buffer exists
 and no atomics are used, so gradients are bitwise repeatable. With softcap,
 dS is multiplied by the tanh's derivative 1 - t^2 before the dQ/dK products.
+HAS_ALIBI 2 (causal ALiBi, set by the launcher): the one-sided form of
+kernels.common.alibi_part, each score's key part added and the rows' part moved into lse2.
 """
 
 import triton

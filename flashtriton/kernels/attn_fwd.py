@@ -8,28 +8,25 @@ natural-log LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
 Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K),
 HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
-HAS_SOFTCAP, HAS_ALIBI (1; 2: one-sided, the cheaper form of kernels.common.alibi_part), EVEN_D,
-USE_TMA (K and V by tensor descriptor: TMA on Hopper).
+HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Hopper).
 """
 
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, NEG_BIG, alibi_part, apply_attn_mask, dropout_keep, heavy_first,
+from .common import (LN2, LOG2E, NEG_BIG, apply_attn_mask, dropout_keep, heavy_first,
                      kv_range, load_rows, load_tile, row_source, rows_hi, scores, seq_bounds,
                      store_tile, visible)
 
 
 @triton.jit
-def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, alibi_at, qk_scale, cap2,
-                  slope2,
+def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                   mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
                   HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                   HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                   SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr):
     """One key block of the online softmax for some query rows: P (fp32, to multiply V) and
-    the running acc, l, m after it. alibi_at: ALiBi's diagonal offset DIAG (HAS_ALIBI 1), or
-    the anchor of one-sided ALiBi (HAS_ALIBI 2: m then lacks the rows' part, see alibi_part)."""
+    the running acc, l, m after it."""
     PLAIN: tl.constexpr = (not HAS_SOFTCAP and not HAS_ALIBI and SCORE_MOD is None
                            and MASK_KIND == 0 and MASK_MOD is None)
     if PLAIN and not MASK:
@@ -44,10 +41,7 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, alibi_at,
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     else:
-        s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, alibi_at, HAS_SOFTCAP,
-                      HAS_ALIBI == 1)
-        if HAS_ALIBI == 2:  # the key part only (alibi_part; alibi_at: the anchor)
-            s = s + alibi_part(cols, alibi_at, slope2)[None, :]
+        s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
         if SCORE_MOD is not None:  # natural-log score in (qk_scale: the plain scale), log2 out
             s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
         s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
@@ -72,8 +66,8 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, alibi_at,
 @triton.jit
 def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
                     stride_vt, rows_a, rows_b, offs_n, offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM,
-                    LOWER, UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
-                    stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
+                    LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+                    seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
                     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
@@ -103,14 +97,14 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
         if SPLIT:
             qk_b = tl.dot(q_b, tl.trans(k), input_precision=DOT_PREC)
         p, acc_a, l_a, m_a = _softmax_step(qk_a, acc_a, l_a, m_a, rows_a, cols, SQ, SK, LOWER,
-                                           UPPER, alibi_at, qk_scale, cap2, slope2, mask_base,
+                                           UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
                                            stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
                                            off_h, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK)
         acc_a = tl.dot(p.to(v.dtype), v, acc_a, input_precision=DOT_PREC)
         if SPLIT:
             p, acc_b, l_b, m_b = _softmax_step(qk_b, acc_b, l_b, m_b, rows_b, cols, SQ, SK,
-                                               LOWER, UPPER, alibi_at, qk_scale, cap2, slope2,
+                                               LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
                                                mask_base, stride_mm, stride_mn, seed, rng_bh,
                                                dropout_p, off_b, off_h, HAS_LOWER, HAS_UPPER,
                                                HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
@@ -191,11 +185,8 @@ def _attn_fwd_kernel(
     q_b = tl.where(qk_scale < 0, -q_b, q_b)
     qk_scale = tl.abs(qk_scale)
     slope2 = 0.0
-    alibi_at = DIAG  # one-sided ALiBi: the anchor of alibi_part, the first row's diagonal
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
-        if HAS_ALIBI == 2:
-            alibi_at = start_m + DIAG
     mask_base = AMASK
     if MASK_KIND != 0:
         mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
@@ -213,17 +204,17 @@ def _attn_fwd_kernel(
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
             rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N,
-            SQ, SK, HEAD_DIM, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
+            SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
             stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER,
             HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC,
             UPCAST, USE_TMA, SPLIT, True, SPARSE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
             rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
-            HEAD_DIM, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
-            stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER,
-            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC,
-            UPCAST, USE_TMA, SPLIT, True, SPARSE, BLOCK_N)
+            HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+            seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+            HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
+            SPLIT, True, SPARSE, BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
@@ -234,14 +225,14 @@ def _attn_fwd_kernel(
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
             rows_a, rows_b, offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
-            UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
             MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT,
             False, SPARSE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
             rows_a, rows_b, offs_n, offs_d, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
-            UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
             MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, SPLIT,
             False, SPARSE, BLOCK_N)
@@ -251,7 +242,7 @@ def _attn_fwd_kernel(
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
             rows_a, rows_b, offs_n, offs_d, full_hi, mid, BMASK, SQ, SK, HEAD_DIM, LOWER,
-            UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
             MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT,
             False, SPARSE, BLOCK_N)
@@ -261,14 +252,11 @@ def _attn_fwd_kernel(
             acc_b, l_b, m_b, _, _, _ = _attn_fwd_inner(
                 acc_b, l_b, m_b, acc_b, l_b, m_b, q_b, q_b, k_base, v_base, stride_kt, stride_vt,
                 rows_b, rows_b, offs_n, offs_d, mid, hi, BMASK, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
                 dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                 MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, False,
                 False, SPARSE, BLOCK_N)
 
-    if HAS_ALIBI == 2:  # the rows' part of the bias, left out of the scores, into the LSE
-        m_a = m_a - alibi_part(rows_a + DIAG, alibi_at, slope2)
-        m_b = m_b - alibi_part(rows_b + DIAG, alibi_at, slope2)
     o_base = O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
     lse_base = LSE + off_b * stride_lb + off_h * stride_lh + q_off
     _store_rows(acc_a, l_a, m_a, rows_a, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM, EVEN_D)
