@@ -237,6 +237,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         o_part, lse_part = _partials(splits, B, H, SQ, D, q.device)
         o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
+    parts = _partials_layout(splits, B, H, SQ, D) if splits > 1 else (0, 0)
     block_m = max(16, configs.next_pow2((H // HKV) * SQ))
     bd = configs.block_d(D)
     has_softcap = softcap > 0
@@ -262,33 +263,46 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         **launch.pdl_option(flags["PDL"]),
     )
     run_merge = () if splits == 1 else merge_partials(o_part, lse_part, out, lse)  # (): none
-    launch.remember(signature, run_decode, run_merge, splits)
+    launch.remember(signature, run_decode, run_merge, splits, parts)
     return AttentionOutput(out, lse)
 
 
 def _replay(known, tensors, out, lse) -> bool:
     """Launch a remembered call's kernels on new tensors (False: not 16-byte aligned)."""
-    run_decode, run_merge, splits = known
+    run_decode, run_merge, splits, (size, lse_at) = known
     if splits == 1:
         ptrs = launch.pointers(*tensors, out, lse)
         if ptrs is None:
             return False
         run_decode(*ptrs)
         return True
-    B, SQ, H, D = out.shape
-    o_part, lse_part = _partials(splits, B, H, SQ, D, out.device)
-    ptrs = launch.pointers(*tensors, o_part, lse_part, out, lse)
+    # the partials as one allocation, passed as two addresses (see _partials)
+    ptrs = launch.pointers(*tensors, torch.empty(size, dtype=torch.float32, device=out.device),
+                           out, lse)
     if ptrs is None:
         return False
-    run_decode(*ptrs[:-2])
-    run_merge(*ptrs[-4:])
+    o_part = ptrs[-3]
+    lse_part = o_part + 4 * lse_at
+    run_decode(*ptrs[:-3], o_part, lse_part)
+    run_merge(o_part, lse_part, ptrs[-2], ptrs[-1])
     return True
 
 
+def _partials_layout(splits, B, H, SQ, D) -> Tuple[int, int]:
+    """fp32 elements of the partials' one allocation, and where its LSEs start (a multiple of
+    4: 16-byte aligned like the outputs before them)."""
+    n = splits * B * H * SQ
+    lse_at = -(-n * D // 4) * 4
+    return lse_at + n, lse_at
+
+
 def _partials(splits, B, H, SQ, D, device):
-    """The split kernel's fp32 partial outputs (S, B, H, SQ, D) and LSEs (S, B, H, SQ)."""
-    return (torch.empty(splits, B, H, SQ, D, dtype=torch.float32, device=device),
-            torch.empty(splits, B, H, SQ, dtype=torch.float32, device=device))
+    """The split kernel's fp32 partial outputs (S, B, H, SQ, D) and LSEs (S, B, H, SQ): views of
+    one allocation (a replayed step allocates it once, for host time)."""
+    size, lse_at = _partials_layout(splits, B, H, SQ, D)
+    buf = torch.empty(size, dtype=torch.float32, device=device)
+    n = splits * B * H * SQ
+    return buf[:n * D].view(splits, B, H, SQ, D), buf[lse_at:].view(splits, B, H, SQ)
 
 
 @launch.on_device_of

@@ -269,6 +269,8 @@ def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
     assert grid == (3, 4, 1)                   # splits x (B * HKV)
     assert args[0] == q.data_ptr() and args[1] == cache.data_ptr() and args[3] == lens.data_ptr()
     assert args[8] == merge_args[0] and args[9] == merge_args[1]  # the partials merged
+    # one allocation: the LSEs (16-byte aligned) after the 3 x 2 x 4 x 1 x 32 fp32 outputs
+    assert args[9] - args[8] == 4 * 3 * 2 * 4 * 32 and args[9] % 16 == 0
     assert merge_args[2] == out.data_ptr() and merge_args[3] == lse.data_ptr()
     step(num_splits=2)                         # another split size: tuned or compiled anew
     assert split.tuned + len(split.fn.slow) == 3 and len(split.fn.compiled[0].runs) == 1
