@@ -535,6 +535,46 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     return out, lse
 
 
+def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                            softmax_scale: Optional[float] = None
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The experimental Gluon forward (kernels.gluon_fwd: Hopper, the softmax overlapping the
+    P V product): O like q and the natural-log LSE (B, H, N). Dense (B, N, H, D) bf16 / fp16
+    tensors of one shape, D 64 or 128; raises ValueError for anything else (no fallback: the
+    caller chooses this path)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .kernels.gluon_fwd import _attn_fwd_gluon_kernel
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        raise ValueError("attention_forward_gluon needs a Hopper GPU (sm_90)")
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"attention_forward_gluon takes bf16 or fp16, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape or q.shape[-1] not in (64, 128):
+        raise ValueError("attention_forward_gluon takes q, k, v of one (B, N, H, D) shape, D 64 or "
+                         f"128; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not all(t.is_contiguous() for t in (q, k, v)):
+        raise ValueError("attention_forward_gluon takes contiguous (B, N, H, D) tensors")
+    B, N, H, D = q.shape
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    if not scale > 0:  # the kernel folds the scale into its running maximum
+        raise ValueError(f"attention_forward_gluon takes softmax_scale > 0, got {scale}")
+    block_m, block_n = 128, 128
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
+    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t, block):  # the (B * N, H * D) view: a head's tile is rows x D columns
+        layout = gl.NVMMASharedLayout.get_default_for(block, el)
+        return TensorDescriptor(t, [B * N, H * D], [H * D, 1], block, layout)
+    _attn_fwd_gluon_kernel[(configs.cdiv(N, block_m), B * H)](
+        desc(q, [block_m, D]), desc(k, [block_n, D]), desc(v, [block_n, D]), out, lse,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), H, N,
+        scale * LOG2E, IS_CAUSAL=bool(causal), NUM_STAGES=2, num_warps=8)
+    return out, lse
+
+
 @on_device_of
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, variant: Variant,

@@ -18,8 +18,8 @@ import triton.language as tl  # noqa: E402
 
 from flashtriton.kernels.decode import _attn_decode_kernel, _attn_merge_kernel  # noqa: E402
 from flashtriton.kernels.block_mask import _block_mask_kernel  # noqa: E402
-from sass_loop import (TARGET, compile_kernel, sass_of, source_for,  # noqa: E402
-                       spill_counts)  # scripts/, beside this file
+from sass_loop import (TARGET, compile_gluon_fwd, compile_kernel, sass_of,  # noqa: E402
+                       softmax_overlaps, source_for, spill_counts)  # scripts/, beside this file
 
 @triton.jit
 def causal_mod(b, h, q_idx, kv_idx):
@@ -131,4 +131,20 @@ for name, fn, consts, ptrs in extra:
     except Exception as e:
         fails += 1
         print(f"FAIL {name:9s} {type(e).__name__}: {str(e)[:400]}")
+# the experimental Gluon forward (kernels.gluon_fwd): it exists for the softmax running while
+# the P V product does, so its unmasked loop must keep the exp2s between the two waits
+for dim in (64, 128):
+    for causal in (False, True):
+        try:
+            k = compile_gluon_fwd(dim, causal=causal)
+            sass = sass_of(k)
+            overlap = softmax_overlaps(sass, 128 * 128 // 256)  # a block's exp2s per thread
+            ok = k.metadata.shared <= 227 * 1024 and (overlap or causal)
+            fails += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} gluon-fwd D{dim} causal={causal} "
+                  f"shared={k.metadata.shared} softmax_overlaps_pv={overlap} "
+                  f"spill_ld/st={'%d/%d' % spill_counts(sass)}")
+        except Exception as e:
+            fails += 1
+            print(f"FAIL gluon-fwd D{dim} causal={causal} {type(e).__name__}: {str(e)[:300]}")
 sys.exit(1 if fails else 0)

@@ -1,0 +1,191 @@
+"""Hopper forward in Gluon (experimental): the softmax of one key block overlaps the P V
+product of the block before it (FlashAttention-3's intra-warpgroup pipelining).
+
+Triton 3.6 places each product next to its first use and waits for q k^T before the
+softmax, so the tensor cores idle while the exp2s run (docs/perf.md, "Overlapping the softmax
+with the next q k^T"). Gluon exposes the asynchronous wgmma and its wait: iteration j issues
+S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, runs the softmax of S_j while the
+P V product runs, then waits for it and rescales O. K and V come by TMA into a ring of
+NUM_STAGES slots, each with an mbarrier; a slot is refilled once the product reading it has
+completed.
+
+Scope: bf16 / fp16, head dim 64 or 128 (BLOCK_D == HEAD_DIM), (B, N, H, D) tensors whose
+rows are dense ((N * H) x D rows of a 2-D view), causal or not, SQ == SK. Nothing else: the
+launcher (launch.gluon_forward) raises for the rest. It does not run in the interpreter.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+
+@gluon.jit
+def _load(desc, bars, smem, row, col, j, NUM_STAGES: gl.constexpr, pred=True):
+    """TMA of key block j (rows row + j * BLOCK_N of the 2-D view, columns from col) into its
+    ring slot, completing on the slot's mbarrier; predicated, not branched (a branch between
+    an asynchronous wgmma and its wait makes ptxas wait at the join)."""
+    slot = j % NUM_STAGES
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [row + j * desc.block_type.shape[0], col],
+                                    bars.index(slot), smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _wait(bars, j, NUM_STAGES: gl.constexpr):
+    """Wait for key block j's slot (its (j // NUM_STAGES)-th fill)."""
+    mbarrier.wait(bars.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
+
+
+@gluon.jit
+def _masked(s, rows, cols, SK, IS_CAUSAL: gl.constexpr):
+    keep = cols[None, :] < SK
+    if IS_CAUSAL:
+        keep = keep & (cols[None, :] <= rows[:, None])
+    return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
+def _step(j, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, row0, col, p, acc,
+          m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale, p_layout: gl.constexpr,
+          alpha_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK: gl.constexpr,
+          NUM_STAGES: gl.constexpr):
+    """Key block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued in that order, then the
+    softmax of S_j while P V runs, then O rescaled. No branch from the first issue to the
+    last wait."""
+    _wait(k_bars, j, NUM_STAGES)
+    s = warpgroup_mma(q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    _wait(v_bars, j - 1, NUM_STAGES)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout),
+                        v_smem.index((j - 1) % NUM_STAGES), acc, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j, the older group
+    # S_j has read K's slot: the block after the ring's next ones goes there
+    _load(k_desc, k_bars, k_smem, row0, col, j + NUM_STAGES, NUM_STAGES,
+          pred=j + NUM_STAGES < n_blocks)
+    if MASK:
+        s = _masked(s, rows, j * s.shape[1] + offs_n, SEQ, IS_CAUSAL)
+    # m in the scaled (log2) domain; the scale folds into the exp2's argument (one FFMA)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s * qk_scale - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    # P V has read V's slot of block j - 1
+    _load(v_desc, v_bars, v_smem, row0, col, j - 1 + NUM_STAGES, NUM_STAGES,
+          pred=j - 1 + NUM_STAGES < n_blocks)
+    acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None]
+    return p, acc, m_new, l_i
+
+
+@gluon.jit
+def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh,
+                           stride_lb, stride_lh, H, SEQ, qk_scale,
+                           IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                           num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+
+    start_m = gl.program_id(0)
+    off_bh = gl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    # The 2-D views are (B * SEQ, H * HEAD_DIM): a head's rows start at row b * SEQ, column
+    # h * HEAD_DIM; descriptors are made per head by offsetting the column (below).
+    row0 = off_b * SEQ
+
+    # S and O in the wgmma accumulator layout: 16-row atoms, warps stacked along the rows.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+    fence_async_shared()
+
+    col = off_h * HEAD_DIM
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row0 + start_m * BLOCK_M, col], q_bar,
+                                    q_smem)
+
+    hi = SEQ
+    if IS_CAUSAL:
+        hi = gl.minimum(SEQ, (start_m + 1) * BLOCK_M)
+    n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
+    # the first block whose keys may be masked (causal diagonal, or the ragged end)
+    first_masked = SEQ // BLOCK_N
+    if IS_CAUSAL:
+        first_masked = gl.minimum(first_masked, (start_m * BLOCK_M) // BLOCK_N)
+
+    for j in gl.static_range(NUM_STAGES):
+        _load(k_desc, k_bars, k_smem, row0, col, j, NUM_STAGES, pred=j < n_blocks)
+        _load(v_desc, v_bars, v_smem, row0, col, j, NUM_STAGES, pred=j < n_blocks)
+
+    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+
+    # Block 0: S_0 and its softmax (nothing to overlap with yet).
+    _wait(k_bars, 0, NUM_STAGES)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    _load(k_desc, k_bars, k_smem, row0, col, NUM_STAGES, NUM_STAGES,  # S_0 read K's slot 0
+          pred=NUM_STAGES < n_blocks)
+    if first_masked == 0:
+        s = _masked(s, rows, offs_n, SEQ, IS_CAUSAL)
+    m_i = gl.max(s, 1) * qk_scale
+    m_safe = gl.where(m_i == -float("inf"), 0.0, m_i)
+    p = gl.exp2(s * qk_scale - m_safe[:, None])
+    l_i = gl.sum(p, 1)
+    alpha_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # Blocks 1 .. first_masked - 1 see every key; the rest check the causal / length bounds.
+    for j in range(1, gl.maximum(first_masked, 1)):
+        p, acc, m_i, l_i = _step(j, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
+                                 v_desc, row0, col, p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ,
+                                 qk_scale, p_layout, alpha_layout, IS_CAUSAL, False, NUM_STAGES)
+    for j in range(gl.maximum(first_masked, 1), n_blocks):
+        p, acc, m_i, l_i = _step(j, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
+                                 v_desc, row0, col, p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ,
+                                 qk_scale, p_layout, alpha_layout, IS_CAUSAL, True, NUM_STAGES)
+
+    # The last block's P V.
+    last = n_blocks - 1
+    _wait(v_bars, last, NUM_STAGES)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    # O = acc / l; LSE (natural log) = (m + log2 l) * ln 2; rows that saw no key: O 0, -inf.
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    o_rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh + o_rows[:, None] * stride_ot
+              + o_cols[None, :])
+    gl.store(o_ptrs, out.to(dtype), mask=o_rows[:, None] < SEQ)
+    lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    gl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=rows < SEQ)

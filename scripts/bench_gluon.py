@@ -1,0 +1,50 @@
+"""Forward TFLOP/s of the experimental Gluon kernel (launch.attention_forward_gluon) against
+flashtriton's Triton forward and cuDNN SDPA, side by side in one process (H200; bf16, 16K
+tokens per shape, d_model 2048 as in the bench). Each row is checked against SDPA first.
+
+    python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384]
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtriton import flash_attention_with_lse
+from flashtriton.launch import attention_forward_gluon
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
+    args = p.parse_args()
+    print(f"{'D':>4} {'N':>6} {'causal':>6} {'gluon':>7} {'triton':>7} {'cudnn':>7}  "
+          "max|gluon-sdpa|")
+    for D in args.dims:
+        for N in args.seqlens:
+            B, H = max(1, 16384 // N), 2048 // D
+            q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            for causal in (False, True):
+                flops = 4 * B * H * N * N * D / (2 if causal else 1)
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                fns = {"gluon": lambda: attention_forward_gluon(q, k, v, causal),
+                       "triton": lambda: flash_attention_with_lse(q, k, v, causal=causal),
+                       "cudnn": cudnn}
+                err = float((fns["gluon"]()[0].float() - cudnn().transpose(1, 2).float())
+                            .abs().max())
+                tflops = {name: flops / triton.testing.do_bench(fn, warmup=25, rep=100,
+                                                                return_mode="median") * 1e-9
+                          for name, fn in fns.items()}
+                print(f"{D:>4} {N:>6} {int(causal):>6} {tflops['gluon']:>7.0f} "
+                      f"{tflops['triton']:>7.0f} {tflops['cudnn']:>7.0f}  {err:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
