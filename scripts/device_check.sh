@@ -4,7 +4,7 @@
 # Usage: [PARTS="tests gpu demo bench variants"] bash scripts/device_check.sh [COMMIT] [bench args...]
 # The whole set takes longer than one 10-minute device call: run PARTS=tests, then the rest.
 # Other parts: ring (NCCL ring tests and bench_ring; 2+ GPUs), host (host-overhead profile and
-# decode split sweep), decode (the decode bench), probes (scripts/probe_decode_sync.py,
+# decode split sweep), sweep (scripts/sweep_decode.py $SWEEP_ARGS: graph GB/s per split count), decode (the decode bench), probes (scripts/probe_decode_sync.py,
 # probe_backward_host.py and probe_decode_eager.py), bwdprobe (scripts/probe_backward_kernels.py: each backward kernel's
 # GPU time against cuDNN's, and dK/dV tiles forced one by one; $BWDPROBE_ARGS), atomic (the
 # atomic-dQ backward: its tests, and the bench with the switch off and on), only (tests named
@@ -74,6 +74,8 @@ for flag in 0 1; do
     flashtriton.bench --commit "$commit-atomic$flag" --providers flashtriton --suites train \
     --dims 64 128 --seqlens 1024 4096 16384 --out "$OUT/atomic$flag" > "$OUT/atomic$flag.log" 2>&1
 done
+has sweep && timeout ${T_SWEEP:-240} python3 scripts/sweep_decode.py ${SWEEP_ARGS:-} \
+  > "$OUT/sweep.log" 2>&1
 has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
 has host && timeout ${T_DECODE:-90} python3 scripts/sweep_decode.py > "$OUT/decode_sweep.log" 2>&1
 has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cut -c1-300;
@@ -85,6 +87,7 @@ has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; echo "== cloc
                   grep -m2 '^#' "$OUT/clocks.log"; awk '$1 !~ /^#/ && NF > 3 {n++; if (lo == "" || $NF < lo) lo = $NF;
                   if ($NF > hi) hi = $NF} END {print "last column: min", lo, "max", hi, "over", n, "s"}' "$OUT/clocks.log"; }
 has bwdprobe && { echo "== backward kernels"; cut -c1-300 "$OUT/bwdprobe.log"; }
+has sweep    && { echo "== decode splits (graph GB/s)"; cat "$OUT/sweep.log"; }
 has decode   && { echo "== decode"; cat "$OUT/decode/results.md" 2>/dev/null || tail -5 "$OUT/decode_bench.log"; }
 has atomic   && { echo "== atomic-dQ tests"; grep -E "^(FAILED|ERROR)" "$OUT/atomic_tests.log" | cut -c1-300 | head;
                   grep -E "passed|failed" "$OUT/atomic_tests.log" | tail -1;
