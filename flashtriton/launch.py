@@ -551,12 +551,16 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention_forward_gluon takes bf16 or fp16, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape or q.shape[-1] not in (64, 128):
-        raise ValueError("attention_forward_gluon takes q, k, v of one (B, N, H, D) shape, D 64 or "
-                         f"128; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if (q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[-1] not in (64, 128)
+            or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]
+            or k.shape[2] == 0 or q.shape[2] % k.shape[2]):
+        raise ValueError("attention_forward_gluon takes q (B, N, H, D) and k, v (B, N, HKV, D), "
+                         f"HKV dividing H, D 64 or 128; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if not all(t.is_contiguous() for t in (q, k, v)):
         raise ValueError("attention_forward_gluon takes contiguous (B, N, H, D) tensors")
     B, N, H, D = q.shape
+    HKV = k.shape[2]
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
     if not scale > 0:  # the kernel folds the scale into its running maximum
         raise ValueError(f"attention_forward_gluon takes softmax_scale > 0, got {scale}")
@@ -565,12 +569,13 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     lse = torch.empty(B, H, N, dtype=torch.float32, device=q.device)
     el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
 
-    def desc(t, block):  # the (B * N, H * D) view: a head's tile is rows x D columns
+    def desc(t, block):  # the (B * N, heads * D) view: a head's tile is rows x D columns
         layout = gl.NVMMASharedLayout.get_default_for(block, el)
-        return TensorDescriptor(t, [B * N, H * D], [H * D, 1], block, layout)
+        width = t.shape[2] * D
+        return TensorDescriptor(t, [B * N, width], [width, 1], block, layout)
     _attn_fwd_gluon_kernel[(configs.cdiv(N, block_m), B * H)](
         desc(q, [block_m, D]), desc(k, [block_n, D]), desc(v, [block_n, D]), out, lse,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), H, N,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), H, H // HKV, N,
         scale * LOG2E, IS_CAUSAL=bool(causal), NUM_STAGES=2, num_warps=8)
     return out, lse
 

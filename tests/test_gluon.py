@@ -12,13 +12,14 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("B,N,H,D", [(2, 1000, 3, 128), (1, 4096, 2, 128), (2, 777, 2, 64),
-                                     (1, 128, 1, 128), (1, 100, 2, 64)])
+@pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 3, 3, 128), (1, 4096, 2, 2, 128),
+                                         (2, 777, 2, 2, 64), (1, 128, 1, 1, 128),
+                                         (1, 100, 2, 2, 64), (2, 600, 8, 2, 128)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward_matches_reference(B, N, H, D, causal, dtype):
+def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
     from flashtriton.launch import attention_forward_gluon
-    q, k, v = make_qkv(B, N, N, H, H, D, dtype, "cuda", requires_grad=False)
+    q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda", requires_grad=False)
     check_against_reference(lambda q, k, v: attention_forward_gluon(q, k, v, causal), q, k, v,
                             causal, check_grads=False)
 
@@ -27,7 +28,7 @@ def test_gluon_forward_matches_reference(B, N, H, D, causal, dtype):
 def test_gluon_forward_rejects_what_it_does_not_take():
     from flashtriton.launch import attention_forward_gluon
     q, k, v = make_qkv(1, 64, 64, 2, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
-    with pytest.raises(ValueError, match="one \\(B, N, H, D\\) shape"):
+    with pytest.raises(ValueError, match="HKV dividing H"):
         attention_forward_gluon(q, k[:, :32], v[:, :32])
     with pytest.raises(ValueError, match="bf16 or fp16"):
         attention_forward_gluon(q.float(), k.float(), v.float())

@@ -10,7 +10,8 @@ NUM_STAGES slots, each with an mbarrier; a slot is refilled once the product rea
 completed.
 
 Scope: bf16 / fp16, head dim 64 or 128 (BLOCK_D == HEAD_DIM), (B, N, H, D) tensors whose
-rows are dense ((N * H) x D rows of a 2-D view), causal or not, SQ == SK. Nothing else: the
+rows are dense ((N * H) x D rows of a 2-D view), GQA (K and V with H / GROUP heads), causal or
+not, SQ == SK. Nothing else: the
 launcher (launch.gluon_forward) raises for the rest. It does not run in the interpreter.
 """
 
@@ -81,7 +82,7 @@ def _step(j, n_blocks, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, r
 
 @gluon.jit
 def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh,
-                           stride_lb, stride_lh, H, SEQ, qk_scale,
+                           stride_lb, stride_lh, H, GROUP, SEQ, qk_scale,
                            IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                            num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -93,8 +94,8 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot,
     off_bh = gl.program_id(1)
     off_b = off_bh // H
     off_h = off_bh % H
-    # The 2-D views are (B * SEQ, H * HEAD_DIM): a head's rows start at row b * SEQ, column
-    # h * HEAD_DIM; descriptors are made per head by offsetting the column (below).
+    # The 2-D views are (B * SEQ, heads * HEAD_DIM): a head's rows start at row b * SEQ,
+    # column head * HEAD_DIM (the descriptors cover every head; coordinates pick one).
     row0 = off_b * SEQ
 
     # S and O in the wgmma accumulator layout: 16-row atoms, warps stacked along the rows.
@@ -118,10 +119,10 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot,
         mbarrier.init(v_bars.index(i), count=1)
     fence_async_shared()
 
-    col = off_h * HEAD_DIM
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0 + start_m * BLOCK_M, col], q_bar,
+    tma.async_copy_global_to_shared(q_desc, [row0 + start_m * BLOCK_M, off_h * HEAD_DIM], q_bar,
                                     q_smem)
+    col = (off_h // GROUP) * HEAD_DIM  # K and V: the head's KV head (GQA: GROUP query heads each)
 
     hi = SEQ
     if IS_CAUSAL:
