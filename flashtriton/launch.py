@@ -536,16 +536,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
 
 
 def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                            softmax_scale: Optional[float] = None
+                            softmax_scale: Optional[float] = None, warp_specialize: bool = False
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The experimental Gluon forward (kernels.gluon_fwd: Hopper, the softmax overlapping the
-    P V product): O like q and the natural-log LSE (B, H, N). Dense (B, N, H, D) bf16 / fp16
-    tensors of one shape, D 64 or 128; raises ValueError for anything else (no fallback: the
-    caller chooses this path)."""
+    P V product; ``warp_specialize``: the producer / two-consumer kernel): O like q and the
+    natural-log LSE (B, H, N). Dense (B, N, H, D) bf16 / fp16 q and (B, N, HKV, D) k, v, D 64
+    or 128; raises ValueError for anything else (no fallback: the caller chooses this path)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .kernels.gluon_fwd import _attn_fwd_gluon_kernel
+    from .kernels import gluon_fwd
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
         raise ValueError("attention_forward_gluon needs a Hopper GPU (sm_90)")
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
@@ -573,10 +573,13 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         layout = gl.NVMMASharedLayout.get_default_for(block, el)
         width = t.shape[2] * D
         return TensorDescriptor(t, [B * N, width], [width, 1], block, layout)
-    _attn_fwd_gluon_kernel[(configs.cdiv(N, block_m), B * H)](
+    kernel, options = ((gluon_fwd._attn_fwd_gluon_ws_kernel, gluon_fwd.WS_OPTIONS)
+                       if warp_specialize else (gluon_fwd._attn_fwd_gluon_kernel,
+                                                dict(num_warps=8)))
+    kernel[(configs.cdiv(N, block_m), B * H)](
         desc(q, [block_m, D]), desc(k, [block_n, D]), desc(v, [block_n, D]), out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), H, H // HKV, N,
-        scale * LOG2E, IS_CAUSAL=bool(causal), NUM_STAGES=2, num_warps=8)
+        scale * LOG2E, IS_CAUSAL=bool(causal), NUM_STAGES=2, **options)
     return out, lse
 
 

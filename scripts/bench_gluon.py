@@ -20,8 +20,8 @@ def main():
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
     args = p.parse_args()
-    print(f"{'D':>4} {'N':>6} {'causal':>6} {'gluon':>7} {'triton':>7} {'cudnn':>7}  "
-          "max|gluon-sdpa|")
+    print(f"{'D':>4} {'N':>6} {'causal':>6} {'gluon':>7} {'gluon-ws':>8} {'triton':>7} "
+          f"{'cudnn':>7}  max|gluon-sdpa| max|gluon-ws-sdpa|")
     for D in args.dims:
         for N in args.seqlens:
             B, H = max(1, 16384 // N), 2048 // D
@@ -35,15 +35,19 @@ def main():
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                 fns = {"gluon": lambda: attention_forward_gluon(q, k, v, causal),
+                       "gluon-ws": lambda: attention_forward_gluon(q, k, v, causal,
+                                                                   warp_specialize=True),
                        "triton": lambda: flash_attention_with_lse(q, k, v, causal=causal),
                        "cudnn": cudnn}
-                err = float((fns["gluon"]()[0].float() - cudnn().transpose(1, 2).float())
-                            .abs().max())
+                ref = cudnn().transpose(1, 2).float()
+                errs = [float((fns[name]()[0].float() - ref).abs().max())
+                        for name in ("gluon", "gluon-ws")]
                 tflops = {name: flops / triton.testing.do_bench(fn, warmup=25, rep=100,
                                                                 return_mode="median") * 1e-9
                           for name, fn in fns.items()}
                 print(f"{D:>4} {N:>6} {int(causal):>6} {tflops['gluon']:>7.0f} "
-                      f"{tflops['triton']:>7.0f} {tflops['cudnn']:>7.0f}  {err:.2e}", flush=True)
+                      f"{tflops['gluon-ws']:>8.0f} {tflops['triton']:>7.0f} "
+                      f"{tflops['cudnn']:>7.0f}  {errs[0]:.2e} {errs[1]:.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,13 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
                                          (1, 100, 2, 2, 64), (2, 600, 8, 2, 128)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
+@pytest.mark.parametrize("ws", [False, True], ids=["plain", "warp-specialized"])
+def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype, ws):
     from flashtriton.launch import attention_forward_gluon
     q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda", requires_grad=False)
-    check_against_reference(lambda q, k, v: attention_forward_gluon(q, k, v, causal), q, k, v,
-                            causal, check_grads=False)
+    check_against_reference(
+        lambda q, k, v: attention_forward_gluon(q, k, v, causal, warp_specialize=ws), q, k, v,
+        causal, check_grads=False)
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
