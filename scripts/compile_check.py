@@ -52,44 +52,53 @@ variants = {
                            HAS_BLOCK_MASK=True),
 }
 fails = 0
+
+
+def check(name, build, judge):
+    """Compile with build(), judge the kernel (-> ok, details), print one line, count a
+    failure (a compile error is one)."""
+    global fails
+    try:
+        ok, details = judge(build())
+    except Exception as e:
+        ok, details = False, f"{type(e).__name__}: {str(e)[:300]}"
+    fails += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} {name} {details}", flush=True)
+
+
+def variant_judge(k):
+    ptx = k.asm["ptx"]
+    return ("wgmma" in ptx and ".local" not in ptx and "cp.async" in ptx,
+            f"shared={k.metadata.shared} wgmma={'wgmma' in ptx} pipelined={'cp.async' in ptx} "
+            f"local_memory={'.local' in ptx}")
+
+
 for kname in ("fwd", "dkdv", "dq"):
     for vname, v in variants.items():
         if kname == "fwd" and v.get("HAS_ALIBI") == 2:
             continue  # one-sided ALiBi is the backward's form (the forward launches form 1)
         bm, bn = (64, 128) if kname == "dkdv" else (128, 64)
-        try:
-            k = compile_kernel(kname, 128, bm, bn, 8, 3, **v)
-            ptx = k.asm["ptx"]
-            ok = "wgmma" in ptx and ".local" not in ptx and "cp.async" in ptx
-            fails += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {kname:5s} {vname:15s} shared={k.metadata.shared} "
-                  f"wgmma={'wgmma' in ptx} pipelined={'cp.async' in ptx} "
-                  f"local_memory={'.local' in ptx}")
-        except Exception as e:
-            fails += 1
-            print(f"FAIL {kname:5s} {vname:15s} {type(e).__name__}: {str(e)[:300]}")
+        check(f"{kname:5s} {vname:15s}",
+              lambda: compile_kernel(kname, 128, bm, bn, 8, 3, **v), variant_judge)
 # every bf16 training tile the autotuner may try, at each head-dim class (causal variant):
 # a tile that spills to local memory or overflows shared memory is a wasted candidate. Tiles
 # whose products have fewer than 64 rows per warpgroup compile to mma.sync, not wgmma:
 # reported, not failed (the autotuner decides whether they win).
 from flashtriton import configs  # noqa: E402
+def tile_judge(k):
+    ptx = k.asm["ptx"]
+    spills = "%d/%d" % spill_counts(sass_of(k))  # ptxas's: reported, not failed
+    return (k.metadata.shared <= 227 * 1024 and ".local" not in ptx,
+            f"shared={k.metadata.shared} local_memory={'.local' in ptx} "
+            f"{'wgmma' if 'wgmma' in ptx else 'mma.sync'} spill_ld/st={spills}")
+
+
 for kname in ("fwd", "dkdv", "dq"):
     for bd, cfgs in configs._GPU[kname].items():
         for bm, bn, warps, stages in cfgs:
-            try:
-                k = compile_kernel(kname, bd, bm, bn, warps, stages, causal=True)
-                ptx = k.asm["ptx"]
-                ok = k.metadata.shared <= 227 * 1024 and ".local" not in ptx
-                fails += not ok
-                spills = "%d/%d" % spill_counts(sass_of(k))  # ptxas's: reported, not failed
-                print(f"{'ok  ' if ok else 'FAIL'} {kname:5s} D{bd} tile {bm}x{bn} warps={warps} "
-                      f"stages={stages} shared={k.metadata.shared} local_memory={'.local' in ptx} "
-                      f"{'wgmma' if 'wgmma' in ptx else 'mma.sync'} spill_ld/st={spills}",
-                      flush=True)
-            except Exception as e:
-                fails += 1
-                print(f"FAIL {kname:5s} D{bd} {bm}x{bn}/{warps}/{stages} {type(e).__name__}: "
-                      f"{str(e)[:200]}")
+            check(f"{kname:5s} D{bd} tile {bm}x{bn} warps={warps} stages={stages}",
+                  lambda: compile_kernel(kname, bd, bm, bn, warps, stages, causal=True),
+                  tile_judge)
 # decode, merge, block mask
 extra = [
     ("decode", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True, PAGE_SIZE=16, SAME_LAYOUT=True, HAS_LOWER=False, HAS_UPPER=True,
@@ -109,28 +118,32 @@ extra = [
 for bd, cfgs in configs._GPU["decode"].items():
     for _, bn, warps, stages in cfgs:
         src = source_for(_attn_decode_kernel, dict(extra[0][2], BLOCK_D=bd, BLOCK_N=bn), extra[0][3])
-        try:
-            k = triton.compile(src, target=TARGET, options={"num_warps": warps,
-                                                            "num_stages": stages})
-            ok = k.metadata.shared <= 227 * 1024 and ".local" not in k.asm["ptx"]
-            fails += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} decode D{bd} BLOCK_N={bn} warps={warps} "
-                  f"stages={stages} shared={k.metadata.shared}")
-        except Exception as e:
-            fails += 1
-            print(f"FAIL decode D{bd} {bn}/{warps}/{stages} {type(e).__name__}: {str(e)[:200]}")
+        check(f"decode D{bd} BLOCK_N={bn} warps={warps} stages={stages}",
+              lambda: triton.compile(src, target=TARGET, options={"num_warps": warps,
+                                                                  "num_stages": stages}),
+              lambda k: (k.metadata.shared <= 227 * 1024 and ".local" not in k.asm["ptx"],
+                         f"shared={k.metadata.shared}"))
 for name, fn, consts, ptrs in extra:
-    try:
-        pdl = consts.get("PDL", False)  # launched as a programmatic dependent
-        k = triton.compile(source_for(fn, consts, ptrs), target=TARGET,
-                           options={"num_warps": 8, "num_stages": 3, "launch_pdl": pdl})
-        ok = ("griddepcontrol.wait" in k.asm["ptx"]) == pdl and k.metadata.launch_pdl == pdl
-        fails += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {name:9s} shared={k.metadata.shared} "
-              f"local_spill={'.local' in k.asm['ptx']} pdl={pdl}")
-    except Exception as e:
-        fails += 1
-        print(f"FAIL {name:9s} {type(e).__name__}: {str(e)[:400]}")
+    pdl = consts.get("PDL", False)  # launched as a programmatic dependent
+    check(f"{name:9s}",
+          lambda: triton.compile(source_for(fn, consts, ptrs), target=TARGET,
+                                 options={"num_warps": 8, "num_stages": 3, "launch_pdl": pdl}),
+          lambda k: (("griddepcontrol.wait" in k.asm["ptx"]) == pdl
+                     and k.metadata.launch_pdl == pdl,
+                     f"shared={k.metadata.shared} local_spill={'.local' in k.asm['ptx']} "
+                     f"pdl={pdl}"))
+
+
+def gluon_judge(ws, causal):
+    def judge(k):
+        sass = sass_of(k)
+        overlap = softmax_overlaps(sass, 64)
+        return (k.metadata.shared <= 227 * 1024 and (overlap or causal or ws),
+                f"shared={k.metadata.shared} softmax_overlaps_pv={overlap} "
+                f"spill_ld/st={'%d/%d' % spill_counts(sass)}")
+    return judge
+
+
 # the experimental Gluon forward (kernels.gluon_fwd): it exists for the softmax running while
 # the P V product does, so its unmasked loop must keep the exp2s between the two waits
 # (a block's exp2s per thread: 128 x 128 over 8 warps, 64 x 128 per 4-warp consumer: 64).
@@ -139,16 +152,6 @@ for name, fn, consts, ptrs in extra:
 for dim in (64, 128):
     for causal in (False, True):
         for ws in (False, True):
-            name = f"gluon-fwd{'-ws' if ws else ''} D{dim} causal={causal}"
-            try:
-                k = compile_gluon_fwd(dim, causal=causal, ws=ws)
-                sass = sass_of(k)
-                overlap = softmax_overlaps(sass, 64)
-                ok = k.metadata.shared <= 227 * 1024 and (overlap or causal or ws)
-                fails += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} {name} shared={k.metadata.shared} "
-                      f"softmax_overlaps_pv={overlap} spill_ld/st={'%d/%d' % spill_counts(sass)}")
-            except Exception as e:
-                fails += 1
-                print(f"FAIL {name} {type(e).__name__}: {str(e)[:300]}")
+            check(f"gluon-fwd{'-ws' if ws else ''} D{dim} causal={causal}",
+                  lambda: compile_gluon_fwd(dim, causal=causal, ws=ws), gluon_judge(ws, causal))
 sys.exit(1 if fails else 0)
