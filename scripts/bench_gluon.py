@@ -3,6 +3,8 @@ flashtriton's Triton forward and cuDNN SDPA, side by side in one process (H200; 
 tokens per shape, d_model 2048 as in the bench). Each row is checked against SDPA first.
 
     python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384]
+    timeout 60 python scripts/bench_gluon.py --smoke   # first: one small call per kernel
+                                                       # (a barrier mistake hangs, not fails)
 """
 import argparse
 
@@ -19,7 +21,21 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--smoke", action="store_true",
+                   help="one small call of each kernel against SDPA, printed as it finishes")
     args = p.parse_args()
+    if args.smoke:
+        q, k, v = (torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        for ws in (False, True):
+            for causal in (False, True):
+                out = attention_forward_gluon(q, k, v, causal, warp_specialize=ws)[0]
+                ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                     is_causal=causal).transpose(1, 2)
+                torch.cuda.synchronize()
+                print(f"warp_specialize={ws} causal={causal}: max error "
+                      f"{float((out.float() - ref.float()).abs().max()):.2e}", flush=True)
+        return
     print(f"{'D':>4} {'N':>6} {'causal':>6} {'gluon':>7} {'gluon-ws':>8} {'triton':>7} "
           f"{'cudnn':>7}  max|gluon-sdpa| max|gluon-ws-sdpa|")
     for D in args.dims:
