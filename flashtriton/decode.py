@@ -230,14 +230,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
     splits = _splits(num_splits, B, HKV, capacity, granule, q.device)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
+    parts = (0, 0)  # the partials' layout (_partials): none with one split
     if splits == 1:  # the split's normalised result and LSE are the output
         o_part, lse_part = out, lse
         o_strides = (0, out.stride(0), out.stride(2), out.stride(1))  # (split, b, h, t)
         lse_strides = (0, lse.stride(0), lse.stride(1))
     else:
-        o_part, lse_part = _partials(splits, B, H, SQ, D, q.device)
+        o_part, lse_part, parts = _partials(splits, B, H, SQ, D, q.device)
         o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
-    parts = _partials_layout(splits, B, H, SQ, D) if splits > 1 else (0, 0)
     block_m = max(16, configs.next_pow2((H // HKV) * SQ))
     bd = configs.block_d(D)
     has_softcap = softcap > 0
@@ -298,11 +298,13 @@ def _partials_layout(splits, B, H, SQ, D) -> Tuple[int, int]:
 
 def _partials(splits, B, H, SQ, D, device):
     """The split kernel's fp32 partial outputs (S, B, H, SQ, D) and LSEs (S, B, H, SQ): views of
-    one allocation (a replayed step allocates it once, for host time)."""
-    size, lse_at = _partials_layout(splits, B, H, SQ, D)
-    buf = torch.empty(size, dtype=torch.float32, device=device)
+    one allocation (a replayed step allocates it once, for host time), and its layout
+    (_partials_layout)."""
+    layout = _partials_layout(splits, B, H, SQ, D)
+    buf = torch.empty(layout[0], dtype=torch.float32, device=device)
     n = splits * B * H * SQ
-    return buf[:n * D].view(splits, B, H, SQ, D), buf[lse_at:].view(splits, B, H, SQ)
+    return (buf[:n * D].view(splits, B, H, SQ, D), buf[layout[1]:].view(splits, B, H, SQ),
+            layout)
 
 
 @launch.on_device_of

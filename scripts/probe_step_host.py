@@ -117,7 +117,7 @@ def pieces(N, num_splits):
     B, SQ, H, D = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, SQ), dtype=torch.float32)
-    o_part, lse_part = decode._partials(splits, B, H, SQ, D, q.device)
+    o_part, lse_part, _ = decode._partials(splits, B, H, SQ, D, q.device)
     parts = (o_part, lse_part) if splits > 1 else (out, lse)
     nothing = launch.on_device_of(lambda x: None)
     rows = {
