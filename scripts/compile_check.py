@@ -134,24 +134,23 @@ for name, fn, consts, ptrs in extra:
                      f"pdl={pdl}"))
 
 
-def gluon_judge(ws, causal):
+def gluon_judge(dim):
     def judge(k):
         sass = sass_of(k)
         overlap = softmax_overlaps(sass, 64)
-        return (k.metadata.shared <= 227 * 1024 and (overlap or causal or ws),
+        return (k.metadata.shared <= 227 * 1024 and (overlap or dim != 128),
                 f"shared={k.metadata.shared} softmax_overlaps_pv={overlap} "
                 f"spill_ld/st={'%d/%d' % spill_counts(sass)}")
     return judge
 
 
-# the experimental Gluon forward (kernels.gluon_fwd): it exists for the softmax running while
-# the P V product does, so its unmasked loop must keep the exp2s between the two waits
-# (a block's exp2s per thread: 128 x 128 over 8 warps, 64 x 128 per 4-warp consumer: 64).
-# The warp-specialized kernel (exploratory, not measured yet) is reported, not failed, on
-# the overlap: at D=64 ptxas waits for P V before the exp2s there.
+# The Gluon forward (kernels.gluon_fwd): it exists for the softmax running while the P V
+# product does, so at D=128 (where attention_forward runs it) each consumer's loop must keep
+# its exp2s (64 x 128 per 4-warp consumer: 64 a thread) between the two waits. At D=64
+# (tests and benchmarks only) ptxas waits for P V before the exp2s of the non-causal loop:
+# reported, not failed.
 for dim in (64, 128):
     for causal in (False, True):
-        for ws in (False, True):
-            check(f"gluon-fwd{'-ws' if ws else ''} D{dim} causal={causal}",
-                  lambda: compile_gluon_fwd(dim, causal=causal, ws=ws), gluon_judge(ws, causal))
+        check(f"gluon-fwd D{dim} causal={causal}", lambda: compile_gluon_fwd(dim, causal=causal),
+              gluon_judge(dim))
 sys.exit(1 if fails else 0)

@@ -64,11 +64,9 @@ def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **o
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_gluon_fwd(dim=128, block_m=128, block_n=128, causal=False, stages=2, warps=8,
-                      ws=False):
-    """The experimental Gluon forward (kernels.gluon_fwd) for sm_90, bf16, its descriptors
-    typed as the launcher makes them (launch.attention_forward_gluon); ``ws``: the
-    warp-specialized kernel (4 warps per partition)."""
+def compile_gluon_fwd(dim=128, causal=False, stages=2):
+    """The Gluon forward (kernels.gluon_fwd) for sm_90, bf16, its descriptors typed as the
+    launcher makes them (launch._gluon_forward: 128-row blocks)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -76,22 +74,18 @@ def compile_gluon_fwd(dim=128, block_m=128, block_n=128, causal=False, stages=2,
     from triton.runtime.jit import mangle_type
 
     from flashtriton.kernels import gluon_fwd
-    fn = gluon_fwd._attn_fwd_gluon_ws_kernel if ws else gluon_fwd._attn_fwd_gluon_kernel
+    fn = gluon_fwd._attn_fwd_gluon_kernel
     view = torch.empty(64, 16 * dim, dtype=torch.bfloat16)  # only its dtype and shape matter
-
-    def desc(block):
-        return mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
-                                            gl.NVMMASharedLayout.get_default_for(block,
-                                                                                 gl.bfloat16)))
-    consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, num_warps=warps)
-    if ws:
-        consts.update(gluon_fwd.WS_OPTIONS)
-        warps = consts["num_warps"]
+    block = [128, dim]
+    desc = mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
+                                        gl.NVMMASharedLayout.get_default_for(block,
+                                                                             gl.bfloat16)))
+    consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, **gluon_fwd.OPTIONS)
     sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
-    sig.update(q_desc=desc([block_m, dim]), k_desc=desc([block_n, dim]),
-               v_desc=desc([block_n, dim]), O="*bf16", LSE="*fp32", qk_scale="fp32")
+    sig.update(q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", qk_scale="fp32")
     source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
                                                  for k, v in consts.items()})
+    warps = consts["num_warps"]
     return triton.compile(source, target=TARGET, options={"num_warps": warps})
 
 
