@@ -56,15 +56,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 
 def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device) -> int:
-    """Splits for at most two programs per SM (the decode tiles fit two per SM): rounding up
-    past that left a nearly empty second wave (H200, B=4, 8 KV heads, 64K cache: 9 splits
-    3353 GB/s, 8 splits 4219). One tile per split at least. Short caches split too: one
-    program per (sequence, KV head) over 1K keys ran B=1 at 207 GB/s against 383 split
-    (H200, 8 KV heads); with one split (batch x KV heads >= 2 x SMs) no merge runs."""
+    """One program per SM (one wave) where each split still gets >= 2048 keys, else at most
+    two programs per SM (the decode tiles fit two per SM). H200, 8 KV heads, graph replays:
+    one wave beat two programs per SM from 32K keys at batch 1-8 (B=1 64K 16 splits 3469 GB/s
+    against 33 splits' 3384, B=8 128K 2 splits 4556 against 4 splits' 4463); rounding up past
+    two per SM left a nearly empty second wave (B=4, 64K: 9 splits 3353 GB/s, 8 splits 4219).
+    One tile per split at least. Short caches split too: one program per (sequence, KV head)
+    over 1K keys ran B=1 at 207 GB/s against 383 split; with one split (batch x KV heads >=
+    SMs) no merge runs."""
     max_splits = max(1, configs.cdiv(capacity, block_n))
     if num_splits > 0:
         return min(num_splits, max_splits)
     sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
+    one_wave = max(1, sms // (B * HKV))
+    if capacity >= 2048 * one_wave:
+        return min(max_splits, one_wave, 128)
     return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 
 

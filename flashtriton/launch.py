@@ -516,7 +516,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     def grid(meta):
         return (configs.cdiv(SQ, meta["BLOCK_M"]), B * H)
 
-    if _env.GLUON and D == 128 and gluon_misfit(q, k, v, variant, varlen) is None:
+    # The Gluon forward at D=128 (H200: 1.1-1.3x the Triton kernel from 1K tokens, at 512 causal
+    # tokens 0.95x; at D=64 0.9-0.99x: docs/perf.md, session 12).
+    if (_env.GLUON and D == 128 and (SQ > 512 or not variant.causal)
+            and gluon_misfit(q, k, v, variant, varlen) is None):
         remember(signature, _gluon_forward(q, k, v, out, lse, variant.causal,
                                            variant.softmax_scale))
         return out, lse
