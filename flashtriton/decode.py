@@ -55,12 +55,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat([rot.to(x.dtype), x[..., rd:]], dim=-1)
 
 
-def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device) -> int:
-    """One program per SM (one wave) where each split still gets >= 2048 keys, else at most
-    two programs per SM (the decode tiles fit two per SM). H200, 8 KV heads, graph replays:
-    one wave beat two programs per SM from 32K keys at batch 1-8 (B=1 64K 16 splits 3469 GB/s
-    against 33 splits' 3384, B=8 128K 2 splits 4556 against 4 splits' 4463); rounding up past
-    two per SM left a nearly empty second wave (B=4, 64K: 9 splits 3353 GB/s, 8 splits 4219).
+def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device,
+            paged: bool = False) -> int:
+    """One program per SM (one wave) where each split of a contiguous cache still gets >= 2048
+    keys, else at most two programs per SM (the decode tiles fit two per SM). H200, 8 KV
+    heads, graph replays: one wave beat two programs per SM from 32K keys at batch 1-8 (B=1
+    64K 16 splits 3469 GB/s against 33 splits' 3384, B=8 128K 2 splits 4556 against 4 splits'
+    4463); paged caches keep two programs per SM (with one wave they ran 12-19% behind
+    contiguous at B=1-8, 64K-128K: docs/perf.md, session 12). Rounding up past two per SM left a nearly empty second wave (B=4, 64K: 9 splits 3353 GB/s, 8 splits 4219).
     One tile per split at least. Short caches split too: one program per (sequence, KV head)
     over 1K keys ran B=1 at 207 GB/s against 383 split; with one split (batch x KV heads >=
     SMs) no merge runs."""
@@ -69,7 +71,7 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
         return min(num_splits, max_splits)
     sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
     one_wave = max(1, sms // (B * HKV))
-    if capacity >= 2048 * one_wave:
+    if not paged and capacity >= 2048 * one_wave:
         return min(max_splits, one_wave, 128)
     return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 
@@ -234,7 +236,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if known is not None and _replay(known, tensors, out, lse):
             return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
-    splits = _splits(num_splits, B, HKV, capacity, granule, q.device)
+    splits = _splits(num_splits, B, HKV, capacity, granule, q.device, block_table is not None)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
     parts = (0, 0)  # the partials' layout (_partials): none with one split
     if splits == 1:  # the split's normalised result and LSE are the output

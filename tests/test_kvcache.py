@@ -314,6 +314,8 @@ def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want)
     else:
         assert splits in (1, N // 128) or 132 < programs <= 2 * 132
     assert decode._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit
+    paged = decode._splits(0, B, HKV, N, 128, torch.device("cuda", 0), paged=True)
+    assert paged in (1, N // 128) or 132 < paged * B * HKV <= 2 * 132  # paged: two per SM
 
 
 @pytest.mark.parametrize("bad", ["k_cache", "block_table", "cache_seqlens", "k_cache_none"])
