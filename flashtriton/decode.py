@@ -57,21 +57,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device,
             paged: bool = False) -> int:
-    """One program per SM (one wave) where each split of a contiguous cache still gets >= 2048
-    keys, else at most two programs per SM (the decode tiles fit two per SM). H200, 8 KV
-    heads, graph replays: one wave beat two programs per SM from 32K keys at batch 1-8 (B=1
-    64K 16 splits 3469 GB/s against 33 splits' 3384, B=8 128K 2 splits 4556 against 4 splits'
-    4463); paged caches keep two programs per SM (with one wave they ran 12-19% behind
-    contiguous at B=1-8, 64K-128K: docs/perf.md, session 12). Rounding up past two per SM left a nearly empty second wave (B=4, 64K: 9 splits 3353 GB/s, 8 splits 4219).
-    One tile per split at least. Short caches split too: one program per (sequence, KV head)
-    over 1K keys ran B=1 at 207 GB/s against 383 split; with one split (batch x KV heads >=
-    SMs) no merge runs."""
+    """One program per SM (one wave) where that makes >= 8 splits of >= 2048 keys each of a
+    contiguous cache, else at most two programs per SM (the decode tiles fit two per SM).
+    H200, 8 KV heads, graph replays (docs/perf.md, session 12): one wave beat two programs per
+    SM by 1-3% from 32K keys (B=1 64K 16 splits 3441-3507 GB/s in four runs against 33 splits'
+    3384-3395); with fewer, longer splits the tuner's tile was not stable (B=8 64K, 2 splits:
+    4422-4457 GB/s, then 3301 in a run where it picked another tile), and paged caches ran
+    12-19% behind contiguous with one wave. Rounding up past two per SM left a nearly empty
+    second wave (B=4, 64K: 9 splits 3353 GB/s, 8 splits 4219). One tile per split at least.
+    Short caches split too: one program per (sequence, KV head) over 1K keys ran B=1 at 207
+    GB/s against 383 split; with one split (batch x KV heads >= SMs) no merge runs."""
     max_splits = max(1, configs.cdiv(capacity, block_n))
     if num_splits > 0:
         return min(num_splits, max_splits)
     sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
-    one_wave = max(1, sms // (B * HKV))
-    if not paged and capacity >= 2048 * one_wave:
+    one_wave = sms // (B * HKV)
+    if not paged and one_wave >= 8 and capacity >= 2048 * one_wave:
         return min(max_splits, one_wave, 128)
     return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 
