@@ -8,6 +8,8 @@
 | ``FLASHTRITON_FAST_LAUNCH`` | ``1`` (default) / ``0``      | ``0``: every launch through Triton's ``JITFunction.run``    |
 | ``FLASHTRITON_PDL``         | ``1`` (default) / ``0``      | ``0``: no programmatic dependent launch of the decoding     |
 |                             |                              | kernels on Hopper and newer                                 |
+| ``FLASHTRITON_GLUON``       | ``1`` (default) / ``0``      | ``0``: no Gluon forward on Hopper (the Triton kernel runs   |
+|                             |                              | every forward)                                              |
 | ``FLASHTRITON_LOG``         | ``debug`` / ``info`` / unset | log through ``logging`` (logger ``flashtriton``) to stderr; |
 |                             |                              | ``debug`` logs every launch and every autotuning decision   |
 
@@ -30,6 +32,7 @@ AUTOTUNE: bool = _flag("FLASHTRITON_AUTOTUNE", True) and not INTERPRET
 TMA: bool = _flag("FLASHTRITON_TMA", True)
 FAST_LAUNCH: bool = _flag("FLASHTRITON_FAST_LAUNCH", True)
 PDL: bool = _flag("FLASHTRITON_PDL", True)
+GLUON: bool = _flag("FLASHTRITON_GLUON", True)
 LOG_LEVEL: str = os.environ.get("FLASHTRITON_LOG", "").strip().lower()
 
 logger = logging.getLogger("flashtriton")

@@ -55,16 +55,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat([rot.to(x.dtype), x[..., rd:]], dim=-1)
 
 
-def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device) -> int:
-    """Splits for at most two programs per SM (the decode tiles fit two per SM): rounding up
-    past that left a nearly empty second wave (H200, B=4, 8 KV heads, 64K cache: 9 splits
-    3353 GB/s, 8 splits 4219). One tile per split at least. Short caches split too: one
-    program per (sequence, KV head) over 1K keys ran B=1 at 207 GB/s against 383 split
-    (H200, 8 KV heads); with one split (batch x KV heads >= 2 x SMs) no merge runs."""
+def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device,
+            paged: bool = False) -> int:
+    """One program per SM (one wave) where that makes >= 8 splits of >= 2048 keys each of a
+    contiguous cache, else at most two programs per SM (the decode tiles fit two per SM).
+    H200, 8 KV heads, graph replays (docs/perf.md, session 12): one wave beat two programs per
+    SM by 1-3% from 32K keys (B=1 64K 16 splits 3441-3507 GB/s in four runs against 33 splits'
+    3384-3395); with fewer, longer splits the tuner's tile was not stable (B=8 64K, 2 splits:
+    4422-4457 GB/s, then 3301 in a run where it picked another tile), and paged caches ran
+    12-19% behind contiguous with one wave. Rounding up past two per SM left a nearly empty
+    second wave (B=4, 64K: 9 splits 3353 GB/s, 8 splits 4219). One tile per split at least.
+    Short caches split too: one program per (sequence, KV head) over 1K keys ran B=1 at 207
+    GB/s against 383 split; with one split (batch x KV heads >= SMs) no merge runs."""
     max_splits = max(1, configs.cdiv(capacity, block_n))
     if num_splits > 0:
         return min(num_splits, max_splits)
     sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
+    one_wave = sms // (B * HKV)
+    if not paged and one_wave >= 8 and capacity >= 2048 * one_wave:
+        return min(max_splits, one_wave, 128)
     return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 
 
@@ -228,7 +237,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if known is not None and _replay(known, tensors, out, lse):
             return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
-    splits = _splits(num_splits, B, HKV, capacity, granule, q.device)
+    splits = _splits(num_splits, B, HKV, capacity, granule, q.device, block_table is not None)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
     parts = (0, 0)  # the partials' layout (_partials): none with one split
     if splits == 1:  # the split's normalised result and LSE are the output

@@ -516,6 +516,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     def grid(meta):
         return (configs.cdiv(SQ, meta["BLOCK_M"]), B * H)
 
+    # The Gluon forward at D=128 (H200: 1.1-1.3x the Triton kernel from 1K tokens, at 512 causal
+    # tokens 0.95x; at D=64 0.9-0.99x: docs/perf.md, session 12).
+    if (_env.GLUON and D == 128 and (SQ > 512 or not variant.causal)
+            and gluon_misfit(q, k, v, variant, varlen) is None):
+        remember(signature, _gluon_forward(q, k, v, out, lse, variant.causal,
+                                           variant.softmax_scale))
+        return out, lse
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     common, key = _common(q, varlen, SQ, SK, variant)
@@ -532,6 +539,120 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         USE_TMA=use_tma, **common,
     )
     remember(signature, replay)
+    return out, lse
+
+
+class _Addr(int):
+    """A data pointer where Triton's launcher reads a descriptor's base (it calls data_ptr())."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+class _TmaView(NamedTuple):
+    """What Triton's launcher reads of a host TensorDescriptor (make_tensordesc_arg in its
+    NVIDIA driver): a replay builds these instead (no validation: the call that compiled
+    validated the same shapes and strides)."""
+    base: object
+    shape: list
+    strides: list
+    padding: str = "zero"
+
+
+class GluonReplay(NamedTuple):
+    """A compiled Gluon forward and its launch: called with the data pointers of q, k, v, out
+    and lse (as a Replay), it builds q's, k's and v's descriptors over the new pointers."""
+    replay: Replay
+    views: tuple  # (shape, strides) of q's, k's and v's 2-D views
+
+    def __call__(self, q, k, v, out, lse) -> None:
+        self.replay(*[_TmaView(_Addr(p), *view) for p, view in zip((q, k, v), self.views)],
+                    out, lse)
+
+
+def _token_rows(t: torch.Tensor):
+    """A (B, N, Ht, D) tensor as TMA's 2-D view of its token rows: (rb, rh, ch, rows, width),
+    head h of batch b starting at row b * rb + h * rh, column h * ch; None where the layout
+    is neither tokens-major (heads side by side in a row) nor heads-major (a head's rows
+    together), or where TMA cannot address it (16-byte aligned base and row stride)."""
+    B, N, Ht, D = t.shape
+    sb, st, sh, sd = t.stride()
+    if sd != 1 or t.data_ptr() % 16 or st * t.element_size() % 16:
+        return None
+    if (Ht == 1 or sh == D) and st >= Ht * D and (B == 1 or sb == N * st):
+        return N, 0, D, B * N, Ht * D
+    if st == D and (Ht == 1 or sh == N * D) and (B == 1 or sb == Ht * N * D):
+        return Ht * N, N, 0, B * Ht * N, D
+    return None
+
+
+def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+                 varlen: Optional[Varlen] = None, head_dims=(64, 128)) -> Optional[str]:
+    """Why the Gluon forward (kernels.gluon_fwd) cannot run this call, or None: it takes a
+    Hopper GPU, bf16 / fp16, dense batches with SQ == SK, plain or causal attention with a
+    positive scale, and q, k, v in a layout of _token_rows (k and v alike)."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
+        return f"the Gluon forward takes bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if varlen is not None or q.dim() != 4 or q.shape[1] != k.shape[1]:
+        return "the Gluon forward takes dense batches with as many queries as keys"
+    if q.shape[-1] not in head_dims:
+        return f"the Gluon forward takes head dims {head_dims}, got {q.shape[-1]}"
+    w = variant
+    if (w.window_left != -1 or (w.window_right != -1 and not w.causal) or w.softcap
+            or w.alibi_slopes is not None or w.attn_mask is not None or w.dropout_p
+            or w.score_mod is not None or w.mask_mod is not None or w.kv_blocks is not None
+            or w.diag_offset or not w.softmax_scale > 0):
+        return "the Gluon forward takes plain or causal attention with softmax_scale > 0"
+    if k.stride() != v.stride() or _token_rows(q) is None or _token_rows(k) is None:
+        return ("the Gluon forward takes q, k, v tokens-major or heads-major, 16-byte "
+                "aligned, k and v alike")
+    if _env.INTERPRET or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the Gluon forward needs a Hopper GPU (sm_90)"
+    return None
+
+
+def _gluon_forward(q, k, v, out, lse, causal: bool, softmax_scale: float) -> GluonReplay:
+    """Launch kernels.gluon_fwd on tensors that gluon_misfit passed."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .kernels import gluon_fwd
+    B, N, H, D = q.shape
+    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    block = [128, D]
+    layout = gl.NVMMASharedLayout.get_default_for(block, el)
+    rows = [_token_rows(t) for t in (q, k, v)]
+    views = tuple(([r[3], r[4]], [t.stride(1), 1]) for r, t in zip(rows, (q, k, v)))
+    descs = [TensorDescriptor(t, *view, block, layout) for t, view in zip((q, k, v), views)]
+    args = (out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), H,
+            H // k.shape[2], N, *rows[0][:3], *rows[1][:3], softmax_scale * LOG2E)
+    consts = dict(IS_CAUSAL=bool(causal), NUM_STAGES=2, **gluon_fwd.OPTIONS)
+    grid = (configs.cdiv(N, block[0]), B * H, 1)
+    kernel = gluon_fwd._attn_fwd_gluon_kernel
+    compiled = kernel[grid](*descs, out, lse, *args, **consts)
+    tail = (*args, *[consts[n] for n in kernel.arg_names[5 + len(args):]])
+    replay = Replay(compiled, grid, 5, tail, q.get_device(),
+                    compiled.metadata.global_scratch_size > 0)
+    return GluonReplay(replay, views)
+
+
+@on_device_of
+def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            causal: bool = False, softmax_scale: Optional[float] = None
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon forward alone (tests and benchmarks; attention_forward chooses it where it
+    fits): O in q's layout and the natural-log LSE (B, H, N); head dim 64 or 128. Raises
+    ValueError where gluon_misfit names a reason."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"attention_forward_gluon takes (B, N, H, D) q, k, v, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    reason = gluon_misfit(q, k, v, Variant(scale, causal))
+    if reason is not None:
+        raise ValueError(reason)
+    out = _empty_like(q)
+    lse, _, _ = _lse_buffer(q, None)
+    _gluon_forward(q, k, v, out, lse, causal, scale)
     return out, lse
 
 

@@ -18,8 +18,8 @@ import triton.language as tl  # noqa: E402
 
 from flashtriton.kernels.decode import _attn_decode_kernel, _attn_merge_kernel  # noqa: E402
 from flashtriton.kernels.block_mask import _block_mask_kernel  # noqa: E402
-from sass_loop import (TARGET, compile_kernel, sass_of, source_for,  # noqa: E402
-                       spill_counts)  # scripts/, beside this file
+from sass_loop import (TARGET, compile_gluon_fwd, compile_kernel, sass_of,  # noqa: E402
+                       softmax_overlaps, source_for, spill_counts)  # scripts/, beside this file
 
 @triton.jit
 def causal_mod(b, h, q_idx, kv_idx):
@@ -132,4 +132,25 @@ for name, fn, consts, ptrs in extra:
                      and k.metadata.launch_pdl == pdl,
                      f"shared={k.metadata.shared} local_spill={'.local' in k.asm['ptx']} "
                      f"pdl={pdl}"))
+
+
+def gluon_judge(dim):
+    def judge(k):
+        sass = sass_of(k)
+        overlap = softmax_overlaps(sass, 64)
+        return (k.metadata.shared <= 227 * 1024 and (overlap or dim != 128),
+                f"shared={k.metadata.shared} softmax_overlaps_pv={overlap} "
+                f"spill_ld/st={'%d/%d' % spill_counts(sass)}")
+    return judge
+
+
+# The Gluon forward (kernels.gluon_fwd): it exists for the softmax running while the P V
+# product does, so at D=128 (where attention_forward runs it) each consumer's loop must keep
+# its exp2s (64 x 128 per 4-warp consumer: 64 a thread) between the two waits. At D=64
+# (tests and benchmarks only) ptxas waits for P V before the exp2s of the non-causal loop:
+# reported, not failed.
+for dim in (64, 128):
+    for causal in (False, True):
+        check(f"gluon-fwd D{dim} causal={causal}", lambda: compile_gluon_fwd(dim, causal=causal),
+              gluon_judge(dim))
 sys.exit(1 if fails else 0)

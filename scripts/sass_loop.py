@@ -64,6 +64,43 @@ def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **o
                           options={"num_warps": warps, "num_stages": stages})
 
 
+def compile_gluon_fwd(dim=128, causal=False, stages=2):
+    """The Gluon forward (kernels.gluon_fwd) for sm_90, bf16, its descriptors typed as the
+    launcher makes them (launch._gluon_forward: 128-row blocks)."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from flashtriton.kernels import gluon_fwd
+    fn = gluon_fwd._attn_fwd_gluon_kernel
+    view = torch.empty(64, 16 * dim, dtype=torch.bfloat16)  # only its dtype and shape matter
+    block = [128, dim]
+    desc = mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
+                                        gl.NVMMASharedLayout.get_default_for(block,
+                                                                             gl.bfloat16)))
+    consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, **gluon_fwd.OPTIONS)
+    sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
+    sig.update(q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", qk_scale="fp32")
+    source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                                 for k, v in consts.items()})
+    warps = consts["num_warps"]
+    return triton.compile(source, target=TARGET, options={"num_warps": warps})
+
+
+def softmax_overlaps(sass, exps):
+    """Whether some loop waits for S (one wgmma group, P V, still outstanding), runs at
+    least ``exps`` exp2s, then waits for P V: the softmax overlapping the product. Waiting
+    for P V first (as Triton's compiler does, and ptxas at a branch between the two) leaves
+    no exp2 between the waits."""
+    marks = {"MUFU.EX2": "e", "WARPGROUP.DEPBAR.LE gsb0, 0x1": "1",
+             "WARPGROUP.DEPBAR.LE gsb0, 0x0": "0"}
+    ins = re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]*?)\s*;", sass)
+    seq = "".join(next((c for k, c in marks.items() if i.startswith(k)), "") for i in ins)
+    return re.search("1e{%d,}0" % exps, seq) is not None
+
+
 def sass_of(kernel):
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")

@@ -295,18 +295,28 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     torch.testing.assert_close(one.lse, two.lse, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("B, HKV, N, want", [(4, 8, 65536, 8), (1, 8, 65536, 33),
-                                             (16, 8, 65536, 2), (64, 8, 65536, 1),
-                                             (1, 8, 1024, 8), (64, 8, 1024, 1)])
-def test_split_heuristic_fills_at_most_two_programs_per_sm(monkeypatch, B, HKV, N, want):
-    # 132 SMs (H200): the splits fill the GPU without a nearly empty extra wave, at most one
-    # 128-key tile each (a 1K cache at B=1: 8 splits).
+@pytest.mark.parametrize("B, HKV, N, want", [(4, 8, 65536, 8), (1, 8, 65536, 16),
+                                             (1, 8, 32768, 16), (1, 8, 16384, 33),
+                                             (2, 8, 131072, 8), (8, 8, 131072, 4),
+                                             (16, 8, 65536, 2), (16, 8, 1024, 2),
+                                             (64, 8, 65536, 1), (1, 8, 1024, 8),
+                                             (64, 8, 1024, 1)])
+def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want):
+    # 132 SMs (H200): one program per SM where that makes >= 8 splits of >= 2048 keys, else
+    # at most two per SM, without a nearly empty extra wave, at most one 128-key tile each (a
+    # 1K cache at B=1: 8 splits).
     from flashtriton import decode
     monkeypatch.setattr(decode, "_num_sms", lambda index: 132)
     splits = decode._splits(0, B, HKV, N, 128, torch.device("cuda", 0))
     assert splits == want
-    assert splits == 1 or splits == N // 128 or 132 < splits * B * HKV <= 2 * 132
+    programs = splits * B * HKV
+    if splits >= 8 and N >= 2048 * splits and programs <= 132:
+        assert 132 - B * HKV < programs  # one wave
+    else:
+        assert splits in (1, N // 128) or 132 < programs <= 2 * 132
     assert decode._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit
+    paged = decode._splits(0, B, HKV, N, 128, torch.device("cuda", 0), paged=True)
+    assert paged in (1, N // 128) or 132 < paged * B * HKV <= 2 * 132  # paged: two per SM
 
 
 @pytest.mark.parametrize("bad", ["k_cache", "block_table", "cache_seqlens", "k_cache_none"])

@@ -1,0 +1,240 @@
+"""Hopper forward in Gluon (experimental): the softmax of one key block overlaps the P V
+product of the block before it (FlashAttention-3's intra-warpgroup pipelining).
+
+Triton 3.6 places each product next to its first use and waits for q k^T before the
+softmax, so the tensor cores idle while the exp2s run (docs/perf.md, "Overlapping the softmax
+with the next q k^T"). Gluon exposes the asynchronous wgmma and its wait: iteration j issues
+S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, runs the softmax of S_j while the
+P V product runs, then waits for it and rescales O (_step). K and V come by TMA into a ring of
+NUM_STAGES slots, each with a "full" mbarrier.
+
+The kernel is warp-specialized (FA3's layout): a producer partition (4 warps, few registers)
+streams Q, then K and V into the ring; two consumer warpgroups own 64 rows each (_attend) and
+release a slot through its "empty" mbarrier, so while one consumer runs its softmax the other
+can use the tensor cores. (A plain 8-warp kernel with the same body, each warp refilling the
+slots itself, ran 5-20% slower at D=128 on the H200: docs/perf.md, session 12.)
+
+Scope: bf16 / fp16, head dim 64 or 128, (B, N, H, D) tensors whose token rows form a 2-D
+(B * N) x (heads * D) view with any row stride, GQA (K and V with H / GROUP heads), causal or
+not, SQ == SK; no other variant. launch.attention_forward runs it where a call fits (Hopper,
+D=128: launch.gluon_fits) and launch.attention_forward_gluon raises for anything else. Gluon
+does not run in the interpreter: scripts/compile_check.py compiles it for sm_90 on any
+machine, and tests/test_gluon.py runs it on a Hopper GPU.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+
+@gluon.jit
+def _load(desc, bars, smem, row, col, j, NUM_STAGES: gl.constexpr):
+    """TMA of key block j (rows row + j * BLOCK_N of the 2-D view, columns from col) into its
+    ring slot, completing on the slot's mbarrier."""
+    slot = j % NUM_STAGES
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row + j * desc.block_type.shape[0], col],
+                                    bars.index(slot), smem.index(slot))
+
+
+@gluon.jit
+def _wait(bars, j, NUM_STAGES: gl.constexpr):
+    """Wait for key block j's slot (its (j // NUM_STAGES)-th completion)."""
+    mbarrier.wait(bars.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
+
+
+@gluon.jit
+def _masked(s, rows, cols, SK, IS_CAUSAL: gl.constexpr):
+    keep = cols[None, :] < SK
+    if IS_CAUSAL:
+        keep = keep & (cols[None, :] <= rows[:, None])
+    return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
+def _release(empty, j, NUM_STAGES: gl.constexpr):
+    """Key block j's slot has been read by this consumer (the producer waits for both)."""
+    mbarrier.arrive(empty.index(j % NUM_STAGES), count=1)
+
+
+@gluon.jit
+def _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m_i, l_i, rows,
+          offs_n, s_zero, SEQ, qk_scale, p_layout: gl.constexpr, alpha_layout: gl.constexpr,
+          IS_CAUSAL: gl.constexpr, MASK: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Key block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued in that order, then the
+    softmax of S_j while P V runs, then O rescaled. No branch from the first issue to the
+    last wait (a branch between an asynchronous wgmma and its wait makes ptxas wait at the
+    join)."""
+    _wait(k_full, j, NUM_STAGES)
+    s = warpgroup_mma(q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    _wait(v_full, j - 1, NUM_STAGES)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout),
+                        v_smem.index((j - 1) % NUM_STAGES), acc, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j, the older group
+    _release(k_empty, j, NUM_STAGES)
+    if MASK:
+        s = _masked(s, rows, j * s.shape[1] + offs_n, SEQ, IS_CAUSAL)
+    # m in the scaled (log2) domain; the scale folds into the exp2's argument (one FFMA)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s * qk_scale - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _release(v_empty, j - 1, NUM_STAGES)
+    acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None]
+    return p, acc, m_new, l_i
+
+
+@gluon.jit
+def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
+            row_start, off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+            n_blocks, first_masked, SEQ, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_DIM: gl.constexpr, WARPS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+            NUM_STAGES: gl.constexpr):
+    """A consumer partition: ROWS query rows from row_start (q_smem holds them) over key
+    blocks 0 .. n_blocks - 1 (from first_masked on with the bounds checked), with WARPS warps;
+    stores O and the LSE."""
+    # S and O in the wgmma accumulator layout: 16-row atoms, warps stacked along the rows.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    alpha_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_full, 0)
+    # Block 0: S_0 and its softmax (nothing to overlap with yet).
+    _wait(k_full, 0, NUM_STAGES)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    _release(k_empty, 0, NUM_STAGES)
+    if first_masked == 0:
+        s = _masked(s, rows, offs_n, SEQ, IS_CAUSAL)
+    m_i = gl.max(s, 1) * qk_scale
+    m_safe = gl.where(m_i == -float("inf"), 0.0, m_i)
+    p = gl.exp2(s * qk_scale - m_safe[:, None])
+    l_i = gl.sum(p, 1)
+    # Blocks 1 .. first_masked - 1 see every key; the rest check the causal / length bounds.
+    for j in range(1, gl.maximum(first_masked, 1)):
+        p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
+                                 p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale,
+                                 p_layout, alpha_layout, IS_CAUSAL, False, NUM_STAGES)
+    for j in range(gl.maximum(first_masked, 1), n_blocks):
+        p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
+                                 p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale,
+                                 p_layout, alpha_layout, IS_CAUSAL, True, NUM_STAGES)
+    # The last block's P V.
+    last = n_blocks - 1
+    _wait(v_full, last, NUM_STAGES)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout),
+                        v_smem.index(last % NUM_STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    # O = acc / l; LSE (natural log) = (m + log2 l) * ln 2; rows that saw no key: O 0, -inf.
+    l_o = gl.convert_layout(l_i, alpha_layout)
+    out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    o_rows = row_start + gl.arange(0, ROWS, layout=alpha_layout)
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh + o_rows[:, None] * stride_ot
+              + o_cols[None, :])
+    gl.store(o_ptrs, out.to(q_smem.dtype), mask=o_rows[:, None] < SEQ)
+    lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    gl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=rows < SEQ)
+
+
+@gluon.jit
+def _bounds(start_m, SEQ, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            IS_CAUSAL: gl.constexpr):
+    """Key blocks of query block start_m, and the first one whose keys need bounds checks (the
+    causal diagonal, or the ragged end)."""
+    hi = SEQ
+    if IS_CAUSAL:
+        hi = gl.minimum(SEQ, (start_m + 1) * BLOCK_M)
+    first_masked = SEQ // BLOCK_N
+    if IS_CAUSAL:
+        first_masked = gl.minimum(first_masked, (start_m * BLOCK_M) // BLOCK_N)
+    return (hi + BLOCK_N - 1) // BLOCK_N, first_masked
+
+
+# The kernel's launch constants: the first consumer's 4 warps, and the
+# registers of the second consumer and of the producer (setmaxnreg; 4 warps each).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40)
+
+
+@gluon.jit
+def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty,
+             v_empty, q_row, q_col, row0, col, n_blocks, NUM_STAGES: gl.constexpr):
+    """The producer partition: Q once, then K and V block by block into the ring, each slot
+    once both consumers have released it (the empty barriers start released)."""
+    mbarrier.expect(q_full, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_full, q_smem)
+    for j in range(n_blocks):
+        _wait(k_empty, j, NUM_STAGES)
+        _load(k_desc, k_full, k_smem, row0, col, j, NUM_STAGES)
+        _wait(v_empty, j, NUM_STAGES)
+        _load(v_desc, v_full, v_smem, row0, col, j, NUM_STAGES)
+
+
+@gluon.jit
+def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh,
+                           stride_lb, stride_lh, H, GROUP, SEQ, q_rb, q_rh, q_ch, kv_rb, kv_rh,
+                           kv_ch, qk_scale, IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
+    b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
+    (B, H, N, D) memory: rb H * N, rh N, ch 0). num_warps (4) is the first consumer's
+    warpgroup; the second consumer and the producer are worker partitions of 4 warps each."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    HALF: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = q_desc.dtype
+    start_m = gl.program_id(0)
+    off_b = gl.program_id(1) // H
+    off_h = gl.program_id(1) % H
+    off_hk = off_h // GROUP  # K and V: the query head's KV head (GQA)
+    row0 = off_b * kv_rb + off_hk * kv_rh
+    col = off_hk * kv_ch
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_full, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
+        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.arrive(k_empty.index(i), count=2)  # every slot starts released (phase 0)
+        mbarrier.arrive(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    n_blocks, first_masked = _bounds(start_m, SEQ, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    gl.warp_specialize(
+        [(_attend, (q_smem.slice(0, HALF, dim=0), k_smem, v_smem, q_full, k_full, v_full,
+                    k_empty, v_empty, O, LSE, start_m * BLOCK_M, off_b, off_h, stride_ob,
+                    stride_ot, stride_oh, stride_lb, stride_lh, n_blocks, first_masked, SEQ,
+                    qk_scale, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES)),
+         (_attend, (q_smem.slice(HALF, HALF, dim=0), k_smem, v_smem, q_full, k_full, v_full,
+                    k_empty, v_empty, O, LSE, start_m * BLOCK_M + HALF, off_b, off_h,
+                    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, n_blocks,
+                    first_masked, SEQ, qk_scale, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL,
+                    NUM_STAGES)),
+         (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
+                     k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
+                     off_h * q_ch, row0, col, n_blocks, NUM_STAGES))],
+        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,101 @@
+"""Forward TFLOP/s of the Gluon kernel (launch.attention_forward_gluon) against flashtriton's
+Triton forward (FLASHTRITON_GLUON off) and cuDNN SDPA, side by side in one process (H200; bf16,
+16K tokens per shape, d_model 2048 as in the bench; --gqa: 8 KV heads). Each row is checked
+against SDPA first. Then the host time per forward call of flash_attention at a tiny shape,
+Gluon and Triton (back-to-back calls, replayed).
+
+    python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
+    timeout 60 python scripts/bench_gluon.py --smoke   # first: one small call per variant
+                                                       # (a barrier mistake hangs, not fails)
+"""
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtriton import _env, flash_attention
+from flashtriton.launch import attention_forward_gluon
+
+
+def triton_forward(q, k, v, causal):
+    _env.GLUON = False
+    try:
+        return flash_attention(q, k, v, causal=causal)
+    finally:
+        _env.GLUON = True
+
+
+def host_us(fn, calls=300):
+    """Host time per call of back-to-back calls at a shape the GPU finishes at once."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--gqa", action="store_true", help="8 KV heads")
+    p.add_argument("--smoke", action="store_true",
+                   help="one small call per variant against SDPA, printed as it finishes")
+    args = p.parse_args()
+    if args.smoke:
+        q, k, v = (torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        for causal in (False, True):
+            out = attention_forward_gluon(q, k, v, causal)[0]
+            ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                 is_causal=causal).transpose(1, 2)
+            torch.cuda.synchronize()
+            err = float((out.float() - ref.float()).abs().max())
+            print(f"causal={causal}: max error {err:.2e}", flush=True)
+        return
+    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {'gluon':>7} {'triton':>7} {'cudnn':>7}"
+          f"  max|gluon-sdpa|")
+    for D in args.dims:
+        for N in args.seqlens:
+            B, H = max(1, 16384 // N), 2048 // D
+            HKV = 8 if args.gqa else H
+            q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            for causal in (False, True):
+                flops = 4 * B * H * N * N * D / (2 if causal else 1)
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                              enable_gqa=HKV != H)
+                fns = {"gluon": lambda: attention_forward_gluon(q, k, v, causal),
+                       "triton": lambda: triton_forward(q, k, v, causal),
+                       "cudnn": cudnn}
+                ref = cudnn().transpose(1, 2).float()
+                err = float((fns["gluon"]()[0].float() - ref).abs().max())
+                tflops = {name: flops / triton.testing.do_bench(fn, warmup=25, rep=100,
+                                                                return_mode="median") * 1e-9
+                          for name, fn in fns.items()}
+                print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} {tflops['gluon']:>7.0f} "
+                      f"{tflops['triton']:>7.0f} {tflops['cudnn']:>7.0f}  {err:.2e}", flush=True)
+    q, k, v = (torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    gluon = host_us(lambda: flash_attention(q, k, v, causal=True))
+    tri = host_us(lambda: triton_forward(q, k, v, True))
+    print(f"host us per flash_attention forward (1 x 128 x 16 x 128, causal): gluon {gluon:.1f}, "
+          f"triton {tri:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The Gluon forward (kernels.gluon_fwd, Hopper only) against the float64 reference, the layouts
+it reads, and when attention_forward chooses it. Its compiled sm_90 code (the softmax between
+the two products' waits, the point of the kernel) is checked on any machine by
+scripts/compile_check.py, which CI runs; the layout and eligibility rules run on the CPU."""
+
+import pytest
+import torch
+
+from accuracy import check_against_reference, make_qkv
+from conftest import DEVICE, ON_GPU
+from flashtriton import _env, flash_attention, flash_attention_with_lse, launch
+from flashtriton.launch import Variant, _token_rows, gluon_misfit
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+
+
+def _heads_major(x):
+    """x's values in (B, H, N, D) memory, seen as (B, N, H, D) (SDPA's layout)."""
+    return x.detach().transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _packed(q, k, v):
+    """q, k, v as views of one (B, N, 3, H, D) buffer (qkv-packed)."""
+    return torch.stack([x.detach() for x in (q, k, v)], dim=2).unbind(2)
+
+
+def test_token_rows_reads_both_layouts_and_rejects_the_rest():
+    B, N, H, D = 2, 100, 4, 128
+    q = torch.randn(B, N, H, D, dtype=torch.bfloat16, device=DEVICE)
+    assert _token_rows(q) == (N, 0, D, B * N, H * D)
+    assert _token_rows(_heads_major(q)) == (H * N, N, 0, B * H * N, D)
+    packed = _packed(q, q, q)
+    assert _token_rows(packed[1]) == (N, 0, D, B * N, H * D)
+    assert packed[1].stride(1) == 3 * H * D  # the descriptor's row stride
+    assert _token_rows(q[..., :64]) is None  # heads 128 apart, 64 wide
+    assert _token_rows(q[:, :, :2]) == (N, 0, D, B * N, 2 * D)  # two heads of each row
+    assert _token_rows(q[:, ::2]) == (N // 2, 0, D, B * N // 2, H * D)  # every other token
+    assert _token_rows(q[:, :50]) is None  # batches not 50 rows apart
+    assert _token_rows(q.view(-1)[1:1 + D].view(1, 1, 1, D)) is None  # 2-byte aligned
+    assert _token_rows(q.as_strided((B, N, H, D), (0, H * D, D, 1))) is None  # batch repeated
+
+
+def test_gluon_misfit_names_what_it_does_not_take():
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 128, torch.bfloat16, DEVICE, requires_grad=False)
+    plain = Variant(0.1)
+    reason = gluon_misfit(q, k, v, plain)
+    if HOPPER:
+        assert reason is None
+    else:
+        assert "Hopper" in reason
+    assert gluon_misfit(q, k, v, Variant(0.1, causal=True, window_right=0)) == reason
+    assert "bf16 or fp16" in gluon_misfit(q.float(), k.float(), v.float(), plain)
+    assert "as many queries" in gluon_misfit(q[:, :32], k, v, plain)
+    assert "head dims" in gluon_misfit(q[..., :32], k[..., :32], v[..., :32], plain)
+    for variant in (Variant(0.1, window_left=8), Variant(0.1, window_right=8),
+                    Variant(0.1, softcap=30.0), Variant(0.1, dropout_p=0.1),
+                    Variant(0.1, alibi_slopes=torch.ones(2)), Variant(-0.1),
+                    Variant(0.1, causal=True, diag_offset=1)):
+        assert "plain or causal" in gluon_misfit(q, k, v, variant), variant
+    assert "tokens-major" in gluon_misfit(q, k, _heads_major(v), plain)  # k and v differ
+    assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
+
+
+@needs_hopper
+@pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 3, 3, 128), (1, 4096, 2, 2, 128),
+                                         (2, 777, 2, 2, 64), (1, 128, 1, 1, 128),
+                                         (1, 100, 2, 2, 64), (2, 600, 8, 2, 128)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
+    q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda", requires_grad=False)
+    check_against_reference(
+        lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal), q, k, v, causal,
+        check_grads=False)
+
+
+@needs_hopper
+@pytest.mark.parametrize("layout", ["heads-major", "packed"])
+def test_gluon_forward_reads_strided_layouts(layout):
+    q, k, v = make_qkv(2, 333, 333, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=False)
+    q, k, v = (_heads_major(x) for x in (q, k, v)) if layout == "heads-major" else _packed(q, k, v)
+    for causal in (False, True):
+        check_against_reference(
+            lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal), q, k, v, causal,
+            check_grads=False)
+
+
+@needs_hopper
+def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
+    """flash_attention at D=128 on Hopper runs the Gluon forward (its replay on the second
+    call), the backward on its output and LSE; FLASHTRITON_GLUON=0 or a variant runs the
+    Triton forward; both against the float64 reference, gradients included."""
+    calls = []
+    real = launch._gluon_forward
+    monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
+    q, k, v = make_qkv(2, 513, 513, 4, 2, 128, torch.bfloat16, "cuda")
+    for causal in (False, True):
+        check_against_reference(
+            lambda q, k, v: flash_attention_with_lse(q, k, v, causal=causal),
+            q, k, v, causal)
+    assert len(calls) == 2
+    replays = launch.FAST_LAUNCHES
+    flash_attention(q, k, v, causal=True)
+    assert len(calls) == 2 and launch.FAST_LAUNCHES == replays + 1  # replayed
+    flash_attention(q, k, v, causal=True, window_size=(64, 0))
+    monkeypatch.setattr(_env, "GLUON", False)
+    flash_attention(q, k, v)
+    assert len(calls) == 2
+
+
+@needs_hopper
+def test_gluon_forward_rejects_what_it_does_not_take():
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
+    with pytest.raises(ValueError, match="as many queries"):
+        launch.attention_forward_gluon(q, k[:, :32], v[:, :32])
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        launch.attention_forward_gluon(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="softmax_scale > 0"):
+        launch.attention_forward_gluon(q, k, v, softmax_scale=-0.1)
+    with pytest.raises(ValueError, match="tokens-major"):
+        launch.attention_forward_gluon(q, k, _heads_major(v))
+
+
+def test_gluon_forward_raises_off_hopper():
+    if HOPPER:
+        pytest.skip("this machine has a Hopper GPU (the tests above run the kernel)")
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 128, torch.bfloat16, DEVICE, requires_grad=False)
+    with pytest.raises(ValueError, match="Hopper"):
+        launch.attention_forward_gluon(q, k, v)
