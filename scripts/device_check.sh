@@ -4,7 +4,8 @@
 # Usage: [PARTS="tests gpu demo bench variants"] bash scripts/device_check.sh [COMMIT] [bench args...]
 # The whole set takes longer than one 10-minute device call: run PARTS=tests, then the rest.
 # Other parts: ring (NCCL ring tests and bench_ring; 2+ GPUs), host (host-overhead profile and
-# decode split sweep), sweep (scripts/sweep_decode.py $SWEEP_ARGS: graph GB/s per split count), decode (the decode bench), probes (scripts/probe_decode_sync.py,
+# decode split sweep), sweep (scripts/sweep_decode.py $SWEEP_ARGS: graph GB/s per split count), decode (the decode bench),
+# gluon (the Gluon kernels: smoke call, tests/test_gluon.py, bench_gluon forward and backward), probes (scripts/probe_decode_sync.py,
 # probe_backward_host.py and probe_decode_eager.py), bwdprobe (scripts/probe_backward_kernels.py: each backward kernel's
 # GPU time against cuDNN's, and dK/dV tiles forced one by one; $BWDPROBE_ARGS), atomic (the
 # atomic-dQ backward: its tests, and the bench with the switch off and on), only (tests named
@@ -76,6 +77,20 @@ for flag in 0 1; do
 done
 has sweep && timeout ${T_SWEEP:-240} python3 scripts/sweep_decode.py ${SWEEP_ARGS:-} \
   > "$OUT/sweep.log" 2>&1
+# The Gluon kernels: one small call of each first (a barrier mistake hangs rather than fails:
+# the rest is skipped then), their tests, the forward bench and (where the tree has the Gluon
+# backward) the backward bench.
+if has gluon; then
+  if timeout 90 python3 scripts/bench_gluon.py --smoke > "$OUT/gluon_smoke.log" 2>&1; then
+    FLASHTRITON_AUTOTUNE=0 timeout ${T_GLUON_TESTS:-240} python3 -m pytest tests/test_gluon.py \
+      -q -p no:cacheprovider -rf --tb=short > "$OUT/gluon_tests.log" 2>&1
+    timeout ${T_GLUON_BENCH:-200} python3 scripts/bench_gluon.py --dims 128 \
+      --seqlens 1024 4096 16384 > "$OUT/gluon_bench.log" 2>&1
+    grep -q "def backward" scripts/bench_gluon.py && timeout ${T_GLUON_BENCH:-200} python3 \
+      scripts/bench_gluon.py --backward --dims 128 --seqlens 2048 8192 16384 \
+      > "$OUT/gluon_backward.log" 2>&1
+  fi
+fi
 has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
 has host && timeout ${T_DECODE:-90} python3 scripts/sweep_decode.py > "$OUT/decode_sweep.log" 2>&1
 has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cut -c1-300;
