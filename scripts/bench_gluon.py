@@ -9,7 +9,6 @@ Gluon and Triton (back-to-back calls, replayed).
                                                        # (a barrier mistake hangs, not fails)
 """
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtriton import _env, flash_attention
+from flashtriton.bench import per_call_us
 from flashtriton.launch import attention_forward_gluon
 
 
@@ -26,21 +26,6 @@ def triton_forward(q, k, v, causal):
         return flash_attention(q, k, v, causal=causal)
     finally:
         _env.GLUON = True
-
-
-def host_us(fn, calls=300):
-    """Host time per call of back-to-back calls at a shape the GPU finishes at once."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    return best
 
 
 def main():
@@ -91,8 +76,8 @@ def main():
                       f"{tflops['triton']:>7.0f} {tflops['cudnn']:>7.0f}  {err:.2e}", flush=True)
     q, k, v = (torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
-    gluon = host_us(lambda: flash_attention(q, k, v, causal=True))
-    tri = host_us(lambda: triton_forward(q, k, v, True))
+    gluon = per_call_us(lambda: flash_attention(q, k, v, causal=True), 300, 20, 5)
+    tri = per_call_us(lambda: triton_forward(q, k, v, True), 300, 20, 5)
     print(f"host us per flash_attention forward (1 x 128 x 16 x 128, causal): gluon {gluon:.1f}, "
           f"triton {tri:.1f}")
 
