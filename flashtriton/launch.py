@@ -17,7 +17,7 @@ from triton import knobs
 from triton.runtime import _allocation, driver
 
 from . import _env, configs
-from .kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
+from .kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_prep_kernel
 from .kernels.attn_fwd import _attn_fwd_kernel
 from .kernels.decode import _attn_decode_kernel
 
@@ -654,6 +654,62 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse, _, _ = _lse_buffer(q, None)
     _gluon_forward(q, k, v, out, lse, causal, scale)
     return out, lse
+
+
+def _gluon_descriptor(t: torch.Tensor, block):
+    """A host TensorDescriptor over t's 2-D token-row view (_token_rows)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+    rows = _token_rows(t)
+    layout = gl.NVMMASharedLayout.get_default_for(block, el[t.dtype])
+    return TensorDescriptor(t, [rows[3], rows[4]], [t.stride(1), 1], block, layout), rows[:3]
+
+
+@on_device_of
+def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                             causal: bool = False, softmax_scale: Optional[float] = None,
+                             _dq_mode: int = 2
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one-kernel Gluon backward (kernels.gluon_bwd) alone: dQ, dK, dV in the layouts of
+    q, k, v from the forward's out and natural-log lse (B, H, N). dQ is summed in an order
+    that varies from run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 0
+    atomics, 1 dQ not added (timing only). Raises ValueError where gluon_misfit names a
+    reason or dout is in no TMA layout."""
+    from .kernels import gluon_bwd
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or dout.shape != q.shape:
+        raise ValueError(f"attention_backward_gluon takes (B, N, H, D) dout, q, k, v, got "
+                         f"{tuple(dout.shape)}, {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    reason = gluon_misfit(q, k, v, Variant(scale, causal))
+    if reason is None and (_token_rows(dout) is None or dout.dtype != q.dtype):
+        reason = "the Gluon backward takes dout in q's dtype, tokens-major or heads-major"
+    if reason is not None:
+        raise ValueError(reason)
+    B, N, H, D = q.shape
+    dk, dv = _empty_like(k), _empty_like(v)
+    dq_acc = _empty((B, H, N, D), torch.float32, q.device)
+    delta = _empty((B, H, N), torch.float32, q.device)
+    lse = lse.contiguous()
+    _attn_bwd_prep_kernel[(configs.cdiv(N, 64), B * H)](
+        out, dout, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), dout.stride(0),
+        dout.stride(1), dout.stride(2), H, N, HEAD_DIM=D, BLOCK_M=64, num_warps=4)
+    q_desc, q_rows = _gluon_descriptor(q, [64, D])
+    do_desc, do_rows = _gluon_descriptor(dout, [64, D])
+    k_desc, kv_rows = _gluon_descriptor(k, [128, D])
+    v_desc, _ = _gluon_descriptor(v, [128, D])
+    dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D])
+    grid = (configs.cdiv(N, 128), B * k.shape[2], 1)
+    gluon_bwd._attn_bwd_gluon_kernel[grid](
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dq_acc, dk, dv,
+        lse.stride(0), lse.stride(1), N * D, dk.stride(0), dk.stride(1), dk.stride(2),
+        H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows, scale * LOG2E, scale,
+        IS_CAUSAL=bool(causal), DQ_MODE=_dq_mode, **gluon_bwd.OPTIONS)
+    dq = _empty_like(q)
+    dq.copy_(dq_acc.transpose(1, 2))
+    return dq, dk, dv
 
 
 @on_device_of

@@ -4,7 +4,13 @@ Triton forward (FLASHTRITON_GLUON off) and cuDNN SDPA, side by side in one proce
 against SDPA first. Then the host time per forward call of flash_attention at a tiny shape,
 Gluon and Triton (back-to-back calls, replayed).
 
+--backward: the backward instead (TFLOP/s counted as 2.5x the forward's FLOPs, as the bench
+does): the Gluon backward (launch.attention_backward_gluon, whole call: prep kernel, kernel,
+dQ conversion) with dQ by TMA reductions (g2), by atomics (g0) and not added (g1, timing
+only), flashtriton's Triton backward and cuDNN's, each row's dQ/dK/dV checked against cuDNN's.
+
     python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
+    python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
     timeout 60 python scripts/bench_gluon.py --smoke   # first: one small call per variant
                                                        # (a barrier mistake hangs, not fails)
 """
@@ -17,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtriton import _env, flash_attention
 from flashtriton.bench import per_call_us
-from flashtriton.launch import attention_forward_gluon
+from flashtriton.launch import attention_backward_gluon, attention_forward_gluon
 
 
 def triton_forward(q, k, v, causal):
@@ -28,11 +34,24 @@ def triton_forward(q, k, v, causal):
         _env.GLUON = True
 
 
+def shapes(args):
+    """(D, N, H, HKV, q, k, v) of each row: 16K tokens, d_model 2048, bf16 (B, N, H, D)."""
+    for D in args.dims:
+        for N in args.seqlens:
+            B, H = max(1, 16384 // N), 2048 // D
+            HKV = 8 if args.gqa else H
+            q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+            yield D, N, H, HKV, q, k, v
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--gqa", action="store_true", help="8 KV heads")
+    p.add_argument("--backward", action="store_true", help="the backward instead")
     p.add_argument("--smoke", action="store_true",
                    help="one small call per variant against SDPA, printed as it finishes")
     args = p.parse_args()
@@ -46,40 +65,78 @@ def main():
             torch.cuda.synchronize()
             err = float((out.float() - ref.float()).abs().max())
             print(f"causal={causal}: max error {err:.2e}", flush=True)
+            out, lse = attention_forward_gluon(q, k, v, causal)
+            for mode in (2, 0):
+                grads = attention_backward_gluon(torch.ones_like(out), q, k, v, out, lse,
+                                                 causal, _dq_mode=mode)
+                torch.cuda.synchronize()
+                print(f"backward causal={causal} dq_mode={mode}: finite "
+                      f"{all(bool(g.isfinite().all()) for g in grads)}", flush=True)
         return
+    if args.backward:
+        return backward(args)
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {'gluon':>7} {'triton':>7} {'cudnn':>7}"
           f"  max|gluon-sdpa|")
-    for D in args.dims:
-        for N in args.seqlens:
-            B, H = max(1, 16384 // N), 2048 // D
-            HKV = 8 if args.gqa else H
-            q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
-                    for _ in range(2))
-            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-            for causal in (False, True):
-                flops = 4 * B * H * N * N * D / (2 if causal else 1)
+    for D, N, H, HKV, q, k, v in shapes(args):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        for causal in (False, True):
+            flops = 4 * q.shape[0] * H * N * N * D / (2 if causal else 1)
 
-                def cudnn():
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                              enable_gqa=HKV != H)
-                fns = {"gluon": lambda: attention_forward_gluon(q, k, v, causal),
-                       "triton": lambda: triton_forward(q, k, v, causal),
-                       "cudnn": cudnn}
-                ref = cudnn().transpose(1, 2).float()
-                err = float((fns["gluon"]()[0].float() - ref).abs().max())
-                tflops = {name: flops / triton.testing.do_bench(fn, warmup=25, rep=100,
-                                                                return_mode="median") * 1e-9
-                          for name, fn in fns.items()}
-                print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} {tflops['gluon']:>7.0f} "
-                      f"{tflops['triton']:>7.0f} {tflops['cudnn']:>7.0f}  {err:.2e}", flush=True)
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                          enable_gqa=HKV != H)
+            fns = {"gluon": lambda: attention_forward_gluon(q, k, v, causal),
+                   "triton": lambda: triton_forward(q, k, v, causal),
+                   "cudnn": cudnn}
+            ref = cudnn().transpose(1, 2).float()
+            err = float((fns["gluon"]()[0].float() - ref).abs().max())
+            tflops = {name: flops / triton.testing.do_bench(fn, warmup=25, rep=100,
+                                                            return_mode="median") * 1e-9
+                      for name, fn in fns.items()}
+            print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} {tflops['gluon']:>7.0f} "
+                  f"{tflops['triton']:>7.0f} {tflops['cudnn']:>7.0f}  {err:.2e}", flush=True)
     q, k, v = (torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     gluon = per_call_us(lambda: flash_attention(q, k, v, causal=True), 300, 20, 5)
     tri = per_call_us(lambda: triton_forward(q, k, v, True), 300, 20, 5)
     print(f"host us per flash_attention forward (1 x 128 x 16 x 128, causal): gluon {gluon:.1f}, "
           f"triton {tri:.1f}")
+
+
+def backward(args):
+    """The --backward table (see the module docstring)."""
+    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {'g2':>6} {'g0':>6} {'g1':>6} "
+          f"{'triton':>7} {'cudnn':>6}  max|g2-cudnn| dq/dk/dv")
+    for D, N, H, HKV, q, k, v in shapes(args):
+        B = q.shape[0]
+        dout = torch.randn_like(q)
+        leaves = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+        for causal in (False, True):
+            flops = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                ref_out = F.scaled_dot_product_attention(*leaves, is_causal=causal,
+                                                         enable_gqa=HKV != H)
+            out, lse = attention_forward_gluon(q, k, v, causal)
+            tq, tk, tv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            tri_out = triton_forward(tq, tk, tv, causal)
+            dref = dout.transpose(1, 2)
+            fns = {f"g{m}": (lambda m=m: attention_backward_gluon(dout, q, k, v, out, lse,
+                                                                  causal, _dq_mode=m))
+                   for m in (2, 0, 1)}
+            fns["triton"] = lambda: torch.autograd.grad(tri_out, (tq, tk, tv), dout,
+                                                        retain_graph=True)
+            fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, dref,
+                                                       retain_graph=True)
+            ref = [g.transpose(1, 2).float() for g in fns["cudnn"]()]
+            errs = "/".join(f"{float((g.float() - r).abs().max()):.1e}"
+                            for g, r in zip(fns["g2"](), ref))
+            tflops = {name: flops / triton.testing.do_bench(fn, warmup=10, rep=60,
+                                                            return_mode="median") * 1e-9
+                      for name, fn in fns.items()}
+            print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} " + " ".join(
+                f"{tflops[n]:>6.0f}" for n in ("g2", "g0", "g1")) +
+                f" {tflops['triton']:>7.0f} {tflops['cudnn']:>6.0f}  {errs}", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import triton.language as tl  # noqa: E402
 
 from flashtriton.kernels.decode import _attn_decode_kernel, _attn_merge_kernel  # noqa: E402
 from flashtriton.kernels.block_mask import _block_mask_kernel  # noqa: E402
-from sass_loop import (TARGET, compile_gluon_fwd, compile_kernel, sass_of,  # noqa: E402
+from sass_loop import (TARGET, compile_gluon_bwd, compile_gluon_fwd, compile_kernel, sass_of,  # noqa: E402
                        softmax_overlaps, source_for, spill_counts)  # scripts/, beside this file
 
 @triton.jit
@@ -153,4 +153,23 @@ for dim in (64, 128):
     for causal in (False, True):
         check(f"gluon-fwd D{dim} causal={causal}", lambda: compile_gluon_fwd(dim, causal=causal),
               gluon_judge(dim))
+
+# The Gluon backward (kernels.gluon_bwd): dQ added by TMA bulk reductions (DQ_MODE 2, one
+# UTMAREDG per query block) or by atomics (DQ_MODE 0); both fit the shared memory.
+def gluon_bwd_judge(dq_mode):
+    def judge(k):
+        sass = sass_of(k)
+        red = "UTMAREDG" if dq_mode == 2 else "REDG.E.ADD.F32"
+        return (k.metadata.shared <= 227 * 1024 and red in sass,
+                f"shared={k.metadata.shared} {red}={red in sass} "
+                f"spill_ld/st={'%d/%d' % spill_counts(sass)}")
+    return judge
+
+
+for dim in (64, 128):
+    for causal in (False, True):
+        for dq_mode in (2, 0):
+            check(f"gluon-bwd D{dim} causal={causal} dq_mode={dq_mode}",
+                  lambda: compile_gluon_bwd(dim, causal=causal, dq_mode=dq_mode),
+                  gluon_bwd_judge(dq_mode))
 sys.exit(1 if fails else 0)

@@ -89,6 +89,34 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2):
     return triton.compile(source, target=TARGET, options={"num_warps": warps})
 
 
+def compile_gluon_bwd(dim=128, causal=False, dq_mode=2):
+    """The Gluon backward (kernels.gluon_bwd) for sm_90, bf16, its descriptors typed as
+    launch.attention_backward_gluon makes them (64-row query blocks, 128-row key blocks)."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from flashtriton.kernels import gluon_bwd
+    fn = gluon_bwd._attn_bwd_gluon_kernel
+
+    def desc(block, dtype, el):
+        view = torch.empty(256, 16 * dim, dtype=dtype)  # only its dtype and shape matter
+        return mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
+                                            gl.NVMMASharedLayout.get_default_for(block, el)))
+    consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode, **gluon_bwd.OPTIONS)
+    sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
+    q_desc = desc([64, dim], torch.bfloat16, gl.bfloat16)
+    kv_desc = desc([128, dim], torch.bfloat16, gl.bfloat16)
+    sig.update(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
+               dq_desc=desc([64, dim], torch.float32, gl.float32), LSE="*fp32", DELTA="*fp32",
+               DQ="*fp32", DK="*bf16", DV="*bf16", qk_scale="fp32", sm_scale="fp32")
+    source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                                 for k, v in consts.items()})
+    return triton.compile(source, target=TARGET, options={"num_warps": consts["num_warps"]})
+
+
 def softmax_overlaps(sass, exps):
     """Whether some loop waits for S (one wgmma group, P V, still outstanding), runs at
     least ``exps`` exp2s, then waits for P V: the softmax overlapping the product. Waiting

@@ -1,5 +1,5 @@
-"""The Gluon forward (kernels.gluon_fwd, Hopper only) against the float64 reference, the layouts
-it reads, and when attention_forward chooses it. Its compiled sm_90 code (the softmax between
+"""The Gluon forward and backward (kernels.gluon_fwd, kernels.gluon_bwd, Hopper only) against
+the float64 reference, the layouts they read, and when attention_forward chooses the forward. Its compiled sm_90 code (the softmax between
 the two products' waits, the point of the kernel) is checked on any machine by
 scripts/compile_check.py, which CI runs; the layout and eligibility rules run on the CPU."""
 
@@ -13,6 +13,9 @@ from flashtriton.launch import Variant, _token_rows, gluon_misfit
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+# (B, N, H, HKV, D): ragged ends, one block, GQA, both head dims
+SHAPES = [(2, 1000, 3, 3, 128), (1, 2048, 2, 2, 128), (2, 777, 2, 2, 64), (1, 128, 1, 1, 128),
+          (1, 100, 2, 2, 64), (2, 600, 8, 2, 128)]
 
 
 def _heads_major(x):
@@ -63,9 +66,7 @@ def test_gluon_misfit_names_what_it_does_not_take():
 
 
 @needs_hopper
-@pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 3, 3, 128), (1, 4096, 2, 2, 128),
-                                         (2, 777, 2, 2, 64), (1, 128, 1, 1, 128),
-                                         (1, 100, 2, 2, 64), (2, 600, 8, 2, 128)])
+@pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
@@ -128,3 +129,71 @@ def test_gluon_forward_raises_off_hopper():
     q, k, v = make_qkv(1, 64, 64, 2, 2, 128, torch.bfloat16, DEVICE, requires_grad=False)
     with pytest.raises(ValueError, match="Hopper"):
         launch.attention_forward_gluon(q, k, v)
+
+
+def test_backward_prep_kernel_gives_delta_and_a_zeroed_dq_buffer():
+    """kernels.attn_bwd._attn_bwd_prep_kernel (the Gluon backward's first launch, a Triton
+    kernel: runs in the interpreter): delta = rowsum(dO * O) in (B, H, N) and the fp32 dQ
+    buffer (B, H, N, D) zeroed, from O and dO in any strided (B, N, H, D) layout."""
+    from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
+    B, N, H, D = 2, 70, 3, 64
+    out = torch.randn(B, H, N, D, dtype=torch.bfloat16, device=DEVICE).transpose(1, 2)
+    dout = torch.randn(B, N, H, D, dtype=torch.bfloat16, device=DEVICE)
+    delta = torch.full((B, H, N), float("nan"), device=DEVICE)
+    dq = torch.full((B, H, N, D), float("nan"), device=DEVICE)
+    _attn_bwd_prep_kernel[(2, B * H)](out, dout, delta, dq, *out.stride()[:3],
+                                      *dout.stride()[:3], H, N, HEAD_DIM=D, BLOCK_M=64)
+    expect = (out.double() * dout.double()).sum(-1).transpose(1, 2)
+    torch.testing.assert_close(delta.double(), expect, rtol=1e-5, atol=1e-5)
+    assert bool((dq == 0).all())
+
+
+class _GluonBackward(torch.autograd.Function):
+    """flashtriton's forward, then kernels.gluon_bwd for the gradients (dQ added by
+    dq_mode: 2 TMA reductions, 0 atomics)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, dq_mode):
+        out, lse = launch.attention_forward(q, k, v, Variant(q.shape[-1] ** -0.5, causal))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.dq_mode = causal, dq_mode
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*launch.attention_backward_gluon(dout, q, k, v, out, lse, ctx.causal,
+                                                 _dq_mode=ctx.dq_mode), None, None)
+
+
+@needs_hopper
+@pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dq_mode", [2, 0], ids=["tma-reduce", "atomics"])
+def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, dq_mode):
+    q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda")
+    check_against_reference(lambda q, k, v: _GluonBackward.apply(q, k, v, causal, dq_mode),
+                            q, k, v, causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("layout", ["heads-major", "packed"])
+def test_gluon_backward_reads_strided_layouts(layout):
+    q, k, v = make_qkv(2, 333, 333, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=False)
+    q, k, v = (_heads_major(x) for x in (q, k, v)) if layout == "heads-major" else _packed(q, k, v)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    for causal in (False, True):
+        check_against_reference(lambda q, k, v: _GluonBackward.apply(q, k, v, causal, 2),
+                                q, k, v, causal)
+
+
+@needs_hopper
+def test_gluon_backward_rejects_what_it_does_not_take():
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
+    out, lse = launch.attention_forward_gluon(q, k, v)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        launch.attention_backward_gluon(out.float(), q.float(), k.float(), v.float(), out, lse)
+    with pytest.raises(ValueError, match="dout in q's dtype"):
+        strided = torch.randn(1, 64, 2, 256, dtype=q.dtype, device="cuda")[..., ::2]
+        launch.attention_backward_gluon(strided, q, k, v, out, lse)

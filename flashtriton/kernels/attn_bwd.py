@@ -6,6 +6,8 @@
   _attn_bwd_dkdv_kernel        one program per (key block, batch * kv head);
                                loops over the GROUP query heads sharing the kv
                                head, so dK/dV of GQA/MQA are summed in registers
+  _attn_bwd_prep_kernel        delta, and a zeroed fp32 dQ buffer, for the one-kernel
+                               Gluon backward (kernels.gluon_bwd)
 
 P is rebuilt tile by tile as exp2(s2 - LSE * log2(e)); no N x N buffer exists
 and no atomics are used, so gradients are bitwise repeatable. With softcap,
@@ -429,3 +431,26 @@ def _attn_bwd_dq_kernel(
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,
                not EVEN_D)
+
+
+@triton.jit
+def _attn_bwd_prep_kernel(O, DO, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_dob,
+                          stride_dot, stride_doh, H, SQ, HEAD_DIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
+    """Program (row block, batch * head): delta = rowsum(dO * O) (fp32, (B, H, SQ)) and
+    zeros into the rows of the fp32 dQ buffer (B, H, SQ, HEAD_DIM)."""
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    r64 = rows.to(tl.int64)[:, None]
+    keep = rows[:, None] < SQ
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + r64 * stride_ot + cols[None, :],
+                mask=keep, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + r64 * stride_dot + cols[None, :],
+                 mask=keep, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + off_bh.to(tl.int64) * SQ + rows, delta, mask=rows < SQ)
+    tl.store(DQ + (off_bh.to(tl.int64) * SQ + r64) * HEAD_DIM + cols[None, :],
+             tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)

@@ -1,0 +1,235 @@
+"""Hopper backward in Gluon (experimental): one kernel, five products per block pair.
+
+The Triton backward (kernels.attn_bwd) runs two kernels and seven products per block pair: its
+dQ kernel recomputes S and dP so that no program adds into another's dQ (bitwise repeatable).
+This kernel is FlashAttention-2/3's form: a program owns BLOCK_N (128) keys of one KV head,
+keeps dK and dV in registers, and walks the query blocks (BLOCK_M = 64 rows) of every query
+head of its group. Per query block:
+
+    S^T = K Q^T and dP^T = V dO^T       issued together (asynchronous wgmma)
+    P^T = exp2(S^T * scale - lse)       while dP^T runs
+    dV += P^T dO                        issued, then dS^T = P^T (dP^T - delta) while it runs
+    dK += dS^T Q                        issued; dS^T goes to shared memory (two slots)
+    dQ  = dS K                          (dS^T read transposed; columns split over the two
+                                        warpgroups) and added into an fp32 buffer
+
+dQ is added by one TMA bulk reduction per 64 x D tile (DQ_MODE 2, FlashAttention-3's way:
+the tile is staged in shared memory, `cp.reduce.async.bulk.tensor` adds it in L2), by
+per-element atomics (DQ_MODE 0), or not at all (DQ_MODE 1: a timing ablation). Either way
+the sum's order varies from run to run: the backward is not bitwise repeatable.
+
+Q and dO come by TMA into a two-slot ring: block t + 1 is requested once every warp has
+passed block t's barrier (so block t - 1's slot is free). The rows of a ragged last query
+block read the next head's rows (the 2-D view has no per-head bound): their LSE is +inf, so
+P = dS = 0 there and they add zeros. A ragged key block masks its keys in every step.
+
+Scope: bf16 / fp16, head dim 64 or 128, SQ == SK, plain or causal, GQA, q / k / v / dO in the
+2-D token-row views of launch._token_rows. The prep kernel (kernels.attn_bwd) computes delta
+and zeroes the fp32 dQ buffer first. Gluon does not run in the interpreter:
+scripts/compile_check.py compiles this kernel for sm_90 on any machine, tests/test_gluon.py
+runs it on a Hopper GPU.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+
+@builtin
+def _tma_reduce_add(desc, coord, src, _semantic=None):
+    """dst[coord...] += src (a shared-memory tile) by one TMA bulk reduction (Gluon 3.6 has
+    the op, ttng.async_tma_reduce, but no wrapper for it); tma.store_wait covers it."""
+    from triton._C.libtriton import ir
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
+                                              coord, src.handle)
+
+
+@gluon.jit
+def _block_coords(t, cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
+                  BLOCK_M: gl.constexpr):
+    """Step t of a program: query head h0 + t // cnt, query block m_lo + t % cnt; its first
+    row in q's and dO's 2-D views and their columns."""
+    h = h0 + t // cnt
+    m = m_lo + t % cnt
+    return (off_b * q_rb + h * q_rh + m * BLOCK_M, h * q_ch,
+            off_b * o_rb + h * o_rh + m * BLOCK_M, h * o_ch, h, m)
+
+
+@gluon.jit
+def _request(q_desc, do_desc, q_smem, do_smem, full, t, total, cnt, m_lo, h0, q_rb, q_rh, q_ch,
+             o_rb, o_rh, o_ch, off_b, BLOCK_M: gl.constexpr):
+    """TMA of step t's Q and dO blocks into slot t % 2 (nothing past the last step)."""
+    q_row, q_col, o_row, o_col, _, _ = _block_coords(t, cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb,
+                                                     o_rh, o_ch, off_b, BLOCK_M)
+    slot = t % 2
+    go = t < total
+    mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes,
+                    pred=go)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], full.index(slot),
+                                    q_smem.index(slot), pred=go)
+    tma.async_copy_global_to_shared(do_desc, [o_row, o_col], full.index(slot),
+                                    do_smem.index(slot), pred=go)
+
+
+@gluon.jit
+def _step(t, total, cnt, m_lo, h0, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
+          ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ, stride_lb, stride_lh, stride_dqh,
+          q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, H, keys, SEQ, qk_scale, sm_scale,
+          st_layout: gl.constexpr, dq_layout: gl.constexpr, dkv_layout: gl.constexpr,
+          IS_CAUSAL: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
+    """Query block t of the program (see the module docstring); returns dK, dV."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.shape[1]
+    dtype: gl.constexpr = k_smem.dtype
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
+    _, _, _, _, h, m = _block_coords(t, cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
+                                     BLOCK_M)
+    slot = t % 2
+    q_s = q_smem.index(slot)
+    do_s = do_smem.index(slot)
+    # The block's row statistics (LSE +inf past SEQ: P = 0 there).
+    cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    stats = off_b * stride_lb + h * stride_lh + cols
+    lse = gl.load(LSE + stats, mask=cols < SEQ, other=float("inf"))
+    delta = gl.load(DELTA + stats, mask=cols < SEQ, other=0.0)
+    lse2 = lse * 1.4426950408889634
+
+    mbarrier.wait(full.index(slot), (t // 2) & 1)
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
+    st = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+    pt = gl.exp2(st * qk_scale - lse2[None, :])
+    if MASK:
+        keep = keys[:, None] < SEQ
+        if IS_CAUSAL:
+            keep = keep & (keys[:, None] <= cols[None, :])
+        pt = gl.where(keep, pt, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_s, dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+    dst = (pt * (dpt - delta[None, :])).to(dtype)
+    dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_s, dk, is_async=True)
+    ds_smem.index(slot).store(dst)
+    fence_async_shared()
+    if DQ_MODE == 2:
+        tma.store_wait(0)  # the last block's dQ reduction has read the staging tile
+    gl.thread_barrier()  # every warp is past block t - 1 and has stored its part of dS^T
+    _request(q_desc, do_desc, q_smem, do_smem, full, t + 1, total, cnt, m_lo, h0, q_rb, q_rh,
+             q_ch, o_rb, o_rh, o_ch, off_b, BLOCK_M)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    dq = warpgroup_mma(ds_smem.index(slot).permute((1, 0)), k_smem, dq, use_acc=False,
+                       is_async=True)
+    dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
+    dq = dq * sm_scale
+    if DQ_MODE == 2:
+        dq_smem.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [(off_b * H + h) * SEQ + m * BLOCK_M, 0], dq_smem)
+    if DQ_MODE == 0:
+        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+        ptrs = DQ + (off_b * H + h) * stride_dqh + rows[:, None] * HEAD_DIM + dcols[None, :]
+        gl.atomic_add(ptrs, dq, mask=rows[:, None] < SEQ, sem="relaxed")
+    return dk, dv
+
+
+# The kernel's launch constants (8 warps: two warpgroups, 64 keys of the block each).
+OPTIONS = dict(num_warps=8)
+
+
+@gluon.jit
+def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DQ, DK, DV,
+                           stride_lb, stride_lh, stride_dqh, stride_kb, stride_kt, stride_kh,
+                           H, GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh,
+                           kv_ch, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr,
+                           DQ_MODE: gl.constexpr, num_warps: gl.constexpr):
+    """Program (key block, batch * KV head). The descriptors view q, k, v and dO as 2-D token
+    rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column h * ch);
+    dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D. dK and dV (strides
+    stride_k*) take k's layout."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+    dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, num_warps // 4],
+        instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+
+    n = gl.program_id(0)
+    off_b = gl.program_id(1) // (H // GROUP)
+    off_hk = gl.program_id(1) % (H // GROUP)
+    h0 = off_hk * GROUP
+    # Query blocks: from the key block's diagonal (causal) to the end, for each query head.
+    m_lo = 0
+    if IS_CAUSAL:
+        m_lo = (n * BLOCK_N) // BLOCK_M
+    cnt = gl.cdiv(SEQ, BLOCK_M) - m_lo
+    total = GROUP * cnt
+    # Steps with masks: the diagonal's blocks (causal), every block of a ragged key block.
+    n_masked = 0
+    if IS_CAUSAL:
+        n_masked = gl.minimum(BLOCK_N // BLOCK_M, cnt)
+    if (n + 1) * BLOCK_N > SEQ:
+        n_masked = cnt
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    if DQ_MODE == 2:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
+    else:
+        dq_smem = ds_smem  # unused
+    kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_full, count=1)
+    mbarrier.init(full.index(0), count=1)
+    mbarrier.init(full.index(1), count=1)
+    fence_async_shared()
+
+    kv_row = off_b * kv_rb + off_hk * kv_rh + n * BLOCK_N
+    mbarrier.expect(kv_full, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, off_hk * kv_ch], kv_full, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, off_hk * kv_ch], kv_full, v_smem)
+    _request(q_desc, do_desc, q_smem, do_smem, full, 0, total, cnt, m_lo, h0, q_rb, q_rh, q_ch,
+             o_rb, o_rh, o_ch, off_b, BLOCK_M)
+
+    keys = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=dkv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=dkv_layout)
+    mbarrier.wait(kv_full, 0)
+    for g in range(GROUP):
+        for t in range(g * cnt, g * cnt + n_masked):
+            dk, dv = _step(t, total, cnt, m_lo, h0, q_desc, do_desc, dq_desc, q_smem, do_smem,
+                           k_smem, v_smem, ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ,
+                           stride_lb, stride_lh, stride_dqh, q_rb, q_rh, q_ch, o_rb, o_rh,
+                           o_ch, off_b, H, keys, SEQ, qk_scale, sm_scale, st_layout,
+                           dq_layout, dkv_layout, IS_CAUSAL, True, DQ_MODE)
+        for t in range(g * cnt + n_masked, (g + 1) * cnt):
+            dk, dv = _step(t, total, cnt, m_lo, h0, q_desc, do_desc, dq_desc, q_smem, do_smem,
+                           k_smem, v_smem, ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ,
+                           stride_lb, stride_lh, stride_dqh, q_rb, q_rh, q_ch, o_rb, o_rh,
+                           o_ch, off_b, H, keys, SEQ, qk_scale, sm_scale, st_layout,
+                           dq_layout, dkv_layout, IS_CAUSAL, False, DQ_MODE)
+    if DQ_MODE == 2:
+        tma.store_wait(0)
+
+    # dK (times the softmax scale) and dV in k's layout; keys past SEQ are not stored.
+    rows = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dkv_layout))
+    dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
+    offs = (off_b * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
+            + dcols[None, :])
+    keep = rows[:, None] < SEQ
+    gl.store(DK + offs, (dk * sm_scale).to(dtype), mask=keep)
+    gl.store(DV + offs, dv.to(dtype), mask=keep)
