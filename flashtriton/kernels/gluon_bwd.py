@@ -9,13 +9,14 @@ head of its group. Per query block:
     S^T = K Q^T and dP^T = V dO^T       issued together (asynchronous wgmma)
     P^T = exp2(S^T * scale - lse)       while dP^T runs
     dV += P^T dO                        issued, then dS^T = P^T (dP^T - delta) while it runs
-    dK += dS^T Q                        issued; dS^T goes to shared memory (two slots)
+    dK += dS^T Q                        issued; dS^T goes to shared memory
     dQ  = dS K                          (dS^T read transposed; columns split over the two
                                         warpgroups) and added into an fp32 buffer
 
 dQ is added by one TMA bulk reduction per 64 x D tile (DQ_MODE 2, FlashAttention-3's way:
 the tile is staged in shared memory, `cp.reduce.async.bulk.tensor` adds it in L2), by
-per-element atomics (DQ_MODE 0), or not at all (DQ_MODE 1: a timing ablation). Either way
+per-element atomics (DQ_MODE 0), or not at all (DQ_MODE 1, and 3: staged but not added;
+timing ablations). Either way
 the sum's order varies from run to run: the backward is not bitwise repeatable.
 
 Q and dO come by TMA into a two-slot ring: block t + 1 is requested once every warp has
@@ -113,23 +114,25 @@ def _step(t, total, cnt, m_lo, h0, q_desc, do_desc, dq_desc, q_smem, do_smem, k_
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     dst = (pt * (dpt - delta[None, :])).to(dtype)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_s, dk, is_async=True)
-    ds_smem.index(slot).store(dst)
+    ds_s = ds_smem.index(t % ds_smem.shape[0])
+    ds_s.store(dst)
     fence_async_shared()
-    if DQ_MODE == 2:
-        tma.store_wait(0)  # the last block's dQ reduction has read the staging tile
+    if DQ_MODE >= 2:
+        tma.store_wait(1)  # block t - 2's dQ reduction has read its staging tile
     gl.thread_barrier()  # every warp is past block t - 1 and has stored its part of dS^T
     _request(q_desc, do_desc, q_smem, do_smem, full, t + 1, total, cnt, m_lo, h0, q_rb, q_rh,
              q_ch, o_rb, o_rh, o_ch, off_b, BLOCK_M)
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    dq = warpgroup_mma(ds_smem.index(slot).permute((1, 0)), k_smem, dq, use_acc=False,
-                       is_async=True)
+    dq = warpgroup_mma(ds_s.permute((1, 0)), k_smem, dq, use_acc=False, is_async=True)
     dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
     dq = dq * sm_scale
-    if DQ_MODE == 2:
-        dq_smem.store(dq)
+    if DQ_MODE >= 2:
+        dq_s = dq_smem.index(slot)
+        dq_s.store(dq)
         fence_async_shared()
-        gl.thread_barrier()
-        _tma_reduce_add(dq_desc, [(off_b * H + h) * SEQ + m * BLOCK_M, 0], dq_smem)
+        gl.thread_barrier()  # also: every warp's dQ product has read dS^T (one slot)
+        if DQ_MODE == 2:
+            _tma_reduce_add(dq_desc, [(off_b * H + h) * SEQ + m * BLOCK_M, 0], dq_s)
     if DQ_MODE == 0:
         rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
         dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
@@ -186,9 +189,11 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    if DQ_MODE == 2:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM], dq_desc.layout)
+    # dS^T: one slot where the staging barrier orders its reuse (DQ_MODE >= 2), else two.
+    ds_smem = gl.allocate_shared_memory(dtype, [1 if DQ_MODE >= 2 else 2, BLOCK_N, BLOCK_M],
+                                        ds_layout)
+    if DQ_MODE >= 2:  # two staging tiles: a reduction has a whole block's time to finish
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
     else:
         dq_smem = ds_smem  # unused
     kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -222,7 +227,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            stride_lb, stride_lh, stride_dqh, q_rb, q_rh, q_ch, o_rb, o_rh,
                            o_ch, off_b, H, keys, SEQ, qk_scale, sm_scale, st_layout,
                            dq_layout, dkv_layout, IS_CAUSAL, False, DQ_MODE)
-    if DQ_MODE == 2:
+    if DQ_MODE >= 2:
         tma.store_wait(0)
 
     # dK (times the softmax scale) and dV in k's layout; keys past SEQ are not stored.
