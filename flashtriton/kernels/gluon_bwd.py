@@ -14,9 +14,11 @@ head of its group. Per query block:
                                         warpgroups) and added into an fp32 buffer
 
 dQ is added by one TMA bulk reduction per 64 x D tile (DQ_MODE 2, FlashAttention-3's way:
-the tile is staged in shared memory, `cp.reduce.async.bulk.tensor` adds it in L2), by
-per-element atomics (DQ_MODE 0), or not at all (DQ_MODE 1, and 3: staged but not added;
-timing ablations). Either way
+the tile is staged in shared memory, `cp.reduce.async.bulk.tensor` adds it in L2; block t's
+tile is sent after block t + 1's barrier, so no second barrier an iteration, and it has a
+block's time to finish before its staging slot is written again), by
+per-element atomics (DQ_MODE 0), or not at all (DQ_MODE 1, the product kept; 3: staged but not
+added; timing ablations). Either way
 the sum's order varies from run to run: the backward is not bitwise repeatable.
 
 Q and dO come by TMA into a two-slot ring: block t + 1 is requested once every warp has
@@ -114,30 +116,33 @@ def _step(t, total, cnt, m_lo, h0, q_desc, do_desc, dq_desc, q_smem, do_smem, k_
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     dst = (pt * (dpt - delta[None, :])).to(dtype)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_s, dk, is_async=True)
-    ds_s = ds_smem.index(t % ds_smem.shape[0])
+    ds_s = ds_smem.index(slot)
     ds_s.store(dst)
     fence_async_shared()
-    if DQ_MODE >= 2:
-        tma.store_wait(1)  # block t - 2's dQ reduction has read its staging tile
-    gl.thread_barrier()  # every warp is past block t - 1 and has stored its part of dS^T
+    if DQ_MODE == 2:
+        tma.store_wait(0)  # block t - 2's reduction has read its staging tile
+    gl.thread_barrier()  # every warp is past block t - 1 (and staged its dQ) and stored dS^T
     _request(q_desc, do_desc, q_smem, do_smem, full, t + 1, total, cnt, m_lo, h0, q_rb, q_rh,
              q_ch, o_rb, o_rh, o_ch, off_b, BLOCK_M)
+    if DQ_MODE == 2:  # block t - 1's dQ (at t = 0: the zeros of slot 1, added to block 0)
+        _, _, _, _, h_p, m_p = _block_coords(gl.maximum(t - 1, 0), cnt, m_lo, h0, q_rb, q_rh,
+                                             q_ch, o_rb, o_rh, o_ch, off_b, BLOCK_M)
+        _tma_reduce_add(dq_desc, [(off_b * H + h_p) * SEQ + m_p * BLOCK_M, 0],
+                        dq_smem.index(1 - slot))
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_smem, dq, use_acc=False, is_async=True)
     dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
     dq = dq * sm_scale
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    ptrs = DQ + (off_b * H + h) * stride_dqh + rows[:, None] * HEAD_DIM + dcols[None, :]
     if DQ_MODE >= 2:
-        dq_s = dq_smem.index(slot)
-        dq_s.store(dq)
+        dq_smem.index(slot).store(dq)  # added at block t + 1 (after its barrier)
         fence_async_shared()
-        gl.thread_barrier()  # also: every warp's dQ product has read dS^T (one slot)
-        if DQ_MODE == 2:
-            _tma_reduce_add(dq_desc, [(off_b * H + h) * SEQ + m * BLOCK_M, 0], dq_s)
     if DQ_MODE == 0:
-        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-        ptrs = DQ + (off_b * H + h) * stride_dqh + rows[:, None] * HEAD_DIM + dcols[None, :]
         gl.atomic_add(ptrs, dq, mask=rows[:, None] < SEQ, sem="relaxed")
+    if DQ_MODE == 1:  # the product kept alive, nothing stored (no row is negative)
+        gl.store(ptrs, dq, mask=rows[:, None] < 0)
     return dk, dv
 
 
@@ -189,11 +194,10 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    # dS^T: one slot where the staging barrier orders its reuse (DQ_MODE >= 2), else two.
-    ds_smem = gl.allocate_shared_memory(dtype, [1 if DQ_MODE >= 2 else 2, BLOCK_N, BLOCK_M],
-                                        ds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     if DQ_MODE >= 2:  # two staging tiles: a reduction has a whole block's time to finish
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        dq_smem.index(1).store(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout))
     else:
         dq_smem = ds_smem  # unused
     kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -227,7 +231,13 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            stride_lb, stride_lh, stride_dqh, q_rb, q_rh, q_ch, o_rb, o_rh,
                            o_ch, off_b, H, keys, SEQ, qk_scale, sm_scale, st_layout,
                            dq_layout, dkv_layout, IS_CAUSAL, False, DQ_MODE)
-    if DQ_MODE >= 2:
+    if DQ_MODE == 2:  # the last block's dQ
+        tma.store_wait(0)
+        gl.thread_barrier()
+        _, _, _, _, h_p, m_p = _block_coords(total - 1, cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb,
+                                             o_rh, o_ch, off_b, BLOCK_M)
+        _tma_reduce_add(dq_desc, [(off_b * H + h_p) * SEQ + m_p * BLOCK_M, 0],
+                        dq_smem.index((total - 1) % 2))
         tma.store_wait(0)
 
     # dK (times the softmax scale) and dV in k's layout; keys past SEQ are not stored.
