@@ -153,28 +153,30 @@ class _GluonBackward(torch.autograd.Function):
     dq_mode: 2 TMA reductions, 0 atomics)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, dq_mode):
+    def forward(ctx, q, k, v, causal, dq_mode, rotate=False):
         out, lse = launch.attention_forward(q, k, v, Variant(q.shape[-1] ** -0.5, causal))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.dq_mode = causal, dq_mode
+        ctx.causal, ctx.dq_mode, ctx.rotate = causal, dq_mode, rotate
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _):
         q, k, v, out, lse = ctx.saved_tensors
         return (*launch.attention_backward_gluon(dout, q, k, v, out, lse, ctx.causal,
-                                                 _dq_mode=ctx.dq_mode), None, None)
+                                                 _dq_mode=ctx.dq_mode, _rotate=ctx.rotate),
+                None, None, None)
 
 
 @needs_hopper
 @pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("dq_mode", [2, 0], ids=["tma-reduce", "atomics"])
-def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, dq_mode):
+@pytest.mark.parametrize("dq_mode,rotate", [(2, False), (0, False), (2, True)],
+                         ids=["tma-reduce", "atomics", "tma-reduce-rotated"])
+def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, dq_mode, rotate):
     q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda")
-    check_against_reference(lambda q, k, v: _GluonBackward.apply(q, k, v, causal, dq_mode),
-                            q, k, v, causal)
+    check_against_reference(
+        lambda q, k, v: _GluonBackward.apply(q, k, v, causal, dq_mode, rotate), q, k, v, causal)
 
 
 @needs_hopper

@@ -51,22 +51,21 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _block_coords(t, cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
-                  BLOCK_M: gl.constexpr):
-    """Step t of a program: query head h0 + t // cnt, query block m_lo + t % cnt; its first
-    row in q's and dO's 2-D views and their columns."""
+def _block_coords(t, walk, BLOCK_M: gl.constexpr):
+    """Step t of a program's walk (cnt, m_lo, rot, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch,
+    off_b): query head h0 + t // cnt, query block m_lo + (t + rot) % cnt; its first row in
+    q's and dO's 2-D views (launch._token_rows), their columns, h and m."""
+    cnt, m_lo, rot, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b = walk
     h = h0 + t // cnt
-    m = m_lo + t % cnt
+    m = m_lo + (t + rot) % cnt
     return (off_b * q_rb + h * q_rh + m * BLOCK_M, h * q_ch,
             off_b * o_rb + h * o_rh + m * BLOCK_M, h * o_ch, h, m)
 
 
 @gluon.jit
-def _request(q_desc, do_desc, q_smem, do_smem, full, t, total, cnt, m_lo, h0, q_rb, q_rh, q_ch,
-             o_rb, o_rh, o_ch, off_b, BLOCK_M: gl.constexpr):
+def _request(q_desc, do_desc, q_smem, do_smem, full, t, total, walk, BLOCK_M: gl.constexpr):
     """TMA of step t's Q and dO blocks into slot t % 2 (nothing past the last step)."""
-    q_row, q_col, o_row, o_col, _, _ = _block_coords(t, cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb,
-                                                     o_rh, o_ch, off_b, BLOCK_M)
+    q_row, q_col, o_row, o_col, _, _ = _block_coords(t, walk, BLOCK_M)
     slot = t % 2
     go = t < total
     mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes,
@@ -78,19 +77,18 @@ def _request(q_desc, do_desc, q_smem, do_smem, full, t, total, cnt, m_lo, h0, q_
 
 
 @gluon.jit
-def _step(t, total, cnt, m_lo, h0, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
-          ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ, stride_lb, stride_lh, stride_dqh,
-          q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, H, keys, SEQ, qk_scale, sm_scale,
-          st_layout: gl.constexpr, dq_layout: gl.constexpr, dkv_layout: gl.constexpr,
-          IS_CAUSAL: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
+def _step(t, total, walk, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
+          dq_smem, full, dk, dv, LSE, DELTA, DQ, stride_lb, stride_lh, stride_dqh, H, keys,
+          SEQ, qk_scale, sm_scale, st_layout: gl.constexpr, dq_layout: gl.constexpr,
+          dkv_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
     """Query block t of the program (see the module docstring); returns dK, dV."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = k_smem.dtype
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
-    _, _, _, _, h, m = _block_coords(t, cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
-                                     BLOCK_M)
+    off_b = walk[10]
+    _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M)
     slot = t % 2
     q_s = q_smem.index(slot)
     do_s = do_smem.index(slot)
@@ -122,11 +120,9 @@ def _step(t, total, cnt, m_lo, h0, q_desc, do_desc, dq_desc, q_smem, do_smem, k_
     if DQ_MODE == 2:
         tma.store_wait(0)  # block t - 2's reduction has read its staging tile
     gl.thread_barrier()  # every warp is past block t - 1 (and staged its dQ) and stored dS^T
-    _request(q_desc, do_desc, q_smem, do_smem, full, t + 1, total, cnt, m_lo, h0, q_rb, q_rh,
-             q_ch, o_rb, o_rh, o_ch, off_b, BLOCK_M)
+    _request(q_desc, do_desc, q_smem, do_smem, full, t + 1, total, walk, BLOCK_M)
     if DQ_MODE == 2:  # block t - 1's dQ (at t = 0: the zeros of slot 1, added to block 0)
-        _, _, _, _, h_p, m_p = _block_coords(gl.maximum(t - 1, 0), cnt, m_lo, h0, q_rb, q_rh,
-                                             q_ch, o_rb, o_rh, o_ch, off_b, BLOCK_M)
+        _, _, _, _, h_p, m_p = _block_coords(gl.maximum(t - 1, 0), walk, BLOCK_M)
         _tma_reduce_add(dq_desc, [(off_b * H + h_p) * SEQ + m_p * BLOCK_M, 0],
                         dq_smem.index(1 - slot))
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
@@ -155,7 +151,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            stride_lb, stride_lh, stride_dqh, stride_kb, stride_kt, stride_kh,
                            H, GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh,
                            kv_ch, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr,
-                           DQ_MODE: gl.constexpr, num_warps: gl.constexpr):
+                           DQ_MODE: gl.constexpr, ROTATE: gl.constexpr,
+                           num_warps: gl.constexpr):
     """Program (key block, batch * KV head). The descriptors view q, k, v and dO as 2-D token
     rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column h * ch);
     dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D. dK and dV (strides
@@ -182,6 +179,11 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     if IS_CAUSAL:
         m_lo = (n * BLOCK_N) // BLOCK_M
     cnt = gl.cdiv(SEQ, BLOCK_M) - m_lo
+    # ROTATE (not causal): key block n walks the query blocks from its diagonal's on, so the
+    # programs of a head add to different dQ rows at a time.
+    rot = 0
+    if ROTATE and not IS_CAUSAL:
+        rot = (n * BLOCK_N) // BLOCK_M
     total = GROUP * cnt
     # Steps with masks: the diagonal's blocks (causal), every block of a ragged key block.
     n_masked = 0
@@ -211,8 +213,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     mbarrier.expect(kv_full, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, off_hk * kv_ch], kv_full, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, off_hk * kv_ch], kv_full, v_smem)
-    _request(q_desc, do_desc, q_smem, do_smem, full, 0, total, cnt, m_lo, h0, q_rb, q_rh, q_ch,
-             o_rb, o_rh, o_ch, off_b, BLOCK_M)
+    walk = (cnt, m_lo, rot, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b)
+    _request(q_desc, do_desc, q_smem, do_smem, full, 0, total, walk, BLOCK_M)
 
     keys = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=dkv_layout)
@@ -220,22 +222,19 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     mbarrier.wait(kv_full, 0)
     for g in range(GROUP):
         for t in range(g * cnt, g * cnt + n_masked):
-            dk, dv = _step(t, total, cnt, m_lo, h0, q_desc, do_desc, dq_desc, q_smem, do_smem,
-                           k_smem, v_smem, ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ,
-                           stride_lb, stride_lh, stride_dqh, q_rb, q_rh, q_ch, o_rb, o_rh,
-                           o_ch, off_b, H, keys, SEQ, qk_scale, sm_scale, st_layout,
+            dk, dv = _step(t, total, walk, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem,
+                           v_smem, ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ, stride_lb,
+                           stride_lh, stride_dqh, H, keys, SEQ, qk_scale, sm_scale, st_layout,
                            dq_layout, dkv_layout, IS_CAUSAL, True, DQ_MODE)
         for t in range(g * cnt + n_masked, (g + 1) * cnt):
-            dk, dv = _step(t, total, cnt, m_lo, h0, q_desc, do_desc, dq_desc, q_smem, do_smem,
-                           k_smem, v_smem, ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ,
-                           stride_lb, stride_lh, stride_dqh, q_rb, q_rh, q_ch, o_rb, o_rh,
-                           o_ch, off_b, H, keys, SEQ, qk_scale, sm_scale, st_layout,
+            dk, dv = _step(t, total, walk, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem,
+                           v_smem, ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ, stride_lb,
+                           stride_lh, stride_dqh, H, keys, SEQ, qk_scale, sm_scale, st_layout,
                            dq_layout, dkv_layout, IS_CAUSAL, False, DQ_MODE)
     if DQ_MODE == 2:  # the last block's dQ
         tma.store_wait(0)
         gl.thread_barrier()
-        _, _, _, _, h_p, m_p = _block_coords(total - 1, cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb,
-                                             o_rh, o_ch, off_b, BLOCK_M)
+        _, _, _, _, h_p, m_p = _block_coords(total - 1, walk, BLOCK_M)
         _tma_reduce_add(dq_desc, [(off_b * H + h_p) * SEQ + m_p * BLOCK_M, 0],
                         dq_smem.index((total - 1) % 2))
         tma.store_wait(0)
