@@ -675,8 +675,9 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     """The one-kernel Gluon backward (kernels.gluon_bwd) alone: dQ, dK, dV in the layouts of
     q, k, v from the forward's out and natural-log lse (B, H, N). dQ is summed in an order
     that varies from run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 0
-    atomics, 1 and 3 dQ not added (timing only; 3 stages it in shared memory). _rotate: each
-    key block's walk starts at its diagonal's query block (not causal). Raises ValueError where gluon_misfit names a
+    atomics, 1 and 3 dQ not added (timing only; 3 stages it in shared memory), 4 reductions
+    not waited for (wrong sums: timing only). _rotate: each key block's walk starts at its
+    diagonal's query block (not causal). Raises ValueError where gluon_misfit names a
     reason or dout is in no TMA layout."""
     from .kernels import gluon_bwd
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale

@@ -7,8 +7,9 @@ Gluon and Triton (back-to-back calls, replayed).
 --backward: the backward instead (TFLOP/s counted as 2.5x the forward's FLOPs, as the bench
 does): the Gluon backward (launch.attention_backward_gluon, whole call: prep kernel, kernel,
 dQ conversion) with dQ by TMA reductions (g2; g2r: each key block's walk from its diagonal,
-not causal), by atomics (g0) and not added (g1; g3 staged
-in shared memory but not added: timing only), flashtriton's Triton backward and cuDNN's, each row's dQ/dK/dV checked against cuDNN's.
+not causal), by atomics (g0) and not added (g1; g3 staged in shared memory but not added;
+g4 reductions not waited for, wrong sums: timing only), flashtriton's Triton backward and
+cuDNN's, each row's dQ/dK/dV checked against cuDNN's.
 
     python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
     python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
@@ -107,8 +108,9 @@ def main():
 
 def backward(args):
     """The --backward table (see the module docstring)."""
-    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {'g2':>6} {'g2r':>6} {'g0':>6} {'g1':>6} {'g3':>6} "
-          f"{'triton':>7} {'cudnn':>6}  max|g2-cudnn| dq/dk/dv")
+    cols = ("g2", "g2r", "g0", "g1", "g3", "g4")
+    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} " + " ".join(f"{c:>6}" for c in cols)
+          + f" {'triton':>7} {'cudnn':>6}  max|g2-cudnn| dq/dk/dv")
     for D, N, H, HKV, q, k, v in shapes(args):
         B = q.shape[0]
         dout = torch.randn_like(q)
@@ -124,7 +126,7 @@ def backward(args):
             dref = dout.transpose(1, 2)
             fns = {f"g{m}": (lambda m=m: attention_backward_gluon(dout, q, k, v, out, lse,
                                                                   causal, _dq_mode=m))
-                   for m in (2, 0, 1, 3)}
+                   for m in (2, 0, 1, 3, 4)}
             fns["g2r"] = lambda: attention_backward_gluon(dout, q, k, v, out, lse, causal,
                                                           _rotate=True)
             fns["triton"] = lambda: torch.autograd.grad(tri_out, (tq, tk, tv), dout,
@@ -138,7 +140,7 @@ def backward(args):
                                                             return_mode="median") * 1e-9
                       for name, fn in fns.items()}
             print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} " + " ".join(
-                f"{tflops[n]:>6.0f}" for n in ("g2", "g2r", "g0", "g1", "g3")) +
+                f"{tflops[n]:>6.0f}" for n in cols) +
                 f" {tflops['triton']:>7.0f} {tflops['cudnn']:>6.0f}  {errs}", flush=True)
 
 

@@ -1,7 +1,8 @@
 """The Gluon forward and backward (kernels.gluon_fwd, kernels.gluon_bwd, Hopper only) against
-the float64 reference, the layouts they read, and when attention_forward chooses the forward. Its compiled sm_90 code (the softmax between
-the two products' waits, the point of the kernel) is checked on any machine by
-scripts/compile_check.py, which CI runs; the layout and eligibility rules run on the CPU."""
+the float64 reference, the layouts they read, and when attention_forward chooses the forward.
+Their compiled sm_90 code (the forward's softmax between the two products' waits, the
+backward's dQ reductions) is checked on any machine by scripts/compile_check.py, which CI
+runs; the layout and eligibility rules and the backward's Triton prep kernel run on the CPU."""
 
 import pytest
 import torch

@@ -18,7 +18,8 @@ the tile is staged in shared memory, `cp.reduce.async.bulk.tensor` adds it in L2
 tile is sent after block t + 1's barrier, so no second barrier an iteration, and it has a
 block's time to finish before its staging slot is written again), by
 per-element atomics (DQ_MODE 0), or not at all (DQ_MODE 1, the product kept; 3: staged but not
-added; timing ablations). Either way
+added; timing ablations; 4: reductions never waited for in the loop, wrong sums, timing
+only). Either way
 the sum's order varies from run to run: the backward is not bitwise repeatable.
 
 Q and dO come by TMA into a two-slot ring: block t + 1 is requested once every warp has
@@ -80,7 +81,8 @@ def _request(q_desc, do_desc, q_smem, do_smem, full, t, total, walk, BLOCK_M: gl
 def _step(t, total, walk, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem,
           dq_smem, full, dk, dv, LSE, DELTA, DQ, stride_lb, stride_lh, stride_dqh, H, keys,
           SEQ, qk_scale, sm_scale, st_layout: gl.constexpr, dq_layout: gl.constexpr,
-          dkv_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK: gl.constexpr, DQ_MODE: gl.constexpr):
+          dkv_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK: gl.constexpr,
+          DQ_MODE: gl.constexpr):
     """Query block t of the program (see the module docstring); returns dK, dV."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[0]
@@ -121,7 +123,7 @@ def _step(t, total, walk, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_s
         tma.store_wait(0)  # block t - 2's reduction has read its staging tile
     gl.thread_barrier()  # every warp is past block t - 1 (and staged its dQ) and stored dS^T
     _request(q_desc, do_desc, q_smem, do_smem, full, t + 1, total, walk, BLOCK_M)
-    if DQ_MODE == 2:  # block t - 1's dQ (at t = 0: the zeros of slot 1, added to block 0)
+    if DQ_MODE == 2 or DQ_MODE == 4:  # block t - 1's dQ (t = 0: slot 1's zeros, to block 0)
         _, _, _, _, h_p, m_p = _block_coords(gl.maximum(t - 1, 0), walk, BLOCK_M)
         _tma_reduce_add(dq_desc, [(off_b * H + h_p) * SEQ + m_p * BLOCK_M, 0],
                         dq_smem.index(1 - slot))
@@ -231,7 +233,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            v_smem, ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ, stride_lb,
                            stride_lh, stride_dqh, H, keys, SEQ, qk_scale, sm_scale, st_layout,
                            dq_layout, dkv_layout, IS_CAUSAL, False, DQ_MODE)
-    if DQ_MODE == 2:  # the last block's dQ
+    if DQ_MODE == 2 or DQ_MODE == 4:  # the last block's dQ
         tma.store_wait(0)
         gl.thread_barrier()
         _, _, _, _, h_p, m_p = _block_coords(total - 1, walk, BLOCK_M)
