@@ -520,8 +520,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     # tokens 0.95x; at D=64 0.9-0.99x: docs/perf.md, session 12).
     if (_env.GLUON and D == 128 and (SQ > 512 or not variant.causal)
             and gluon_misfit(q, k, v, variant, varlen) is None):
-        remember(signature, _gluon_forward(q, k, v, out, lse, variant.causal,
-                                           variant.softmax_scale))
+        remember(signature, _gluon_forward(q, k, v, out, lse, variant))
         return out, lse
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
@@ -587,10 +586,12 @@ def _token_rows(t: torch.Tensor):
 
 
 def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
-                 varlen: Optional[Varlen] = None, head_dims=(64, 128)) -> Optional[str]:
+                 varlen: Optional[Varlen] = None, head_dims=(64, 128),
+                 variants: bool = False) -> Optional[str]:
     """Why the Gluon forward (kernels.gluon_fwd) cannot run this call, or None: it takes a
     Hopper GPU, bf16 / fp16, dense batches with SQ == SK, plain or causal attention with a
-    positive scale, and q, k, v in a layout of _token_rows (k and v alike)."""
+    positive scale (variants: also windows, softcap and ALiBi), and q, k, v in a layout of
+    _token_rows (k and v alike)."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
         return f"the Gluon forward takes bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if varlen is not None or q.dim() != 4 or q.shape[1] != k.shape[1]:
@@ -598,11 +599,13 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
     if q.shape[-1] not in head_dims:
         return f"the Gluon forward takes head dims {head_dims}, got {q.shape[-1]}"
     w = variant
-    if (w.window_left != -1 or (w.window_right != -1 and not w.causal) or w.softcap
-            or w.alibi_slopes is not None or w.attn_mask is not None or w.dropout_p
-            or w.score_mod is not None or w.mask_mod is not None or w.kv_blocks is not None
-            or w.diag_offset or not w.softmax_scale > 0):
-        return "the Gluon forward takes plain or causal attention with softmax_scale > 0"
+    windowed = w.window_left != -1 or (w.window_right != -1 and not w.causal)
+    if (w.attn_mask is not None or w.dropout_p or w.score_mod is not None
+            or w.mask_mod is not None or w.kv_blocks is not None or w.diag_offset
+            or not w.softmax_scale > 0
+            or (not variants and (windowed or w.softcap or w.alibi_slopes is not None))):
+        return ("the Gluon forward takes plain or causal attention with softmax_scale > 0"
+                + (", windows, softcap and ALiBi" if variants else ""))
     if k.stride() != v.stride() or _token_rows(q) is None or _token_rows(k) is None:
         return ("the Gluon forward takes q, k, v tokens-major or heads-major, 16-byte "
                 "aligned, k and v alike")
@@ -611,8 +614,9 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
     return None
 
 
-def _gluon_forward(q, k, v, out, lse, causal: bool, softmax_scale: float) -> GluonReplay:
-    """Launch kernels.gluon_fwd on tensors that gluon_misfit passed."""
+def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
+    """Launch kernels.gluon_fwd on tensors that gluon_misfit passed. The variant's window,
+    softcap and ALiBi arguments come from _common (the Triton kernels' definitions)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -624,35 +628,48 @@ def _gluon_forward(q, k, v, out, lse, causal: bool, softmax_scale: float) -> Glu
     rows = [_token_rows(t) for t in (q, k, v)]
     views = tuple(([r[3], r[4]], [t.stride(1), 1]) for r, t in zip(rows, (q, k, v)))
     descs = [TensorDescriptor(t, *view, block, layout) for t, view in zip((q, k, v), views)]
-    args = (out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), H,
-            H // k.shape[2], N, *rows[0][:3], *rows[1][:3], softmax_scale * LOG2E)
-    consts = dict(IS_CAUSAL=bool(causal), NUM_STAGES=2, **gluon_fwd.OPTIONS)
+    common, _ = _common(q, None, N, N, variant)
+    alibi, stride_ab, stride_ah = _alibi_args(variant)
+    # Causal attention without a window keeps its own constexpr path (IS_CAUSAL); with a
+    # window the causal bound is the window's upper bound (UPPER 0).
+    windowed = variant.window_left != -1 or (variant.window_right != -1 and not variant.causal)
+    args = (out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            stride_ab, stride_ah, H, H // k.shape[2], N, *rows[0][:3], *rows[1][:3],
+            common["qk_scale"], common["cap2"], -common["WIN_LEFT"], common["WIN_RIGHT"])
+    consts = dict(IS_CAUSAL=bool(variant.causal) and not windowed, NUM_STAGES=2,
+                  HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
+                  HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=alibi is not None,
+                  **gluon_fwd.OPTIONS)
     grid = (configs.cdiv(N, block[0]), B * H, 1)
     kernel = gluon_fwd._attn_fwd_gluon_kernel
-    compiled = kernel[grid](*descs, out, lse, *args, **consts)
-    tail = (*args, *[consts[n] for n in kernel.arg_names[5 + len(args):]])
-    replay = Replay(compiled, grid, 5, tail, q.get_device(),
+    compiled = kernel[grid](*descs, out, lse, alibi, *args, **consts)
+    tail = (*args, *[consts[n] for n in kernel.arg_names[6 + len(args):]])
+    replay = Replay(compiled, grid, 6, tail, q.get_device(),
                     compiled.metadata.global_scratch_size > 0)
     return GluonReplay(replay, views)
 
 
 @on_device_of
 def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            causal: bool = False, softmax_scale: Optional[float] = None
+                            causal: bool = False, softmax_scale: Optional[float] = None,
+                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            alibi_slopes: Optional[torch.Tensor] = None
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward alone (tests and benchmarks; attention_forward chooses it where it
-    fits): O in q's layout and the natural-log LSE (B, H, N); head dim 64 or 128. Raises
-    ValueError where gluon_misfit names a reason."""
+    fits, for plain and causal attention): O in q's layout and the natural-log LSE (B, H, N);
+    head dim 64 or 128; flash-attn's window_size, softcap and alibi_slopes. Raises ValueError
+    where gluon_misfit names a reason."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention_forward_gluon takes (B, N, H, D) q, k, v, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    reason = gluon_misfit(q, k, v, Variant(scale, causal))
+    variant = Variant(scale, causal, window_size[0], window_size[1], softcap, alibi_slopes)
+    reason = gluon_misfit(q, k, v, variant, variants=True)
     if reason is not None:
         raise ValueError(reason)
     out = _empty_like(q)
     lse, _, _ = _lse_buffer(q, None)
-    _gluon_forward(q, k, v, out, lse, causal, scale)
+    _gluon_forward(q, k, v, out, lse, variant)
     return out, lse
 
 

@@ -64,9 +64,10 @@ def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **o
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_gluon_fwd(dim=128, causal=False, stages=2):
+def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
+                      softcap=False, alibi=False):
     """The Gluon forward (kernels.gluon_fwd) for sm_90, bf16, its descriptors typed as the
-    launcher makes them (launch._gluon_forward: 128-row blocks)."""
+    launcher makes them (launch._gluon_forward: 128-row blocks); a variant by its flags."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -80,9 +81,11 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2):
     desc = mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
                                         gl.NVMMASharedLayout.get_default_for(block,
                                                                              gl.bfloat16)))
-    consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, **gluon_fwd.OPTIONS)
+    consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, HAS_LOWER=lower, HAS_UPPER=upper,
+                  HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, **gluon_fwd.OPTIONS)
     sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
-    sig.update(q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", qk_scale="fp32")
+    sig.update(q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
+               qk_scale="fp32", cap2="fp32")
     source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
                                                  for k, v in consts.items()})
     warps = consts["num_warps"]

@@ -62,6 +62,12 @@ def test_gluon_misfit_names_what_it_does_not_take():
                     Variant(0.1, alibi_slopes=torch.ones(2)), Variant(-0.1),
                     Variant(0.1, causal=True, diag_offset=1)):
         assert "plain or causal" in gluon_misfit(q, k, v, variant), variant
+    for variant in (Variant(0.1, window_left=8), Variant(0.1, window_right=8),
+                    Variant(0.1, softcap=30.0), Variant(0.1, alibi_slopes=torch.ones(2))):
+        assert gluon_misfit(q, k, v, variant, variants=True) == reason, variant
+    for variant in (Variant(0.1, dropout_p=0.1), Variant(-0.1),
+                    Variant(0.1, causal=True, diag_offset=1)):
+        assert "windows, softcap and ALiBi" in gluon_misfit(q, k, v, variant, variants=True)
     assert "tokens-major" in gluon_misfit(q, k, _heads_major(v), plain)  # k and v differ
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
 
@@ -86,6 +92,37 @@ def test_gluon_forward_reads_strided_layouts(layout):
         check_against_reference(
             lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal), q, k, v, causal,
             check_grads=False)
+
+
+# (causal, window_size, softcap, alibi): windows on each side, both, with causal; softcap
+# with large logits; ALiBi per head and per batch and head; and together.
+VARIANTS = [(False, (100, -1), 0.0, None), (False, (-1, 37), 0.0, None),
+            (False, (300, 0), 0.0, None), (False, (5, 130), 0.0, None),
+            (True, (200, -1), 0.0, None), (True, (0, -1), 0.0, None),
+            (False, (-1, -1), 5.0, None), (True, (-1, -1), 5.0, None),
+            (False, (-1, -1), 0.0, "head"), (True, (-1, -1), 0.0, "batch"),
+            (True, (150, -1), 30.0, "head"), (False, (64, 64), 0.0, "batch")]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
+@pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 64)])
+def test_gluon_forward_variants_match_reference(B, N, H, HKV, D, causal, window, softcap,
+                                                alibi):
+    """kernels.gluon_fwd's windows, softcap and ALiBi (launch.attention_forward_gluon; not
+    yet chosen by attention_forward) against the float64 reference."""
+    q, k, v = make_qkv(B, N, N, H, HKV, D, torch.bfloat16, "cuda", requires_grad=False)
+    if softcap:
+        q = q * 4  # large logits: the cap matters
+    slopes = None
+    if alibi is not None:
+        shape = (H,) if alibi == "head" else (B, H)
+        slopes = torch.rand(shape, device="cuda", dtype=torch.float32) * 0.3
+    check_against_reference(
+        lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal, window_size=window,
+                                                       softcap=softcap, alibi_slopes=slopes),
+        q, k, v, causal, check_grads=False, window_size=window, softcap=softcap,
+        alibi_slopes=slopes)
 
 
 @needs_hopper

@@ -27,6 +27,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from .common import LOG2E, kv_range, scores
+
 
 @gluon.jit
 def _load(desc, bars, smem, row, col, j, NUM_STAGES: gl.constexpr):
@@ -45,10 +47,17 @@ def _wait(bars, j, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _masked(s, rows, cols, SK, IS_CAUSAL: gl.constexpr):
+def _masked(s, rows, cols, SK, var, IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr,
+            HAS_UPPER: gl.constexpr):
+    """Scores of keys past SK, and (causal) past the diagonal, or (window) outside
+    [i + LOWER, i + UPPER] (var: (kv0, LOWER, UPPER, cap2, slope2)), set to -inf."""
     keep = cols[None, :] < SK
     if IS_CAUSAL:
         keep = keep & (cols[None, :] <= rows[:, None])
+    if HAS_UPPER:
+        keep = keep & (cols[None, :] <= rows[:, None] + var[2])
+    if HAS_LOWER:
+        keep = keep & (cols[None, :] >= rows[:, None] + var[1])
     return gl.where(keep, s, -float("inf"))
 
 
@@ -60,12 +69,14 @@ def _release(empty, j, NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m_i, l_i, rows,
-          offs_n, s_zero, SEQ, qk_scale, p_layout: gl.constexpr, alpha_layout: gl.constexpr,
-          IS_CAUSAL: gl.constexpr, MASK: gl.constexpr, NUM_STAGES: gl.constexpr):
+          offs_n, s_zero, SEQ, qk_scale, var, p_layout: gl.constexpr, alpha_layout: gl.constexpr,
+          IS_CAUSAL: gl.constexpr, MASK: gl.constexpr, NUM_STAGES: gl.constexpr,
+          HAS_LOWER: gl.constexpr = False, HAS_UPPER: gl.constexpr = False,
+          HAS_SOFTCAP: gl.constexpr = False, HAS_ALIBI: gl.constexpr = False):
     """Key block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued in that order, then the
     softmax of S_j while P V runs, then O rescaled. No branch from the first issue to the
     last wait (a branch between an asynchronous wgmma and its wait makes ptxas wait at the
-    join)."""
+    join). offs_n: the key positions of block 0 (kv0 + 0 .. BLOCK_N - 1)."""
     _wait(k_full, j, NUM_STAGES)
     s = warpgroup_mma(q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
@@ -74,14 +85,9 @@ def _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m
                         v_smem.index((j - 1) % NUM_STAGES), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j, the older group
     _release(k_empty, j, NUM_STAGES)
-    if MASK:
-        s = _masked(s, rows, j * s.shape[1] + offs_n, SEQ, IS_CAUSAL)
-    # m in the scaled (log2) domain; the scale folds into the exp2's argument (one FFMA)
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s * qk_scale - m_safe[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
+    p, m_new, l_i, alpha = _softmax(s, m_i, l_i, rows, j * s.shape[1] + offs_n, SEQ, qk_scale,
+                                    var, IS_CAUSAL, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                                    HAS_ALIBI)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     _release(v_empty, j - 1, NUM_STAGES)
     acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None]
@@ -89,14 +95,40 @@ def _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m
 
 
 @gluon.jit
+def _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL: gl.constexpr,
+             MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
+             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """The online softmax of one block of raw dot products s: (P, the new max, the new sum,
+    the accumulator's factor). Plain scores keep the scale in the exp2's FFMA; softcap and
+    ALiBi scores (common.scores, log2 domain) are formed first, then masked."""
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s, _ = scores(s, rows, cols, qk_scale, var[3], var[4], 0, HAS_SOFTCAP, HAS_ALIBI)
+        scale: gl.constexpr = 1.0
+    else:
+        scale = qk_scale
+    if MASK:
+        s = _masked(s, rows, cols, SEQ, var, IS_CAUSAL, HAS_LOWER, HAS_UPPER)
+    # m in the scaled (log2) domain; the scale folds into the exp2's argument (one FFMA)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+    m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s * scale - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
 def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
             row_start, off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-            n_blocks, first_masked, SEQ, qk_scale, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            blocks, SEQ, qk_scale, var, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, WARPS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-            NUM_STAGES: gl.constexpr):
-    """A consumer partition: ROWS query rows from row_start (q_smem holds them) over key
-    blocks 0 .. n_blocks - 1 (from first_masked on with the bounds checked), with WARPS warps;
-    stores O and the LSE."""
+            NUM_STAGES: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
+            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """A consumer partition: ROWS query rows from row_start (q_smem holds them) over the ring's
+    key blocks 0 .. n_blocks - 1 (blocks: (n_blocks, full_lo, full_hi); ring block j holds
+    keys kv0 + j * BLOCK_N ..., var = (kv0, LOWER, UPPER, cap2, slope2)); blocks before
+    full_lo (a window's lower edge) and from full_hi on (the causal diagonal, a window's
+    upper edge, the ragged end) are masked. WARPS warps; stores O and the LSE."""
     # S and O in the wgmma accumulator layout: 16-row atoms, warps stacked along the rows.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
@@ -104,10 +136,15 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     alpha_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    n_blocks, full_lo, full_hi = blocks
     rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if HAS_LOWER or HAS_UPPER:
+        offs_n = offs_n + var[0]
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
 
     mbarrier.wait(q_full, 0)
     # Block 0: S_0 and its softmax (nothing to overlap with yet).
@@ -116,21 +153,27 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
                       is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     _release(k_empty, 0, NUM_STAGES)
-    if first_masked == 0:
-        s = _masked(s, rows, offs_n, SEQ, IS_CAUSAL)
-    m_i = gl.max(s, 1) * qk_scale
-    m_safe = gl.where(m_i == -float("inf"), 0.0, m_i)
-    p = gl.exp2(s * qk_scale - m_safe[:, None])
-    l_i = gl.sum(p, 1)
-    # Blocks 1 .. first_masked - 1 see every key; the rest check the causal / length bounds.
-    for j in range(1, gl.maximum(first_masked, 1)):
+    p, m_i, l_i, _ = _softmax(s, m_i, l_i, rows, offs_n, SEQ, qk_scale, var, IS_CAUSAL, True,
+                              HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)  # (masked: once)
+    # Masked blocks below full_lo, blocks that see every key, masked blocks from full_hi on.
+    lo_end = 1
+    if HAS_LOWER:
+        lo_end = gl.maximum(full_lo, 1)
+        for j in range(1, lo_end):
+            p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty,
+                                     v_empty, p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ,
+                                     qk_scale, var, p_layout, alpha_layout, IS_CAUSAL, True,
+                                     NUM_STAGES, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)
+    for j in range(lo_end, gl.maximum(full_hi, lo_end)):
         p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
-                                 p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale,
-                                 p_layout, alpha_layout, IS_CAUSAL, False, NUM_STAGES)
-    for j in range(gl.maximum(first_masked, 1), n_blocks):
+                                 p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale, var,
+                                 p_layout, alpha_layout, IS_CAUSAL, False, NUM_STAGES,
+                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)
+    for j in range(gl.maximum(full_hi, lo_end), n_blocks):
         p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
-                                 p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale,
-                                 p_layout, alpha_layout, IS_CAUSAL, True, NUM_STAGES)
+                                 p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale, var,
+                                 p_layout, alpha_layout, IS_CAUSAL, True, NUM_STAGES,
+                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)
     # The last block's P V.
     last = n_blocks - 1
     _wait(v_full, last, NUM_STAGES)
@@ -151,17 +194,22 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
 
 
 @gluon.jit
-def _bounds(start_m, SEQ, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            IS_CAUSAL: gl.constexpr):
-    """Key blocks of query block start_m, and the first one whose keys need bounds checks (the
-    causal diagonal, or the ragged end)."""
+def _bounds(start_m, SEQ, var, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr):
+    """The ring's blocks of query block start_m: (n_blocks, full_lo, full_hi) in ring blocks
+    (see _attend), and the first key of ring block 0 (a window's first visible block)."""
+    if HAS_LOWER or HAS_UPPER:
+        lo, full_lo, full_hi, hi = kv_range(start_m * BLOCK_M, SEQ, var[1], var[2], HAS_LOWER,
+                                            HAS_UPPER, BLOCK_M, BLOCK_N)
+        return ((hi - lo + BLOCK_N - 1) // BLOCK_N, (full_lo - lo) // BLOCK_N,
+                (full_hi - lo) // BLOCK_N), lo
     hi = SEQ
     if IS_CAUSAL:
         hi = gl.minimum(SEQ, (start_m + 1) * BLOCK_M)
     first_masked = SEQ // BLOCK_N
     if IS_CAUSAL:
         first_masked = gl.minimum(first_masked, (start_m * BLOCK_M) // BLOCK_N)
-    return (hi + BLOCK_N - 1) // BLOCK_N, first_masked
+    return ((hi + BLOCK_N - 1) // BLOCK_N, 0, first_masked), 0
 
 
 # The kernel's launch constants: the first consumer's 4 warps, and the
@@ -184,15 +232,22 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_f
 
 
 @gluon.jit
-def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh,
-                           stride_lb, stride_lh, H, GROUP, SEQ, q_rb, q_rh, q_ch, kv_rb, kv_rh,
-                           kv_ch, qk_scale, IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, stride_ob, stride_ot,
+                           stride_oh, stride_lb, stride_lh, stride_ab, stride_ah, H, GROUP, SEQ,
+                           q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, qk_scale, cap2, LOWER, UPPER,
+                           IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
+                           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
     (B, H, N, D) memory: rb H * N, rh N, ch 0). num_warps (4) is the first consumer's
-    warpgroup; the second consumer and the producer are worker partitions of 4 warps each."""
+    warpgroup; the second consumer and the producer are worker partitions of 4 warps each.
+    Variants (the launcher's _common): a window (HAS_LOWER / HAS_UPPER: query i sees keys
+    i + LOWER .. i + UPPER; causal with a window is HAS_UPPER with UPPER 0, IS_CAUSAL is
+    the plain causal kernel), softcap (qk_scale = scale / softcap, cap2 = softcap * log2 e)
+    and ALiBi (slopes at ALIBI, per head or per batch and head)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -202,8 +257,14 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot,
     off_b = gl.program_id(1) // H
     off_h = gl.program_id(1) % H
     off_hk = off_h // GROUP  # K and V: the query head's KV head (GQA)
-    row0 = off_b * kv_rb + off_hk * kv_rh
     col = off_hk * kv_ch
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = gl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
+    blocks, kv0 = _bounds(start_m, SEQ, (0, LOWER, UPPER), BLOCK_M, BLOCK_N, IS_CAUSAL,
+                          HAS_LOWER, HAS_UPPER)
+    var = (kv0, LOWER, UPPER, cap2, slope2)
+    row0 = off_b * kv_rb + off_hk * kv_rh + kv0
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -223,18 +284,18 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot,
         mbarrier.arrive(v_empty.index(i), count=2)
     fence_async_shared()
 
-    n_blocks, first_masked = _bounds(start_m, SEQ, BLOCK_M, BLOCK_N, IS_CAUSAL)
     gl.warp_specialize(
         [(_attend, (q_smem.slice(0, HALF, dim=0), k_smem, v_smem, q_full, k_full, v_full,
                     k_empty, v_empty, O, LSE, start_m * BLOCK_M, off_b, off_h, stride_ob,
-                    stride_ot, stride_oh, stride_lb, stride_lh, n_blocks, first_masked, SEQ,
-                    qk_scale, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES)),
+                    stride_ot, stride_oh, stride_lb, stride_lh, blocks, SEQ, qk_scale, var,
+                    HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES, HAS_LOWER, HAS_UPPER,
+                    HAS_SOFTCAP, HAS_ALIBI)),
          (_attend, (q_smem.slice(HALF, HALF, dim=0), k_smem, v_smem, q_full, k_full, v_full,
                     k_empty, v_empty, O, LSE, start_m * BLOCK_M + HALF, off_b, off_h,
-                    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, n_blocks,
-                    first_masked, SEQ, qk_scale, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL,
-                    NUM_STAGES)),
+                    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, blocks, SEQ,
+                    qk_scale, var, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES,
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)),
          (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
                      k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
-                     off_h * q_ch, row0, col, n_blocks, NUM_STAGES))],
+                     off_h * q_ch, row0, col, blocks[0], NUM_STAGES))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
