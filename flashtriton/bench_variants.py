@@ -1,6 +1,6 @@
 """Benchmark of the attention variants against FlexAttention on the same shapes.
 
-    python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out]
+    python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out] [--gluon-variants]
 
 Variants (bf16, batch * seqlen = 16K tokens, 16 heads of 128): causal sliding window
 of 1024, document masking (documents of 2048 tokens, through mask_mod + a block
@@ -114,7 +114,11 @@ def main(argv=None):
                    default=["window", "document", "prefix_lm", "alibi", "softcap"])
     p.add_argument("--out", default="bench_out")
     p.add_argument("--commit", default=None)
+    p.add_argument("--gluon-variants", action="store_true",
+                   help="windows, softcap and ALiBi forwards on the Gluon kernel "
+                        "(launch.GLUON_VARIANTS)")
     args = p.parse_args(argv)
+    launch.GLUON_VARIANTS = args.gluon_variants
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)

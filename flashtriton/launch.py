@@ -495,6 +495,11 @@ def _cu(varlen: Optional[Varlen]):
     return (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
 
 
+# Whether attention_forward also runs windows, softcap and ALiBi on the Gluon forward (off until
+# measured on the H200: bench_variants --gluon-variants turns it on for a run).
+GLUON_VARIANTS = False
+
+
 @on_device_of
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                       varlen: Optional[Varlen] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -519,7 +524,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     # The Gluon forward at D=128 (H200: 1.1-1.3x the Triton kernel from 1K tokens, at 512 causal
     # tokens 0.95x; at D=64 0.9-0.99x: docs/perf.md, session 12).
     if (_env.GLUON and D == 128 and (SQ > 512 or not variant.causal)
-            and gluon_misfit(q, k, v, variant, varlen) is None):
+            and gluon_misfit(q, k, v, variant, varlen, variants=GLUON_VARIANTS) is None):
         remember(signature, _gluon_forward(q, k, v, out, lse, variant))
         return out, lse
     alibi, stride_ab, stride_ah = _alibi_args(variant)

@@ -149,6 +149,26 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
 
 
 @needs_hopper
+def test_attention_forward_runs_gluon_variants_when_switched_on(monkeypatch):
+    """With launch.GLUON_VARIANTS, flash_attention runs a window, softcap and ALiBi forward on
+    the Gluon kernel and the Triton backward on its output and LSE (against the float64
+    reference, gradients included); off (the default), the Triton forward."""
+    calls = []
+    real = launch._gluon_forward
+    monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
+    q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
+    slopes = torch.rand(4, device="cuda") * 0.3
+    cases = [dict(causal=True, window_size=(256, 0)), dict(causal=True, softcap=20.0),
+             dict(causal=False, alibi_slopes=slopes)]
+    for on in (False, True):
+        monkeypatch.setattr(launch, "GLUON_VARIANTS", on)
+        for opts in cases:
+            check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **opts),
+                                    q, k, v, **opts)
+        assert len(calls) == (3 if on else 0)
+
+
+@needs_hopper
 def test_gluon_forward_rejects_what_it_does_not_take():
     q, k, v = make_qkv(1, 64, 64, 2, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
     with pytest.raises(ValueError, match="as many queries"):
