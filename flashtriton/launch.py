@@ -595,8 +595,8 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
                  variants: bool = False) -> Optional[str]:
     """Why the Gluon forward (kernels.gluon_fwd) cannot run this call, or None: it takes a
     Hopper GPU, bf16 / fp16, dense batches with SQ == SK, plain or causal attention with a
-    positive scale (variants: also windows, softcap and ALiBi), and q, k, v in a layout of
-    _token_rows (k and v alike)."""
+    positive scale (variants: also windows, softcap, ALiBi and block masks of 128-blocks), and
+    q, k, v in a layout of _token_rows (k and v alike)."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
         return f"the Gluon forward takes bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if varlen is not None or q.dim() != 4 or q.shape[1] != k.shape[1]:
@@ -605,12 +605,15 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
         return f"the Gluon forward takes head dims {head_dims}, got {q.shape[-1]}"
     w = variant
     windowed = w.window_left != -1 or (w.window_right != -1 and not w.causal)
+    listed = (w.kv_blocks is not None and w.block_size == 128 and w.mask_mod is not None
+              and not w.causal and not windowed)
     if (w.attn_mask is not None or w.dropout_p or w.score_mod is not None
-            or w.mask_mod is not None or w.kv_blocks is not None or w.diag_offset
-            or not w.softmax_scale > 0
-            or (not variants and (windowed or w.softcap or w.alibi_slopes is not None))):
+            or (w.mask_mod is not None or w.kv_blocks is not None) and not listed
+            or w.diag_offset or not w.softmax_scale > 0
+            or (not variants and (windowed or w.softcap or w.alibi_slopes is not None
+                                  or listed))):
         return ("the Gluon forward takes plain or causal attention with softmax_scale > 0"
-                + (", windows, softcap and ALiBi" if variants else ""))
+                + (", windows, softcap, ALiBi and block masks of 128" if variants else ""))
     if k.stride() != v.stride() or _token_rows(q) is None or _token_rows(k) is None:
         return ("the Gluon forward takes q, k, v tokens-major or heads-major, 16-byte "
                 "aligned, k and v alike")
@@ -638,18 +641,20 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
     # Causal attention without a window keeps its own constexpr path (IS_CAUSAL); with a
     # window the causal bound is the window's upper bound (UPPER 0).
     windowed = variant.window_left != -1 or (variant.window_right != -1 and not variant.causal)
+    bmask, *bmask_args = _block_args(variant.kv_blocks)
     args = (out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            stride_ab, stride_ah, H, H // k.shape[2], N, *rows[0][:3], *rows[1][:3],
-            common["qk_scale"], common["cap2"], -common["WIN_LEFT"], common["WIN_RIGHT"])
+            stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *rows[0][:3],
+            *rows[1][:3], common["qk_scale"], common["cap2"], -common["WIN_LEFT"],
+            common["WIN_RIGHT"])
     consts = dict(IS_CAUSAL=bool(variant.causal) and not windowed, NUM_STAGES=2,
                   HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
                   HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=alibi is not None,
-                  **gluon_fwd.OPTIONS)
+                  LISTED=bmask is not None, MASK_MOD=variant.mask_mod, **gluon_fwd.OPTIONS)
     grid = (configs.cdiv(N, block[0]), B * H, 1)
     kernel = gluon_fwd._attn_fwd_gluon_kernel
-    compiled = kernel[grid](*descs, out, lse, alibi, *args, **consts)
-    tail = (*args, *[consts[n] for n in kernel.arg_names[6 + len(args):]])
-    replay = Replay(compiled, grid, 6, tail, q.get_device(),
+    compiled = kernel[grid](*descs, out, lse, alibi, bmask, *args, **consts)
+    tail = (*args, *[consts[n] for n in kernel.arg_names[7 + len(args):]])
+    replay = Replay(compiled, grid, 7, tail, q.get_device(),
                     compiled.metadata.global_scratch_size > 0)
     return GluonReplay(replay, views)
 
@@ -658,17 +663,22 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
 def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             causal: bool = False, softmax_scale: Optional[float] = None,
                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                            alibi_slopes: Optional[torch.Tensor] = None
+                            alibi_slopes: Optional[torch.Tensor] = None, block_mask=None
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward alone (tests and benchmarks; attention_forward chooses it where it
     fits, for plain and causal attention): O in q's layout and the natural-log LSE (B, H, N);
-    head dim 64 or 128; flash-attn's window_size, softcap and alibi_slopes. Raises ValueError
-    where gluon_misfit names a reason."""
+    head dim 64 or 128; flash-attn's window_size, softcap and alibi_slopes, or a block_mask of
+    128-blocks (flashtriton.block_mask). Raises ValueError where gluon_misfit names a
+    reason."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention_forward_gluon takes (B, N, H, D) q, k, v, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     variant = Variant(scale, causal, window_size[0], window_size[1], softcap, alibi_slopes)
+    if block_mask is not None:
+        variant = variant._replace(mask_mod=block_mask.mask_mod, kv_blocks=block_mask.kv_blocks,
+                                   q_blocks=block_mask.q_blocks,
+                                   block_size=block_mask.block_size)
     reason = gluon_misfit(q, k, v, variant, variants=True)
     if reason is not None:
         raise ValueError(reason)

@@ -153,10 +153,12 @@ for dim in (64, 128):
     for causal in (False, True):
         check(f"gluon-fwd D{dim} causal={causal}", lambda: compile_gluon_fwd(dim, causal=causal),
               gluon_judge(dim))
-# Its variants (launch.attention_forward_gluon): a two-sided window, softcap and ALiBi.
+# Its variants (launch.attention_forward_gluon): a two-sided window, softcap, ALiBi, a block
+# mask's lists with a mask_mod.
 for name, flags in (("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
-                    ("alibi causal", dict(alibi=True, causal=True))):
+                    ("alibi causal", dict(alibi=True, causal=True)),
+                    ("block mask", dict(mask_mod=causal_mod))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
 # The Gluon backward (kernels.gluon_bwd): dQ added by TMA bulk reductions (DQ_MODE 2, one

@@ -65,9 +65,10 @@ def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **o
 
 
 def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
-                      softcap=False, alibi=False):
+                      softcap=False, alibi=False, mask_mod=None):
     """The Gluon forward (kernels.gluon_fwd) for sm_90, bf16, its descriptors typed as the
-    launcher makes them (launch._gluon_forward: 128-row blocks); a variant by its flags."""
+    launcher makes them (launch._gluon_forward: 128-row blocks); a variant by its flags
+    (mask_mod: a block mask's lists, LISTED, with this @triton.jit mask_mod)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -82,10 +83,11 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
                                         gl.NVMMASharedLayout.get_default_for(block,
                                                                              gl.bfloat16)))
     consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, HAS_LOWER=lower, HAS_UPPER=upper,
-                  HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, **gluon_fwd.OPTIONS)
+                  HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
+                  MASK_MOD=mask_mod, **gluon_fwd.OPTIONS)
     sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
     sig.update(q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
-               qk_scale="fp32", cap2="fp32")
+               BMASK="*i32", qk_scale="fp32", cap2="fp32")
     source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
                                                  for k, v in consts.items()})
     warps = consts["num_warps"]

@@ -6,6 +6,7 @@ runs; the layout and eligibility rules and the backward's Triton prep kernel run
 
 import pytest
 import torch
+import triton
 
 from accuracy import check_against_reference, make_qkv
 from conftest import DEVICE, ON_GPU
@@ -65,9 +66,15 @@ def test_gluon_misfit_names_what_it_does_not_take():
     for variant in (Variant(0.1, window_left=8), Variant(0.1, window_right=8),
                     Variant(0.1, softcap=30.0), Variant(0.1, alibi_slopes=torch.ones(2))):
         assert gluon_misfit(q, k, v, variant, variants=True) == reason, variant
+    blocks = torch.zeros(1, 1, 1, 4, dtype=torch.int32)
+    listed = Variant(0.1, mask_mod=_doc_mod, kv_blocks=blocks)
+    assert gluon_misfit(q, k, v, listed, variants=True) == reason
+    assert "plain or causal" in gluon_misfit(q, k, v, listed)
     for variant in (Variant(0.1, dropout_p=0.1), Variant(-0.1),
-                    Variant(0.1, causal=True, diag_offset=1)):
-        assert "windows, softcap and ALiBi" in gluon_misfit(q, k, v, variant, variants=True)
+                    Variant(0.1, causal=True, diag_offset=1),
+                    listed._replace(block_size=64), listed._replace(causal=True),
+                    listed._replace(kv_blocks=None)):
+        assert "block masks of 128" in gluon_misfit(q, k, v, variant, variants=True), variant
     assert "tokens-major" in gluon_misfit(q, k, _heads_major(v), plain)  # k and v differ
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
 
@@ -150,22 +157,29 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
 
 @needs_hopper
 def test_attention_forward_runs_gluon_variants_when_switched_on(monkeypatch):
-    """With launch.GLUON_VARIANTS, flash_attention runs a window, softcap and ALiBi forward on
-    the Gluon kernel and the Triton backward on its output and LSE (against the float64
+    """With launch.GLUON_VARIANTS, flash_attention runs a window, softcap, ALiBi and block-mask
+    forward on the Gluon kernel and the Triton backward on its output and LSE (against the float64
     reference, gradients included); off (the default), the Triton forward."""
     calls = []
     real = launch._gluon_forward
     monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
+    from flashtriton.block_mask import create_block_mask
     q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
     slopes = torch.rand(4, device="cuda") * 0.3
-    cases = [dict(causal=True, window_size=(256, 0)), dict(causal=True, softcap=20.0),
-             dict(causal=False, alibi_slopes=slopes)]
+    bm = create_block_mask(_doc_mod, None, None, 700, 700, "cuda")
+    i = torch.arange(700, device="cuda")
+    doc = _doc_mod.fn(0, 0, i[:, None], i[None, :])[None, None].expand(2, 4, 700, 700)
+    cases = [(dict(causal=True, window_size=(256, 0)), {}),
+             (dict(causal=True, softcap=20.0), {}), (dict(alibi_slopes=slopes), {}),
+             (dict(block_mask=bm), dict(attn_mask=doc))]
     for on in (False, True):
         monkeypatch.setattr(launch, "GLUON_VARIANTS", on)
-        for opts in cases:
+        for opts, ref in cases:
             check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **opts),
-                                    q, k, v, **opts)
-        assert len(calls) == (3 if on else 0)
+                                    q, k, v, opts.get("causal", False),
+                                    **{**ref, **{n: x for n, x in opts.items()
+                                                 if n not in ("causal", "block_mask")}})
+        assert len(calls) == (4 if on else 0)
 
 
 @needs_hopper
@@ -204,6 +218,35 @@ def test_backward_prep_kernel_gives_delta_and_a_zeroed_dq_buffer():
     expect = (out.double() * dout.double()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(delta.double(), expect, rtol=1e-5, atol=1e-5)
     assert bool((dq == 0).all())
+
+
+@triton.jit
+def _doc_mod(b, h, q_idx, kv_idx):
+    """Documents of 300 tokens (block-mask tiles of 128: full, partial and empty ones)."""
+    return (q_idx // 300) == (kv_idx // 300)
+
+
+@triton.jit
+def _prefix_mod(b, h, q_idx, kv_idx):
+    """A 200-token bidirectional prefix, causal after it."""
+    return (kv_idx < 200) | (q_idx >= kv_idx)
+
+
+@needs_hopper
+@pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
+@pytest.mark.parametrize("N", [1024, 1000])
+def test_gluon_forward_block_masks_match_reference(mask_mod, N):
+    """kernels.gluon_fwd over a block mask's lists (full blocks unmasked but at a ragged end,
+    mask_mod on the partial ones) against the float64 reference of the same mask."""
+    from flashtriton.block_mask import create_block_mask
+    B, H, HKV, D = 2, 4, 2, 128
+    q, k, v = make_qkv(B, N, N, H, HKV, D, torch.bfloat16, "cuda", requires_grad=False)
+    bm = create_block_mask(mask_mod, None, None, N, N, "cuda")
+    i = torch.arange(N, device="cuda")
+    keep = mask_mod.fn(0, 0, i[:, None], i[None, :])
+    check_against_reference(
+        lambda q, k, v: launch.attention_forward_gluon(q, k, v, block_mask=bm), q, k, v, False,
+        check_grads=False, attn_mask=keep[None, None].expand(B, H, N, N))
 
 
 class _GluonBackward(torch.autograd.Function):

@@ -32,12 +32,23 @@ from .common import LOG2E, kv_range, scores
 
 @gluon.jit
 def _load(desc, bars, smem, row, col, j, NUM_STAGES: gl.constexpr):
-    """TMA of key block j (rows row + j * BLOCK_N of the 2-D view, columns from col) into its
-    ring slot, completing on the slot's mbarrier."""
+    """TMA of ring block j (rows from row of the 2-D view, columns from col) into its ring
+    slot, completing on the slot's mbarrier."""
     slot = j % NUM_STAGES
     mbarrier.expect(bars.index(slot), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row + j * desc.block_type.shape[0], col],
-                                    bars.index(slot), smem.index(slot))
+    tma.async_copy_global_to_shared(desc, [row, col], bars.index(slot), smem.index(slot))
+
+
+@gluon.jit
+def _first_key(j, kv0, lst, BLOCK_N: gl.constexpr, LISTED: gl.constexpr):
+    """The first key of ring block j: kv0 + j * BLOCK_N, or (LISTED: a block mask's lists,
+    lst = (the query block's row of kv_blocks, n_full, BM_N)) the j-th of its full then
+    partial key blocks."""
+    if LISTED:
+        at = gl.where(j < lst[1], 2 + lst[2] + j, 2 + j - lst[1])
+        return gl.load(lst[0] + at) * BLOCK_N
+    else:
+        return kv0 + j * BLOCK_N
 
 
 @gluon.jit
@@ -48,10 +59,13 @@ def _wait(bars, j, NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def _masked(s, rows, cols, SK, var, IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr,
-            HAS_UPPER: gl.constexpr):
+            HAS_UPPER: gl.constexpr, MASK_MOD: gl.constexpr):
     """Scores of keys past SK, and (causal) past the diagonal, or (window) outside
-    [i + LOWER, i + UPPER] (var: (kv0, LOWER, UPPER, cap2, slope2)), set to -inf."""
+    [i + LOWER, i + UPPER], or where MASK_MOD(b, h, i, j) is False (var: (kv0, LOWER,
+    UPPER, cap2, slope2, b, h)), set to -inf."""
     keep = cols[None, :] < SK
+    if MASK_MOD is not None:
+        keep = keep & MASK_MOD(var[5], var[6], rows[:, None], cols[None, :])
     if IS_CAUSAL:
         keep = keep & (cols[None, :] <= rows[:, None])
     if HAS_UPPER:
@@ -69,14 +83,15 @@ def _release(empty, j, NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m_i, l_i, rows,
-          offs_n, s_zero, SEQ, qk_scale, var, p_layout: gl.constexpr, alpha_layout: gl.constexpr,
-          IS_CAUSAL: gl.constexpr, MASK: gl.constexpr, NUM_STAGES: gl.constexpr,
-          HAS_LOWER: gl.constexpr = False, HAS_UPPER: gl.constexpr = False,
-          HAS_SOFTCAP: gl.constexpr = False, HAS_ALIBI: gl.constexpr = False):
+          offs_n, s_zero, SEQ, qk_scale, var, lst, p_layout: gl.constexpr,
+          alpha_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK: gl.constexpr,
+          NUM_STAGES: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
+          HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
+          MASK_MOD: gl.constexpr):
     """Key block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued in that order, then the
     softmax of S_j while P V runs, then O rescaled. No branch from the first issue to the
     last wait (a branch between an asynchronous wgmma and its wait makes ptxas wait at the
-    join). offs_n: the key positions of block 0 (kv0 + 0 .. BLOCK_N - 1)."""
+    join). offs_n: 0 .. BLOCK_N - 1; the block's keys start at _first_key."""
     _wait(k_full, j, NUM_STAGES)
     s = warpgroup_mma(q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
@@ -85,9 +100,10 @@ def _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m
                         v_smem.index((j - 1) % NUM_STAGES), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j, the older group
     _release(k_empty, j, NUM_STAGES)
-    p, m_new, l_i, alpha = _softmax(s, m_i, l_i, rows, j * s.shape[1] + offs_n, SEQ, qk_scale,
-                                    var, IS_CAUSAL, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                    HAS_ALIBI)
+    cols = _first_key(j, var[0], lst, s.shape[1], LISTED) + offs_n
+    p, m_new, l_i, alpha = _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL,
+                                    MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                    MASK_MOD)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     _release(v_empty, j - 1, NUM_STAGES)
     acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None]
@@ -97,7 +113,7 @@ def _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m
 @gluon.jit
 def _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL: gl.constexpr,
              MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
-             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr):
     """The online softmax of one block of raw dot products s: (P, the new max, the new sum,
     the accumulator's factor). Plain scores keep the scale in the exp2's FFMA; softcap and
     ALiBi scores (common.scores, log2 domain) are formed first, then masked."""
@@ -107,7 +123,7 @@ def _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL: gl.constexp
     else:
         scale = qk_scale
     if MASK:
-        s = _masked(s, rows, cols, SEQ, var, IS_CAUSAL, HAS_LOWER, HAS_UPPER)
+        s = _masked(s, rows, cols, SEQ, var, IS_CAUSAL, HAS_LOWER, HAS_UPPER, MASK_MOD)
     # m in the scaled (log2) domain; the scale folds into the exp2's argument (one FFMA)
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
     m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -120,15 +136,17 @@ def _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL: gl.constexp
 @gluon.jit
 def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
             row_start, off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-            blocks, SEQ, qk_scale, var, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            blocks, SEQ, qk_scale, var, lst, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, WARPS: gl.constexpr, IS_CAUSAL: gl.constexpr,
             NUM_STAGES: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
-            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):
+            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
+            MASK_MOD: gl.constexpr):
     """A consumer partition: ROWS query rows from row_start (q_smem holds them) over the ring's
     key blocks 0 .. n_blocks - 1 (blocks: (n_blocks, full_lo, full_hi); ring block j holds
-    keys kv0 + j * BLOCK_N ..., var = (kv0, LOWER, UPPER, cap2, slope2)); blocks before
-    full_lo (a window's lower edge) and from full_hi on (the causal diagonal, a window's
-    upper edge, the ragged end) are masked. WARPS warps; stores O and the LSE."""
+    the keys from _first_key(j), var = (kv0, LOWER, UPPER, cap2, slope2, b, h)); blocks
+    before full_lo (a window's lower edge) and from full_hi on (the causal diagonal, a
+    window's upper edge, the ragged end, a block mask's partial blocks) are masked. WARPS
+    warps; stores O and the LSE."""
     # S and O in the wgmma accumulator layout: 16-row atoms, warps stacked along the rows.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
@@ -139,8 +157,6 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     n_blocks, full_lo, full_hi = blocks
     rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    if HAS_LOWER or HAS_UPPER:
-        offs_n = offs_n + var[0]
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -153,8 +169,9 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
                       is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     _release(k_empty, 0, NUM_STAGES)
-    p, m_i, l_i, _ = _softmax(s, m_i, l_i, rows, offs_n, SEQ, qk_scale, var, IS_CAUSAL, True,
-                              HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)  # (masked: once)
+    p, m_i, l_i, _ = _softmax(s, m_i, l_i, rows, _first_key(0, var[0], lst, BLOCK_N, LISTED)
+                              + offs_n, SEQ, qk_scale, var, IS_CAUSAL, True, HAS_LOWER,
+                              HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_MOD)  # (masked: once)
     # Masked blocks below full_lo, blocks that see every key, masked blocks from full_hi on.
     lo_end = 1
     if HAS_LOWER:
@@ -162,18 +179,19 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
         for j in range(1, lo_end):
             p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty,
                                      v_empty, p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ,
-                                     qk_scale, var, p_layout, alpha_layout, IS_CAUSAL, True,
-                                     NUM_STAGES, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)
+                                     qk_scale, var, lst, p_layout, alpha_layout, IS_CAUSAL, True,
+                                     NUM_STAGES, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                     LISTED, MASK_MOD)
     for j in range(lo_end, gl.maximum(full_hi, lo_end)):
         p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                  p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale, var,
-                                 p_layout, alpha_layout, IS_CAUSAL, False, NUM_STAGES,
-                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)
+                                 lst, p_layout, alpha_layout, IS_CAUSAL, False, NUM_STAGES,
+                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)
     for j in range(gl.maximum(full_hi, lo_end), n_blocks):
         p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                  p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale, var,
-                                 p_layout, alpha_layout, IS_CAUSAL, True, NUM_STAGES,
-                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)
+                                 lst, p_layout, alpha_layout, IS_CAUSAL, True, NUM_STAGES,
+                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)
     # The last block's P V.
     last = n_blocks - 1
     _wait(v_full, last, NUM_STAGES)
@@ -219,26 +237,32 @@ OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40)
 
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty,
-             v_empty, q_row, q_col, row0, col, n_blocks, NUM_STAGES: gl.constexpr):
-    """The producer partition: Q once, then K and V block by block into the ring, each slot
-    once both consumers have released it (the empty barriers start released)."""
+             v_empty, q_row, q_col, row0, col, n_blocks, kv0, lst, NUM_STAGES: gl.constexpr,
+             LISTED: gl.constexpr):
+    """The producer partition: Q once, then K and V block by block into the ring (ring block
+    j from row row0 + _first_key(j)), each slot once both consumers have released it (the
+    empty barriers start released)."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     mbarrier.expect(q_full, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_full, q_smem)
     for j in range(n_blocks):
+        row = row0 + _first_key(j, kv0, lst, BLOCK_N, LISTED)
         _wait(k_empty, j, NUM_STAGES)
-        _load(k_desc, k_full, k_smem, row0, col, j, NUM_STAGES)
+        _load(k_desc, k_full, k_smem, row, col, j, NUM_STAGES)
         _wait(v_empty, j, NUM_STAGES)
-        _load(v_desc, v_full, v_smem, row0, col, j, NUM_STAGES)
+        _load(v_desc, v_full, v_smem, row, col, j, NUM_STAGES)
 
 
 @gluon.jit
-def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, stride_ob, stride_ot,
-                           stride_oh, stride_lb, stride_lh, stride_ab, stride_ah, H, GROUP, SEQ,
-                           q_rb, q_rh, q_ch, kv_rb, kv_rh, kv_ch, qk_scale, cap2, LOWER, UPPER,
+def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_ob, stride_ot,
+                           stride_oh, stride_lb, stride_lh, stride_ab, stride_ah, stride_bb,
+                           stride_bh, stride_bq, BM_N, H, GROUP, SEQ, q_rb, q_rh, q_ch, kv_rb,
+                           kv_rh, kv_ch, qk_scale, cap2, LOWER, UPPER,
                            IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                           LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
@@ -247,7 +271,9 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, stride_ob, str
     Variants (the launcher's _common): a window (HAS_LOWER / HAS_UPPER: query i sees keys
     i + LOWER .. i + UPPER; causal with a window is HAS_UPPER with UPPER 0, IS_CAUSAL is
     the plain causal kernel), softcap (qk_scale = scale / softcap, cap2 = softcap * log2 e)
-    and ALiBi (slopes at ALIBI, per head or per batch and head)."""
+    and ALiBi (slopes at ALIBI, per head or per batch and head); LISTED: a block mask of
+    128-blocks (flashtriton.block_mask: BMASK's row of this query block lists its full then
+    partial key blocks; MASK_MOD(b, h, i, j) on the partial ones)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -261,10 +287,20 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, stride_ob, str
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
-    blocks, kv0 = _bounds(start_m, SEQ, (0, LOWER, UPPER), BLOCK_M, BLOCK_N, IS_CAUSAL,
-                          HAS_LOWER, HAS_UPPER)
-    var = (kv0, LOWER, UPPER, cap2, slope2)
-    row0 = off_b * kv_rb + off_hk * kv_rh + kv0
+    if LISTED:  # full blocks (unmasked unless SEQ is ragged), then partial ones; at least
+        # one block (a query block with none: its first partial slot, all masked by MASK_MOD)
+        row = BMASK + off_b * stride_bb + off_h * stride_bh + start_m * stride_bq
+        n_full = gl.load(row + 1)
+        lst = (row, n_full, BM_N)
+        blocks = (gl.maximum(gl.load(row) + n_full, 1), 0,
+                  gl.where(SEQ % BLOCK_N == 0, n_full, 0))
+        kv0 = 0
+    else:
+        lst = (0, 0, 0)
+        blocks, kv0 = _bounds(start_m, SEQ, (0, LOWER, UPPER), BLOCK_M, BLOCK_N, IS_CAUSAL,
+                              HAS_LOWER, HAS_UPPER)
+    var = (kv0, LOWER, UPPER, cap2, slope2, off_b, off_h)
+    row0 = off_b * kv_rb + off_hk * kv_rh
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -288,14 +324,14 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, stride_ob, str
         [(_attend, (q_smem.slice(0, HALF, dim=0), k_smem, v_smem, q_full, k_full, v_full,
                     k_empty, v_empty, O, LSE, start_m * BLOCK_M, off_b, off_h, stride_ob,
                     stride_ot, stride_oh, stride_lb, stride_lh, blocks, SEQ, qk_scale, var,
-                    HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES, HAS_LOWER, HAS_UPPER,
-                    HAS_SOFTCAP, HAS_ALIBI)),
+                    lst, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES, HAS_LOWER,
+                    HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
          (_attend, (q_smem.slice(HALF, HALF, dim=0), k_smem, v_smem, q_full, k_full, v_full,
                     k_empty, v_empty, O, LSE, start_m * BLOCK_M + HALF, off_b, off_h,
                     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, blocks, SEQ,
-                    qk_scale, var, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI)),
+                    qk_scale, var, lst, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES,
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
          (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
                      k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
-                     off_h * q_ch, row0, col, blocks[0], NUM_STAGES))],
+                     off_h * q_ch, row0, col, blocks[0], kv0, lst, NUM_STAGES, LISTED))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
