@@ -8,8 +8,9 @@ Gluon and Triton (back-to-back calls, replayed).
 does): the Gluon backward (launch.attention_backward_gluon, whole call: prep kernel, kernel,
 dQ conversion) with dQ by TMA reductions (g2; g2r: each key block's walk from its diagonal,
 not causal), by atomics (g0) and not added (g1; g3 staged in shared memory but not added;
-g4 reductions not waited for, wrong sums: timing only), flashtriton's Triton backward and
-cuDNN's, each row's dQ/dK/dV checked against cuDNN's.
+g4 reductions not waited for, wrong sums: timing only), the warp-specialized kernel (w2 TMA
+reductions by its producer, w1 dQ not added), flashtriton's Triton backward and cuDNN's,
+each row's dQ/dK/dV (g2's and w2's) checked against cuDNN's.
 
     python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
     python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
@@ -68,11 +69,11 @@ def main():
             err = float((out.float() - ref.float()).abs().max())
             print(f"causal={causal}: max error {err:.2e}", flush=True)
             out, lse = attention_forward_gluon(q, k, v, causal)
-            for mode in (2, 0):
+            for mode, ws in ((2, False), (0, False), (2, True)):
                 grads = attention_backward_gluon(torch.ones_like(out), q, k, v, out, lse,
-                                                 causal, _dq_mode=mode)
+                                                 causal, _dq_mode=mode, _ws=ws)
                 torch.cuda.synchronize()
-                print(f"backward causal={causal} dq_mode={mode}: finite "
+                print(f"backward causal={causal} dq_mode={mode} ws={ws}: finite "
                       f"{all(bool(g.isfinite().all()) for g in grads)}", flush=True)
         return
     if args.backward:
@@ -108,9 +109,9 @@ def main():
 
 def backward(args):
     """The --backward table (see the module docstring)."""
-    cols = ("g2", "g2r", "g0", "g1", "g3", "g4")
+    cols = ("w2", "w1", "g2", "g2r", "g0", "g1", "g3", "g4")
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} " + " ".join(f"{c:>6}" for c in cols)
-          + f" {'triton':>7} {'cudnn':>6}  max|g2-cudnn| dq/dk/dv")
+          + f" {'triton':>7} {'cudnn':>6}  max|g2-cudnn| max|w2-cudnn| dq/dk/dv")
     for D, N, H, HKV, q, k, v in shapes(args):
         B = q.shape[0]
         dout = torch.randn_like(q)
@@ -129,18 +130,22 @@ def backward(args):
                    for m in (2, 0, 1, 3, 4)}
             fns["g2r"] = lambda: attention_backward_gluon(dout, q, k, v, out, lse, causal,
                                                           _rotate=True)
+            for m in (2, 1) if D == 128 else ():
+                fns[f"w{m}"] = (lambda m=m: attention_backward_gluon(
+                    dout, q, k, v, out, lse, causal, _dq_mode=m, _ws=True))
             fns["triton"] = lambda: torch.autograd.grad(tri_out, (tq, tk, tv), dout,
                                                         retain_graph=True)
             fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, dref,
                                                        retain_graph=True)
             ref = [g.transpose(1, 2).float() for g in fns["cudnn"]()]
-            errs = "/".join(f"{float((g.float() - r).abs().max()):.1e}"
-                            for g, r in zip(fns["g2"](), ref))
+            errs = " ".join("/".join(f"{float((g.float() - r).abs().max()):.1e}"
+                                     for g, r in zip(fns[name](), ref)) for name in ("g2", "w2")
+                            if name in fns)
             tflops = {name: flops / triton.testing.do_bench(fn, warmup=10, rep=60,
                                                             return_mode="median") * 1e-9
                       for name, fn in fns.items()}
             print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} " + " ".join(
-                f"{tflops[n]:>6.0f}" for n in cols) +
+                f"{tflops.get(n, 0):>6.0f}" for n in cols) +
                 f" {tflops['triton']:>7.0f} {tflops['cudnn']:>6.0f}  {errs}", flush=True)
 
 

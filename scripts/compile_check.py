@@ -179,4 +179,8 @@ for dim in (64, 128):
             check(f"gluon-bwd D{dim} causal={causal} dq_mode={dq_mode}",
                   lambda: compile_gluon_bwd(dim, causal=causal, dq_mode=dq_mode),
                   gluon_bwd_judge(dq_mode))
+# Its warp-specialized form (D=128): the producer's reductions, two per query block.
+for causal in (False, True):
+    check(f"gluon-bwd-ws D128 causal={causal}",
+          lambda: compile_gluon_bwd(128, causal=causal, dq_mode=2, ws=True), gluon_bwd_judge(2))
 sys.exit(1 if fails else 0)

@@ -94,7 +94,7 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
     return triton.compile(source, target=TARGET, options={"num_warps": warps})
 
 
-def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, rotate=False):
+def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, rotate=False, ws=False):
     """The Gluon backward (kernels.gluon_bwd) for sm_90, bf16, its descriptors typed as
     launch.attention_backward_gluon makes them (64-row query blocks, 128-row key blocks)."""
     import torch
@@ -104,19 +104,24 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, rotate=False):
     from triton.runtime.jit import mangle_type
 
     from flashtriton.kernels import gluon_bwd
-    fn = gluon_bwd._attn_bwd_gluon_kernel
+    fn = gluon_bwd._attn_bwd_gluon_ws_kernel if ws else gluon_bwd._attn_bwd_gluon_kernel
 
     def desc(block, dtype, el):
         view = torch.empty(256, 16 * dim, dtype=dtype)  # only its dtype and shape matter
         return mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
                                             gl.NVMMASharedLayout.get_default_for(block, el)))
-    consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode, ROTATE=rotate, **gluon_bwd.OPTIONS)
+    if ws:
+        consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode, **gluon_bwd.WS_OPTIONS)
+    else:
+        consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode, ROTATE=rotate, **gluon_bwd.OPTIONS)
     sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
     q_desc = desc([64, dim], torch.bfloat16, gl.bfloat16)
     kv_desc = desc([128, dim], torch.bfloat16, gl.bfloat16)
     sig.update(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
-               dq_desc=desc([64, dim], torch.float32, gl.float32), LSE="*fp32", DELTA="*fp32",
-               DQ="*fp32", DK="*bf16", DV="*bf16", qk_scale="fp32", sm_scale="fp32")
+               dq_desc=desc([64, dim // 2 if ws else dim], torch.float32, gl.float32),
+               LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*bf16", DV="*bf16",
+               qk_scale="fp32", sm_scale="fp32")
+    sig = {n: t for n, t in sig.items() if n in fn.arg_names}
     source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
                                                  for k, v in consts.items()})
     return triton.compile(source, target=TARGET, options={"num_warps": consts["num_warps"]})

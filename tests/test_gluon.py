@@ -254,30 +254,34 @@ class _GluonBackward(torch.autograd.Function):
     dq_mode: 2 TMA reductions, 0 atomics)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, dq_mode, rotate=False):
+    def forward(ctx, q, k, v, causal, dq_mode, rotate=False, ws=False):
         out, lse = launch.attention_forward(q, k, v, Variant(q.shape[-1] ** -0.5, causal))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.dq_mode, ctx.rotate = causal, dq_mode, rotate
+        ctx.causal, ctx.dq_mode, ctx.rotate, ctx.ws = causal, dq_mode, rotate, ws
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _):
         q, k, v, out, lse = ctx.saved_tensors
         return (*launch.attention_backward_gluon(dout, q, k, v, out, lse, ctx.causal,
-                                                 _dq_mode=ctx.dq_mode, _rotate=ctx.rotate),
-                None, None, None)
+                                                 _dq_mode=ctx.dq_mode, _rotate=ctx.rotate,
+                                                 _ws=ctx.ws), None, None, None, None)
 
 
 @needs_hopper
 @pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("dq_mode,rotate", [(2, False), (0, False), (2, True)],
-                         ids=["tma-reduce", "atomics", "tma-reduce-rotated"])
-def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, dq_mode, rotate):
+@pytest.mark.parametrize("dq_mode,rotate,ws", [(2, False, False), (0, False, False),
+                                               (2, True, False), (2, False, True)],
+                         ids=["tma-reduce", "atomics", "tma-reduce-rotated", "warp-specialized"])
+def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, dq_mode, rotate, ws):
+    if ws and D != 128:
+        pytest.skip("the warp-specialized backward takes head dim 128")
     q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda")
     check_against_reference(
-        lambda q, k, v: _GluonBackward.apply(q, k, v, causal, dq_mode, rotate), q, k, v, causal)
+        lambda q, k, v: _GluonBackward.apply(q, k, v, causal, dq_mode, rotate, ws), q, k, v,
+        causal)
 
 
 @needs_hopper
@@ -287,8 +291,10 @@ def test_gluon_backward_reads_strided_layouts(layout):
     q, k, v = (_heads_major(x) for x in (q, k, v)) if layout == "heads-major" else _packed(q, k, v)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     for causal in (False, True):
-        check_against_reference(lambda q, k, v: _GluonBackward.apply(q, k, v, causal, 2),
-                                q, k, v, causal)
+        for ws in (False, True):
+            check_against_reference(
+                lambda q, k, v: _GluonBackward.apply(q, k, v, causal, 2, False, ws), q, k, v,
+                causal)
 
 
 @needs_hopper
