@@ -81,14 +81,13 @@ has sweep && timeout ${T_SWEEP:-240} python3 scripts/sweep_decode.py ${SWEEP_ARG
 # the rest is skipped then), their tests, the forward bench and (where the tree has the Gluon
 # backward) the backward bench.
 if has gluon; then
-  if timeout 90 python3 scripts/bench_gluon.py --smoke > "$OUT/gluon_smoke.log" 2>&1; then
+  if timeout 120 python3 scripts/bench_gluon.py --smoke > "$OUT/gluon_smoke.log" 2>&1; then
     FLASHTRITON_AUTOTUNE=0 timeout ${T_GLUON_TESTS:-300} python3 -m pytest tests/test_gluon.py \
       -n 4 -q -p no:cacheprovider -rf --tb=short > "$OUT/gluon_tests.log" 2>&1
     timeout ${T_GLUON_BENCH:-200} python3 scripts/bench_gluon.py --dims 128 \
       --seqlens 1024 4096 16384 > "$OUT/gluon_bench.log" 2>&1
-    grep -q "def backward" scripts/bench_gluon.py && timeout ${T_GLUON_BENCH:-200} python3 \
-      scripts/bench_gluon.py --backward --dims 128 --seqlens 2048 8192 16384 \
-      > "$OUT/gluon_backward.log" 2>&1
+    timeout ${T_GLUON_BWD:-360} python3 scripts/bench_gluon.py --backward --dims 128 \
+      --seqlens 2048 8192 16384 > "$OUT/gluon_backward.log" 2>&1
   fi
 fi
 has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
@@ -98,6 +97,9 @@ has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cu
 has ring     && { echo "== ring"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ring_tests.log" | tail -5;
                   cat "$OUT/bench/ring.md" 2>/dev/null || tail -15 "$OUT/bench_ring.log"; }
 has host     && { echo "== host"; head -14 "$OUT/host.log"; cat "$OUT/decode_sweep.log"; }
+has gluon    && { echo "== gluon"; cat "$OUT/gluon_smoke.log"; grep -E "^(FAILED|ERROR)" \
+                  "$OUT/gluon_tests.log" | cut -c1-300; grep -E "passed|failed" "$OUT/gluon_tests.log" \
+                  | tail -1; cat "$OUT/gluon_bench.log" "$OUT/gluon_backward.log" 2>/dev/null; }
 has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; echo "== clocks during the probes";
                   grep -m2 '^#' "$OUT/clocks.log"; awk '$1 !~ /^#/ && NF > 3 {n++; if (lo == "" || $NF < lo) lo = $NF;
                   if ($NF > hi) hi = $NF} END {print "last column: min", lo, "max", hi, "over", n, "s"}' "$OUT/clocks.log"; }
