@@ -702,17 +702,14 @@ def _gluon_descriptor(t: torch.Tensor, block):
 def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                              causal: bool = False, softmax_scale: Optional[float] = None,
-                             _dq_mode: int = 2, _rotate: bool = False, _ws: bool = False
+                             _dq_mode: int = 2, _ws: bool = False
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one-kernel Gluon backward (kernels.gluon_bwd) alone: dQ, dK, dV in the layouts of
     q, k, v from the forward's out and natural-log lse (B, H, N). dQ is summed in an order
     that varies from run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 0
-    atomics, 1 and 3 dQ not added (timing only; 3 stages it in shared memory), 4 reductions
-    not waited for (wrong sums: timing only). _rotate: each key block's walk starts at its
-    diagonal's query block (not causal). _ws: the warp-specialized kernel (_dq_mode 2 or 1,
-    no rotation; head dim 128 only: its two consumers split it). Raises ValueError where
-    gluon_misfit names a
-    reason or dout is in no TMA layout."""
+    atomics, 1 dQ not added (timing only). _ws: the warp-specialized kernel (_dq_mode 2 or 1;
+    head dim 128 only: its two consumers split it). Raises ValueError where gluon_misfit
+    names a reason or dout is in no TMA layout."""
     from .kernels import gluon_bwd
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or dout.shape != q.shape:
@@ -752,7 +749,7 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dq_acc, dk, dv,
             lse.stride(0), lse.stride(1), N * D, dk.stride(0), dk.stride(1), dk.stride(2),
             H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows, scale * LOG2E, scale,
-            IS_CAUSAL=bool(causal), DQ_MODE=_dq_mode, ROTATE=_rotate, **gluon_bwd.OPTIONS)
+            IS_CAUSAL=bool(causal), DQ_MODE=_dq_mode, **gluon_bwd.OPTIONS)
     dq = _empty_like(q)
     dq.copy_(dq_acc.transpose(1, 2))
     return dq, dk, dv

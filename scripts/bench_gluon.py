@@ -6,11 +6,10 @@ Gluon and Triton (back-to-back calls, replayed).
 
 --backward: the backward instead (TFLOP/s counted as 2.5x the forward's FLOPs, as the bench
 does): the Gluon backward (launch.attention_backward_gluon, whole call: prep kernel, kernel,
-dQ conversion) with dQ by TMA reductions (g2; g2r: each key block's walk from its diagonal,
-not causal), by atomics (g0) and not added (g1; g3 staged in shared memory but not added;
-g4 reductions not waited for, wrong sums: timing only), the warp-specialized kernel (w2 TMA
-reductions by its producer, w1 dQ not added), flashtriton's Triton backward and cuDNN's,
-each row's dQ/dK/dV (g2's and w2's) checked against cuDNN's.
+dQ conversion) with dQ by TMA reductions (g2), by atomics (g0) and not added (g1, timing
+only), the warp-specialized kernel (w2 TMA reductions by its producer, w1 dQ not added),
+flashtriton's Triton backward and cuDNN's, each row's dQ/dK/dV (g2's and w2's) checked
+against cuDNN's.
 
     python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
     python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
@@ -109,7 +108,7 @@ def main():
 
 def backward(args):
     """The --backward table (see the module docstring)."""
-    cols = ("w2", "w1", "g2", "g2r", "g0", "g1", "g3", "g4")
+    cols = ("w2", "w1", "g2", "g0", "g1")
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} " + " ".join(f"{c:>6}" for c in cols)
           + f" {'triton':>7} {'cudnn':>6}  max|g2-cudnn| max|w2-cudnn| dq/dk/dv")
     for D, N, H, HKV, q, k, v in shapes(args):
@@ -127,9 +126,7 @@ def backward(args):
             dref = dout.transpose(1, 2)
             fns = {f"g{m}": (lambda m=m: attention_backward_gluon(dout, q, k, v, out, lse,
                                                                   causal, _dq_mode=m))
-                   for m in (2, 0, 1, 3, 4)}
-            fns["g2r"] = lambda: attention_backward_gluon(dout, q, k, v, out, lse, causal,
-                                                          _rotate=True)
+                   for m in (2, 0, 1)}
             for m in (2, 1) if D == 128 else ():
                 fns[f"w{m}"] = (lambda m=m: attention_backward_gluon(
                     dout, q, k, v, out, lse, causal, _dq_mode=m, _ws=True))

@@ -94,7 +94,7 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
     return triton.compile(source, target=TARGET, options={"num_warps": warps})
 
 
-def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, rotate=False, ws=False):
+def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, ws=False):
     """The Gluon backward (kernels.gluon_bwd) for sm_90, bf16, its descriptors typed as
     launch.attention_backward_gluon makes them (64-row query blocks, 128-row key blocks)."""
     import torch
@@ -113,7 +113,7 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, rotate=False, ws=False):
     if ws:
         consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode, **gluon_bwd.WS_OPTIONS)
     else:
-        consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode, ROTATE=rotate, **gluon_bwd.OPTIONS)
+        consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode, **gluon_bwd.OPTIONS)
     sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
     q_desc = desc([64, dim], torch.bfloat16, gl.bfloat16)
     kv_desc = desc([128, dim], torch.bfloat16, gl.bfloat16)

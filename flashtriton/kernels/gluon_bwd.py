@@ -16,11 +16,11 @@ head of its group. Per query block:
 dQ is added by one TMA bulk reduction per 64 x D tile (DQ_MODE 2, FlashAttention-3's way:
 the tile is staged in shared memory, `cp.reduce.async.bulk.tensor` adds it in L2; block t's
 tile is sent after block t + 1's barrier, so no second barrier an iteration, and it has a
-block's time to finish before its staging slot is written again), by
-per-element atomics (DQ_MODE 0), or not at all (DQ_MODE 1, the product kept; 3: staged but not
-added; timing ablations; 4: reductions never waited for in the loop, wrong sums, timing
-only). Either way
-the sum's order varies from run to run: the backward is not bitwise repeatable.
+block's time to finish before its staging slot is written again), by per-element atomics
+(DQ_MODE 0), or not at all (DQ_MODE 1, the product kept: a timing ablation). Either way the
+sum's order varies from run to run: the backward is not bitwise repeatable. (Measured and
+removed, docs/perf.md: a second staging barrier, dQ staged but not added, reductions never
+waited for, each key block's walk rotated to its diagonal.)
 
 Q and dO come by TMA into a two-slot ring: block t + 1 is requested once every warp has
 passed block t's barrier (so block t - 1's slot is free). The rows of a ragged last query
@@ -53,12 +53,12 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _block_coords(t, walk, BLOCK_M: gl.constexpr):
-    """Step t of a program's walk (cnt, m_lo, rot, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch,
-    off_b): query head h0 + t // cnt, query block m_lo + (t + rot) % cnt; its first row in
+    """Step t of a program's walk (cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b):
+    query head h0 + t // cnt, query block m_lo + t % cnt; its first row in
     q's and dO's 2-D views (launch._token_rows), their columns, h and m."""
-    cnt, m_lo, rot, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b = walk
+    cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b = walk
     h = h0 + t // cnt
-    m = m_lo + (t + rot) % cnt
+    m = m_lo + t % cnt
     return (off_b * q_rb + h * q_rh + m * BLOCK_M, h * q_ch,
             off_b * o_rb + h * o_rh + m * BLOCK_M, h * o_ch, h, m)
 
@@ -139,7 +139,7 @@ def _step(t, total, walk, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_s
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.shape[1]
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
-    off_b = walk[10]
+    off_b = walk[9]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M)
     slot = t % 2
     q_s = q_smem.index(slot)
@@ -156,7 +156,7 @@ def _step(t, total, walk, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_s
         tma.store_wait(0)  # block t - 2's reduction has read its staging tile
     gl.thread_barrier()  # every warp is past block t - 1 (and staged its dQ) and stored dS^T
     _request(q_desc, do_desc, q_smem, do_smem, full, t + 1, total, walk, BLOCK_M)
-    if DQ_MODE == 2 or DQ_MODE == 4:  # block t - 1's dQ (t = 0: slot 1's zeros, to block 0)
+    if DQ_MODE == 2:  # block t - 1's dQ (t = 0: slot 1's zeros, to block 0)
         _, _, _, _, h_p, m_p = _block_coords(gl.maximum(t - 1, 0), walk, BLOCK_M)
         _tma_reduce_add(dq_desc, [(off_b * H + h_p) * SEQ + m_p * BLOCK_M, 0],
                         dq_smem.index(1 - slot))
@@ -167,7 +167,7 @@ def _step(t, total, walk, q_desc, do_desc, dq_desc, q_smem, do_smem, k_smem, v_s
     rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     ptrs = DQ + (off_b * H + h) * stride_dqh + rows[:, None] * HEAD_DIM + dcols[None, :]
-    if DQ_MODE >= 2:
+    if DQ_MODE == 2:
         dq_smem.index(slot).store(dq)  # added at block t + 1 (after its barrier)
         fence_async_shared()
     if DQ_MODE == 0:
@@ -186,7 +186,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            stride_lb, stride_lh, stride_dqh, stride_kb, stride_kt, stride_kh,
                            H, GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh,
                            kv_ch, qk_scale, sm_scale, IS_CAUSAL: gl.constexpr,
-                           DQ_MODE: gl.constexpr, ROTATE: gl.constexpr,
+                           DQ_MODE: gl.constexpr,
                            num_warps: gl.constexpr):
     """Program (key block, batch * KV head). The descriptors view q, k, v and dO as 2-D token
     rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column h * ch);
@@ -212,18 +212,13 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     # Query blocks: from the key block's diagonal (causal) to the end, for each query head.
     m_lo, cnt, n_masked = _walk_bounds(n, SEQ, BLOCK_M, BLOCK_N, IS_CAUSAL)
     total = GROUP * cnt
-    # ROTATE (not causal): key block n walks the query blocks from its diagonal's on, so the
-    # programs of a head add to different dQ rows at a time.
-    rot = 0
-    if ROTATE and not IS_CAUSAL:
-        rot = (n * BLOCK_N) // BLOCK_M
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    if DQ_MODE >= 2:  # two staging tiles: a reduction has a whole block's time to finish
+    if DQ_MODE == 2:  # two staging tiles: a reduction has a whole block's time to finish
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
         dq_smem.index(1).store(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout))
     else:
@@ -239,7 +234,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     mbarrier.expect(kv_full, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, off_hk * kv_ch], kv_full, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, off_hk * kv_ch], kv_full, v_smem)
-    walk = (cnt, m_lo, rot, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b)
+    walk = (cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b)
     _request(q_desc, do_desc, q_smem, do_smem, full, 0, total, walk, BLOCK_M)
 
     keys = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
@@ -257,7 +252,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            v_smem, ds_smem, dq_smem, full, dk, dv, LSE, DELTA, DQ, stride_lb,
                            stride_lh, stride_dqh, H, keys, SEQ, qk_scale, sm_scale, st_layout,
                            dq_layout, dkv_layout, IS_CAUSAL, False, DQ_MODE)
-    if DQ_MODE == 2 or DQ_MODE == 4:  # the last block's dQ
+    if DQ_MODE == 2:  # the last block's dQ
         tma.store_wait(0)
         gl.thread_barrier()
         _, _, _, _, h_p, m_p = _block_coords(total - 1, walk, BLOCK_M)
@@ -298,7 +293,7 @@ def _ws_step(t, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, em
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM // 2, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
-    off_b = walk[10]
+    off_b = walk[9]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M)
     slot = t % 2
     phase = (t // 2) & 1
@@ -358,7 +353,7 @@ def _ws_consume(walk, total, n_masked, q_smem, do_smem, k_w, v_w, k_cols, ds_sme
                               stride_lh, keys, SEQ, qk_scale, sm_scale, W, IS_CAUSAL, False)
     rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
     dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
-    offs = (walk[10] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
+    offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
             + dcols[None, :])
     keep = rows[:, None] < SEQ
     gl.store(DK + offs, (dk * sm_scale).to(dtype), mask=keep)
@@ -371,7 +366,7 @@ def _ws_reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[1]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M)
-    row = (walk[10] * H + h) * SEQ + m * BLOCK_M
+    row = (walk[9] * H + h) * SEQ + m * BLOCK_M
     for w in gl.static_range(2):
         mbarrier.wait(dq_full.index(w * 2 + t % 2), (t // 2) & 1)
         if DQ_MODE == 2:
@@ -421,7 +416,7 @@ def _attn_bwd_gluon_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DEL
     off_hk = gl.program_id(1) % (H // GROUP)
     m_lo, cnt, n_masked = _walk_bounds(n, SEQ, BLOCK_M, BLOCK_N, IS_CAUSAL)
     total = GROUP * cnt
-    walk = (cnt, m_lo, 0, off_hk * GROUP, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b)
+    walk = (cnt, m_lo, off_hk * GROUP, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
