@@ -115,8 +115,7 @@ def main(argv=None):
     p.add_argument("--out", default="bench_out")
     p.add_argument("--commit", default=None)
     p.add_argument("--gluon-variants", action="store_true",
-                   help="windows, softcap and ALiBi forwards on the Gluon kernel "
-                        "(launch.GLUON_VARIANTS)")
+                   help="the variants' forwards on the Gluon kernel (launch.GLUON_VARIANTS)")
     args = p.parse_args(argv)
     launch.GLUON_VARIANTS = args.gluon_variants
     if not torch.cuda.is_available():

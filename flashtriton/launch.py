@@ -495,8 +495,8 @@ def _cu(varlen: Optional[Varlen]):
     return (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
 
 
-# Whether attention_forward also runs windows, softcap and ALiBi on the Gluon forward (off until
-# measured on the H200: bench_variants --gluon-variants turns it on for a run).
+# Whether attention_forward also runs windows, softcap, ALiBi and block masks on the Gluon
+# forward (off until measured on the H200: bench_variants --gluon-variants turns it on).
 GLUON_VARIANTS = False
 
 
@@ -625,17 +625,10 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
 def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
     """Launch kernels.gluon_fwd on tensors that gluon_misfit passed. The variant's window,
     softcap and ALiBi arguments come from _common (the Triton kernels' definitions)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from .kernels import gluon_fwd
     B, N, H, D = q.shape
-    el = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    block = [128, D]
-    layout = gl.NVMMASharedLayout.get_default_for(block, el)
-    rows = [_token_rows(t) for t in (q, k, v)]
-    views = tuple(([r[3], r[4]], [t.stride(1), 1]) for r, t in zip(rows, (q, k, v)))
-    descs = [TensorDescriptor(t, *view, block, layout) for t, view in zip((q, k, v), views)]
+    descs, rows = zip(*(_gluon_descriptor(t, [128, D]) for t in (q, k, v)))
+    views = tuple((list(d.shape), list(d.strides)) for d in descs)
     common, _ = _common(q, None, N, N, variant)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     # Causal attention without a window keeps its own constexpr path (IS_CAUSAL); with a
@@ -643,14 +636,14 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
     windowed = variant.window_left != -1 or (variant.window_right != -1 and not variant.causal)
     bmask, *bmask_args = _block_args(variant.kv_blocks)
     args = (out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *rows[0][:3],
-            *rows[1][:3], common["qk_scale"], common["cap2"], -common["WIN_LEFT"],
+            stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *rows[0], *rows[1],
+            common["qk_scale"], common["cap2"], -common["WIN_LEFT"],
             common["WIN_RIGHT"])
     consts = dict(IS_CAUSAL=bool(variant.causal) and not windowed, NUM_STAGES=2,
                   HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
                   HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=alibi is not None,
                   LISTED=bmask is not None, MASK_MOD=variant.mask_mod, **gluon_fwd.OPTIONS)
-    grid = (configs.cdiv(N, block[0]), B * H, 1)
+    grid = (configs.cdiv(N, 128), B * H, 1)
     kernel = gluon_fwd._attn_fwd_gluon_kernel
     compiled = kernel[grid](*descs, out, lse, alibi, bmask, *args, **consts)
     tail = (*args, *[consts[n] for n in kernel.arg_names[7 + len(args):]])

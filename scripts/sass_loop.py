@@ -64,67 +64,62 @@ def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **o
                           options={"num_warps": warps, "num_stages": stages})
 
 
+def _gluon_desc(block, dtype, width):
+    """The type of a host TensorDescriptor over a 2-D view of ``width`` columns (only its
+    dtype, block and layout matter)."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+    el = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    view = torch.empty(256, width, dtype=dtype)
+    return mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
+                                        gl.NVMMASharedLayout.get_default_for(block, el)))
+
+
+def _gluon_compile(fn, consts, types):
+    """A Gluon kernel for sm_90: constexprs ``consts``, argument types ``types`` (i32 for the
+    rest)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                                 for k, v in consts.items()})
+    return triton.compile(source, target=TARGET, options={"num_warps": consts["num_warps"]})
+
+
 def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
                       softcap=False, alibi=False, mask_mod=None):
     """The Gluon forward (kernels.gluon_fwd) for sm_90, bf16, its descriptors typed as the
     launcher makes them (launch._gluon_forward: 128-row blocks); a variant by its flags
     (mask_mod: a block mask's lists, LISTED, with this @triton.jit mask_mod)."""
     import torch
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
 
     from flashtriton.kernels import gluon_fwd
-    fn = gluon_fwd._attn_fwd_gluon_kernel
-    view = torch.empty(64, 16 * dim, dtype=torch.bfloat16)  # only its dtype and shape matter
-    block = [128, dim]
-    desc = mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
-                                        gl.NVMMASharedLayout.get_default_for(block,
-                                                                             gl.bfloat16)))
+    desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
     consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, HAS_LOWER=lower, HAS_UPPER=upper,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
                   MASK_MOD=mask_mod, **gluon_fwd.OPTIONS)
-    sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
-    sig.update(q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
-               BMASK="*i32", qk_scale="fp32", cap2="fp32")
-    source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                                 for k, v in consts.items()})
-    warps = consts["num_warps"]
-    return triton.compile(source, target=TARGET, options={"num_warps": warps})
+    return _gluon_compile(gluon_fwd._attn_fwd_gluon_kernel, consts, dict(
+        q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
+        BMASK="*i32", qk_scale="fp32", cap2="fp32"))
 
 
 def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, ws=False):
     """The Gluon backward (kernels.gluon_bwd) for sm_90, bf16, its descriptors typed as
     launch.attention_backward_gluon makes them (64-row query blocks, 128-row key blocks)."""
     import torch
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
 
     from flashtriton.kernels import gluon_bwd
     fn = gluon_bwd._attn_bwd_gluon_ws_kernel if ws else gluon_bwd._attn_bwd_gluon_kernel
-
-    def desc(block, dtype, el):
-        view = torch.empty(256, 16 * dim, dtype=dtype)  # only its dtype and shape matter
-        return mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
-                                            gl.NVMMASharedLayout.get_default_for(block, el)))
-    if ws:
-        consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode, **gluon_bwd.WS_OPTIONS)
-    else:
-        consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode, **gluon_bwd.OPTIONS)
-    sig = {n: "constexpr" if n in consts else "i32" for n in fn.arg_names}
-    q_desc = desc([64, dim], torch.bfloat16, gl.bfloat16)
-    kv_desc = desc([128, dim], torch.bfloat16, gl.bfloat16)
-    sig.update(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
-               dq_desc=desc([64, dim // 2 if ws else dim], torch.float32, gl.float32),
-               LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*bf16", DV="*bf16",
-               qk_scale="fp32", sm_scale="fp32")
-    sig = {n: t for n, t in sig.items() if n in fn.arg_names}
-    source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                                 for k, v in consts.items()})
-    return triton.compile(source, target=TARGET, options={"num_warps": consts["num_warps"]})
+    consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode,
+                  **(gluon_bwd.WS_OPTIONS if ws else gluon_bwd.OPTIONS))
+    q_desc = _gluon_desc([64, dim], torch.bfloat16, 16 * dim)
+    kv_desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
+    dq_desc = _gluon_desc([64, dim // 2 if ws else dim], torch.float32, 16 * dim)
+    return _gluon_compile(fn, consts, dict(
+        q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=dq_desc,
+        LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*bf16", DV="*bf16", qk_scale="fp32",
+        sm_scale="fp32"))
 
 
 def softmax_overlaps(sass, exps):

@@ -15,10 +15,12 @@ can use the tensor cores. (A plain 8-warp kernel with the same body, each warp r
 slots itself, ran 5-20% slower at D=128 on the H200: docs/perf.md, session 12.)
 
 Scope: bf16 / fp16, head dim 64 or 128, (B, N, H, D) tensors whose token rows form a 2-D
-(B * N) x (heads * D) view with any row stride, GQA (K and V with H / GROUP heads), causal or
-not, SQ == SK; no other variant. launch.attention_forward runs it where a call fits (Hopper,
-D=128: launch.gluon_fits) and launch.attention_forward_gluon raises for anything else. Gluon
-does not run in the interpreter: scripts/compile_check.py compiles it for sm_90 on any
+(B * N) x (heads * D) view with any row stride, GQA (K and V with H / GROUP heads), SQ == SK;
+plain or causal, and (launch.attention_forward_gluon, or attention_forward with
+launch.GLUON_VARIANTS) windows, softcap, ALiBi and block masks of 128-blocks.
+launch.attention_forward runs it where a call fits (Hopper, D=128: launch.gluon_misfit) and
+launch.attention_forward_gluon raises for anything else. Gluon does not run in the
+interpreter: scripts/compile_check.py compiles it for sm_90 on any
 machine, and tests/test_gluon.py runs it on a Hopper GPU.
 """
 
