@@ -186,13 +186,19 @@ def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_
     return (*blocks, register_mods(score_mod, score_mod_grad, mask_mod))
 
 
+def _deterministic(deterministic) -> bool:
+    """A bitwise-repeatable backward: asked for, or torch.use_deterministic_algorithms(True)."""
+    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+
+
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
          dropout_p=0.0, names=("q", "k", "v"), attn_mask=None, score_mod=None,
-         score_mod_grad=None, mask_mod=None, block_mask=None) -> AttentionOutput:
+         score_mod_grad=None, mask_mod=None, block_mask=None,
+         deterministic=False) -> AttentionOutput:
     """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
     check_qkv(q, k, v, names)
     scale = _check_scale(softmax_scale, q.shape[-1])
@@ -204,7 +210,7 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
                          score_mod, score_mod_grad, mask_mod, block_mask)
     out, lse = attention(_unit_last(q), _unit_last(k), _unit_last(v), None, None, 0, 0,
                          alibi_slopes, attn_mask, scale, bool(causal), left, right, softcap,
-                         dropout_p, seed, *blocks)
+                         dropout_p, seed, *blocks, _deterministic(deterministic))
     return AttentionOutput(out, lse)
 
 
@@ -232,7 +238,7 @@ def _check_cu(name, cu, device) -> torch.Tensor:
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                dropout_p=0.0, names=("q", "k", "v")) -> AttentionOutput:
+                dropout_p=0.0, names=("q", "k", "v"), deterministic=False) -> AttentionOutput:
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -258,7 +264,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p, seed = _check_dropout(dropout_p)
     out, lse = attention(_unit_last(q), _unit_last(k), _unit_last(v), cu_q, cu_k, max_q, max_k,
                          alibi_slopes, None, scale, bool(causal), left, right, softcap,
-                         dropout_p, seed, None, None, 128, 0)
+                         dropout_p, seed, None, None, 128, 0, _deterministic(deterministic))
     return AttentionOutput(out, lse)
 
 
@@ -309,6 +315,11 @@ _OPTIONS_DOC = """
            without calling mask_mod. mask_mod without block_mask builds one
            per call. The mods do not combine with causal / window_size /
            softcap / alibi_slopes / dropout_p (express those in the mods).
+        deterministic: a bitwise-repeatable backward (also under
+           ``torch.use_deterministic_algorithms(True)``). By default (False), as in
+           flash-attn, the backward may add dQ in an order that varies from run to run
+           (the Gluon backward on Hopper at head dim 128; the Triton kernels that run
+           everything else are repeatable either way).
 """
 
 
@@ -316,10 +327,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                     dropout_p: float = 0.0, score_mod=None, score_mod_grad=None, mask_mod=None,
-                    block_mask: Optional[BlockMask] = None) -> torch.Tensor:
+                    block_mask: Optional[BlockMask] = None,
+                    deterministic: bool = False) -> torch.Tensor:
     return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                 score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
-                block_mask=block_mask).out
+                block_mask=block_mask, deterministic=deterministic).out
 
 
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -327,11 +339,11 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[torch.Tensor] = None,
                              dropout_p: float = 0.0, score_mod=None, score_mod_grad=None,
-                             mask_mod=None, block_mask: Optional[BlockMask] = None
-                             ) -> AttentionOutput:
+                             mask_mod=None, block_mask: Optional[BlockMask] = None,
+                             deterministic: bool = False) -> AttentionOutput:
     return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                 score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
-                block_mask=block_mask)
+                block_mask=block_mask, deterministic=deterministic)
 
 
 flash_attention.__doc__ = """Exact softmax attention, out = softmax(q k^T * softmax_scale) v, differentiable.
@@ -367,8 +379,9 @@ _VARLEN_DOC = """
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (they size the
            grid: rows beyond them are not computed). An int, or a 0-d tensor
            (a CUDA tensor costs one host sync: pass an int on hot paths).
-        causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p:
-           as in ``flash_attention`` (alibi_slopes (nheads,) or (batch, nheads)).
+        causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+           deterministic: as in ``flash_attention`` (alibi_slopes (nheads,) or
+           (batch, nheads); the packed backward is always repeatable).
 """
 
 
@@ -378,9 +391,10 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            softmax_scale: Optional[float] = None,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None,
-                           dropout_p: float = 0.0) -> torch.Tensor:
+                           dropout_p: float = 0.0, deterministic: bool = False) -> torch.Tensor:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                       softmax_scale, window_size, softcap, alibi_slopes, dropout_p).out
+                       softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                       deterministic=deterministic).out
 
 
 def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -389,9 +403,11 @@ def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.T
                                     softmax_scale: Optional[float] = None,
                                     window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                                     alibi_slopes: Optional[torch.Tensor] = None,
-                                    dropout_p: float = 0.0) -> AttentionOutput:
+                                    dropout_p: float = 0.0, deterministic: bool = False
+                                    ) -> AttentionOutput:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                       softmax_scale, window_size, softcap, alibi_slopes, dropout_p)
+                       softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                       deterministic=deterministic)
 
 
 flash_attention_varlen.__doc__ = """``flash_attention`` on packed sequences; returns out (total_q, nheads, headdim).

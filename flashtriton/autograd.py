@@ -28,11 +28,12 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Optional[
 
 
 def _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
-             dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods) -> Variant:
+             dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods,
+             deterministic) -> Variant:
     seed = 0 if dropout_seed is None else int(dropout_seed)  # a CPU tensor: no device sync
     return Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
                    attn_mask, dropout_p, seed, *launch.lookup_mods(mods), kv_blocks, q_blocks,
-                   block_size)
+                   block_size, deterministic=deterministic)
 
 
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
@@ -40,14 +41,16 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
              alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], softmax_scale: float,
              causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
              dropout_seed: Optional[Tensor], kv_blocks: Optional[Tensor],
-             q_blocks: Optional[Tensor], block_size: int, mods: int) -> Tuple[Tensor, Tensor]:
+             q_blocks: Optional[Tensor], block_size: int, mods: int,
+             deterministic: bool) -> Tuple[Tensor, Tensor]:
     """out in q's shape; lse fp32 (B, H, SQ), or (H, total_q) for packed sequences.
 
-    dropout_seed: a CPU int64 tensor (drawn from torch's generator by the caller)."""
+    dropout_seed: a CPU int64 tensor (drawn from torch's generator by the caller);
+    deterministic: the backward (attn_bwd) is to be bitwise repeatable."""
     return launch.attention_forward(
         q, k, v, _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left,
                           window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
-                          block_size, mods),
+                          block_size, mods, deterministic),
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
@@ -70,12 +73,13 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
              softmax_scale: float, causal: bool, window_left: int, window_right: int,
              softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
              kv_blocks: Optional[Tensor], q_blocks: Optional[Tensor], block_size: int,
-             mods: int) -> Tuple[Tensor, Tensor, Tensor]:
+             mods: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of attn_fwd, recomputed from q, k, v, out and lse."""
     return launch.attention_backward(
         dout, q, k, v, out, lse,
         _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right,
-                 softcap, dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods),
+                 softcap, dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods,
+                 deterministic),
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
@@ -118,7 +122,8 @@ class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, rest), rest = attn_fwd's arguments after
     q, k, v as one tuple (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
-    dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods): autograd processes
+    dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods, deterministic): autograd
+    processes
     every argument of apply on every call (host time), and only q, k, v are differentiable;
     the tensors in ``rest`` are inputs the backward reads, kept on ctx."""
 

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from . import launch
-from .api import (AttentionOutput, _check_scale, _check_softcap, _check_window, _unit_last,
-                  check_qkv)
+from .api import (AttentionOutput, _check_scale, _check_softcap, _check_window, _deterministic,
+                  _unit_last, check_qkv)
 from .launch import Variant
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -223,13 +223,15 @@ def _check_ring(q, k, v, group, layout) -> _Ring:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: Optional[dist.ProcessGroup] = None, *, causal: bool = False,
                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
-                   softcap: float = 0.0, layout: str = "zigzag", return_lse: bool = False):
+                   softcap: float = 0.0, layout: str = "zigzag", return_lse: bool = False,
+                   deterministic: bool = False):
     """Attention over a sequence sharded across the ranks of ``group``.
 
     q: (batch, seqlen_local, nheads, headdim); k, v: (batch, seqlen_local, nheads_kv,
     headdim), every rank's shard equally long and laid out by ``layout`` ("zigzag",
-    the default, balances causal work; "contiguous"). causal / window_size / softcap
-    as in ``flashtriton.flash_attention``, on global positions. Returns the local
+    the default, balances causal work; "contiguous"). causal / window_size / softcap /
+    deterministic as in ``flashtriton.flash_attention``, on global positions (the ring's
+    own sums run in a fixed order). Returns the local
     output shard, or AttentionOutput(out, lse) with ``return_lse`` (lse: (batch,
     nheads, seqlen_local) float32). Differentiable in q, k and v; every rank must
     call it (and its backward) in the same order.
@@ -238,21 +240,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     left, right = _check_window(window_size)
     if causal:
         right = 0
-    base = Variant(_check_scale(softmax_scale, q.shape[-1]), softcap=_check_softcap(softcap))
+    base = Variant(_check_scale(softmax_scale, q.shape[-1]), softcap=_check_softcap(softcap),
+                   deterministic=_deterministic(deterministic))
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out, lse = _RingAttention.apply(q, k, v, ring, layout, base, left, right)
     return AttentionOutput(out, lse) if return_lse else out
 
 
 def _flash_attn_style(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, return_attn_probs, group, layout):
+                      alibi_slopes, deterministic, return_attn_probs, group, layout):
     if dropout_p:
         raise ValueError("ring attention does not support dropout (dropout_p must be 0)")
     if alibi_slopes is not None:
         raise ValueError("ring attention does not support alibi_slopes")
     out, lse = ring_attention(q, k, v, group, causal=causal, softmax_scale=softmax_scale,
                               window_size=window_size, softcap=softcap, layout=layout,
-                              return_lse=True)
+                              return_lse=True, deterministic=deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -261,9 +264,9 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
                          deterministic=False, return_attn_probs=False, group=None):
     """flash_attn_func's signature over contiguous shards (rank r holds tokens
     [r n, (r + 1) n)), plus ``group``. Dropout and ALiBi are not supported (ValueError).
-    ``deterministic`` is accepted: the ring's sums run in a fixed order."""
+    ``deterministic`` as in flash_attn_func (the ring's own sums run in a fixed order)."""
     return _flash_attn_style(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, return_attn_probs, group, "contiguous")
+                             alibi_slopes, deterministic, return_attn_probs, group, "contiguous")
 
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -271,7 +274,7 @@ def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, caus
                                 deterministic=False, return_attn_probs=False, group=None):
     """As ``ring_flash_attn_func``, over zigzag shards (``shard(x, ..., layout="zigzag")``)."""
     return _flash_attn_style(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, return_attn_probs, group, "zigzag")
+                             alibi_slopes, deterministic, return_attn_probs, group, "zigzag")
 
 
 def positions(seqlen_local: int, rank: int, world_size: int, layout: str = "zigzag",

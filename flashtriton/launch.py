@@ -356,6 +356,7 @@ class Variant(NamedTuple):
     q_blocks: Optional[torch.Tensor] = None
     block_size: int = 128
     diag_offset: int = 0                         # shifts the window's diagonal (ring attention)
+    deterministic: bool = False                  # a bitwise-repeatable backward (no atomics)
 
 
 # The @triton.jit modifiers cannot travel through torch.library schemas: the ops carry an
@@ -496,8 +497,8 @@ def _cu(varlen: Optional[Varlen]):
 
 
 # Whether attention_forward also runs windows, softcap, ALiBi and block masks on the Gluon
-# forward (off until measured on the H200: bench_variants --gluon-variants turns it on).
-GLUON_VARIANTS = False
+# forward (H200, 8K, D=128: 1.02-1.34x the Triton forward; docs/perf.md, session 14).
+GLUON_VARIANTS = True
 
 
 @on_device_of
@@ -691,32 +692,28 @@ def _gluon_descriptor(t: torch.Tensor, block):
     return TensorDescriptor(t, [rows[3], rows[4]], [t.stride(1), 1], block, layout), rows[:3]
 
 
-@on_device_of
-def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                             causal: bool = False, softmax_scale: Optional[float] = None,
-                             _dq_mode: int = 2, _ws: bool = False
-                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The one-kernel Gluon backward (kernels.gluon_bwd) alone: dQ, dK, dV in the layouts of
-    q, k, v from the forward's out and natural-log lse (B, H, N). dQ is summed in an order
-    that varies from run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 0
-    atomics, 1 dQ not added (timing only). _ws: the warp-specialized kernel (_dq_mode 2 or 1;
-    head dim 128 only: its two consumers split it). Raises ValueError where gluon_misfit
-    names a reason or dout is in no TMA layout."""
-    from .kernels import gluon_bwd
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or dout.shape != q.shape:
-        raise ValueError(f"attention_backward_gluon takes (B, N, H, D) dout, q, k, v, got "
-                         f"{tuple(dout.shape)}, {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    reason = gluon_misfit(q, k, v, Variant(scale, causal))
-    if reason is None and (_token_rows(dout) is None or dout.dtype != q.dtype):
+def gluon_backward_misfit(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, variant: Variant, dq_mode: int = 2,
+                          ws: bool = True) -> Optional[str]:
+    """Why the Gluon backward (kernels.gluon_bwd) cannot run this call, or None: what
+    gluon_misfit asks of the forward (plain or causal attention), dout in q's dtype and in a
+    layout of _token_rows; the warp-specialized kernel (ws) takes head dim 128 and dq_mode 2
+    or 1."""
+    reason = gluon_misfit(q, k, v, variant)
+    if reason is None and (dout.shape != q.shape or dout.dtype != q.dtype
+                           or _token_rows(dout) is None):
         reason = "the Gluon backward takes dout in q's dtype, tokens-major or heads-major"
-    if reason is None and _ws and (q.shape[-1] != 128 or _dq_mode not in (1, 2)):
+    if reason is None and ws and (q.shape[-1] != 128 or dq_mode not in (1, 2)):
         reason = "the warp-specialized Gluon backward takes head dim 128, _dq_mode 2 or 1"
-    if reason is not None:
-        raise ValueError(reason)
+    return reason
+
+
+def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int, ws: bool):
+    """Launch kernels.gluon_bwd on tensors that gluon_backward_misfit passed: the prep kernel
+    (delta and a zeroed fp32 dQ buffer), the backward, and dQ's copy into q's layout."""
+    from .kernels import gluon_bwd
     B, N, H, D = q.shape
+    scale = variant.softmax_scale
     dk, dv = _empty_like(k), _empty_like(v)
     dq_acc = _empty((B, H, N, D), torch.float32, q.device)
     delta = _empty((B, H, N), torch.float32, q.device)
@@ -728,24 +725,58 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     do_desc, do_rows = _gluon_descriptor(dout, [64, D])
     k_desc, kv_rows = _gluon_descriptor(k, [128, D])
     v_desc, _ = _gluon_descriptor(v, [128, D])
+    # The warp-specialized kernel's two consumers reduce half the head dim each.
+    dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2 if ws else D])
     grid = (configs.cdiv(N, 128), B * k.shape[2], 1)
-    if _ws:
-        dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2])
+    tail = (lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
+            H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows, scale * LOG2E, scale)
+    if ws:
         gluon_bwd._attn_bwd_gluon_ws_kernel[grid](
-            q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv,
-            lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
-            H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows, scale * LOG2E, scale,
-            IS_CAUSAL=bool(causal), DQ_MODE=_dq_mode, **gluon_bwd.WS_OPTIONS)
+            q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv, *tail,
+            IS_CAUSAL=bool(variant.causal), DQ_MODE=dq_mode, **gluon_bwd.WS_OPTIONS)
     else:
-        dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D])
         gluon_bwd._attn_bwd_gluon_kernel[grid](
-            q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dq_acc, dk, dv,
-            lse.stride(0), lse.stride(1), N * D, dk.stride(0), dk.stride(1), dk.stride(2),
-            H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows, scale * LOG2E, scale,
-            IS_CAUSAL=bool(causal), DQ_MODE=_dq_mode, **gluon_bwd.OPTIONS)
+            q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dq_acc, dk, dv, *tail[:2],
+            N * D, *tail[2:], IS_CAUSAL=bool(variant.causal), DQ_MODE=dq_mode,
+            **gluon_bwd.OPTIONS)
     dq = _empty_like(q)
     dq.copy_(dq_acc.transpose(1, 2))
     return dq, dk, dv
+
+
+@on_device_of
+def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                             causal: bool = False, softmax_scale: Optional[float] = None,
+                             _dq_mode: int = 2, _ws: bool = False
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gluon backward (kernels.gluon_bwd) alone: dQ, dK, dV in the layouts of q, k, v from
+    the forward's out and natural-log lse (B, H, N). dQ is summed in an order that varies from
+    run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 0 atomics, 1 dQ not added
+    (timing only). _ws: the warp-specialized kernel (the one attention_backward runs; _dq_mode
+    2 or 1, head dim 128: its two consumers split it). Raises ValueError where
+    gluon_backward_misfit names a reason."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or dout.shape != q.shape:
+        raise ValueError(f"attention_backward_gluon takes (B, N, H, D) dout, q, k, v, got "
+                         f"{tuple(dout.shape)}, {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    variant = Variant(scale, causal)
+    reason = gluon_backward_misfit(dout, q, k, v, variant, _dq_mode, _ws)
+    if reason is not None:
+        raise ValueError(reason)
+    return _gluon_backward(dout, q, k, v, out, lse, variant, _dq_mode, _ws)
+
+
+# The shortest sequence attention_backward runs on the warp-specialized Gluon backward (where
+# it fits and no deterministic backward is asked for): H200 measurements in docs/perf.md.
+GLUON_BWD_MIN_SEQLEN = 4096
+
+
+def _runs_gluon_backward(q, k, v, variant: Variant, varlen) -> bool:
+    return (_env.GLUON and not variant.deterministic and varlen is None
+            and q.shape[1] >= GLUON_BWD_MIN_SEQLEN and q.shape[-1] == 128
+            and gluon_misfit(q, k, v, variant) is None)
 
 
 @on_device_of
@@ -755,11 +786,17 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV in the dtypes, shapes and (dense) layouts of q, k, v."""
     B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
-    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
-    if dq.numel() == 0 or dk.numel() == 0 or SK == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+    if q.numel() == 0 or k.numel() == 0 or SK == 0:
+        return _empty_like(q).zero_(), _empty_like(k).zero_(), _empty_like(v).zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    # The warp-specialized Gluon backward where it fits (H200, 8K-16K tokens: 1.08-1.15x the
+    # two Triton kernels; docs/perf.md, session 14); its dQ sums vary in order from run to run.
+    if _runs_gluon_backward(q, k, v, variant, varlen):
+        if _token_rows(dout) is None:
+            dout = dout.contiguous()  # e.g. the expanded gradient of a sum
+        return _gluon_backward(dout, q, k, v, out, lse, variant, 2, True)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     lse = lse.contiguous()  # delta below shares its strides
     # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel
     # (launched after it on the same stream).

@@ -187,7 +187,7 @@ def test_custom_ops_opcheck():
         ((q[0], k[0], v[0], cu, cu_k, 13, 13, None, None), (0.3, True, 4, -1, 0.0, 0.0, None)),
     ]
     for args, opts in cases:
-        opts = opts + (None, None, 128, 0)  # no block mask, no mods
+        opts = opts + (None, None, 128, 0, False)  # no block mask, no mods, default backward
         torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, args + opts)
         out, lse = torch.ops.flashtriton.attn_fwd(*args, *opts)
         dout = torch.randn_like(out)
@@ -256,3 +256,35 @@ def test_inference_calls_skip_autograd_with_the_same_result():
     c = flash_attention(q.detach(), k.detach(), v.detach(), causal=True)
     assert c.grad_fn is None
     assert torch.equal(a, b.detach()) and torch.equal(a, c)
+
+
+def test_deterministic_reaches_the_backward(monkeypatch):
+    """deterministic=True (the native API, flash-attn's drop-in, the packed form) and
+    torch.use_deterministic_algorithms(True) reach the backward as Variant.deterministic (where
+    it keeps the repeatable Triton kernels); by default the backward is free to run the Gluon
+    one."""
+    from flashtriton import flash_attention_varlen, launch
+    seen = []
+    real = launch.attention_backward
+
+    def spy(dout, q, k, v, out, lse, variant, varlen=None):
+        seen.append(variant.deterministic)
+        return real(dout, q, k, v, out, lse, variant, varlen)
+    monkeypatch.setattr(launch, "attention_backward", spy)
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 16, torch.float32, DEVICE)
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
+
+    def run(fn, *args, **opts):
+        out = fn(*args, **opts)
+        torch.autograd.grad(out, args[:3], torch.ones_like(out))
+    run(flash_attention, q, k, v)
+    run(flash_attention, q, k, v, deterministic=True)
+    run(fa.flash_attn_func, q, k, v, deterministic=True)
+    run(fa.flash_attn_func, q, k, v)
+    run(flash_attention_varlen, q[0], k[0], v[0], cu, cu, 16, 16, deterministic=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        run(flash_attention, q, k, v)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen == [False, True, True, False, True, True]

@@ -149,6 +149,7 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
     replays = launch.FAST_LAUNCHES
     flash_attention(q, k, v, causal=True)
     assert len(calls) == 2 and launch.FAST_LAUNCHES == replays + 1  # replayed
+    monkeypatch.setattr(launch, "GLUON_VARIANTS", False)
     flash_attention(q, k, v, causal=True, window_size=(64, 0))
     monkeypatch.setattr(_env, "GLUON", False)
     flash_attention(q, k, v)
@@ -158,8 +159,8 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
 @needs_hopper
 def test_attention_forward_runs_gluon_variants_when_switched_on(monkeypatch):
     """With launch.GLUON_VARIANTS, flash_attention runs a window, softcap, ALiBi and block-mask
-    forward on the Gluon kernel and the Triton backward on its output and LSE (against the float64
-    reference, gradients included); off (the default), the Triton forward."""
+    forward on the Gluon kernel (the default) and the Triton backward on its output and LSE
+    (against the float64 reference, gradients included); off, the Triton forward."""
     calls = []
     real = launch._gluon_forward
     monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
@@ -280,8 +281,9 @@ def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, dq_mod
     def run(q, k, v):
         return _GluonBackward.apply(q, k, v, causal, dq_mode, ws)
     if ws and D != 128:
+        out = run(q, k, v)[0]
         with pytest.raises(ValueError, match="takes head dim 128"):
-            run(q, k, v)[0].sum().backward()
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
         return
     check_against_reference(run, q, k, v, causal)
 
@@ -307,3 +309,58 @@ def test_gluon_backward_rejects_what_it_does_not_take():
     with pytest.raises(ValueError, match="dout in q's dtype"):
         strided = torch.randn(1, 64, 2, 256, dtype=q.dtype, device="cuda")[..., ::2]
         launch.attention_backward_gluon(strided, q, k, v, out, lse)
+
+
+@needs_hopper
+def test_attention_backward_runs_gluon_where_it_fits(monkeypatch):
+    """flash_attention's backward at D=128 on Hopper runs the warp-specialized Gluon backward
+    from GLUON_BWD_MIN_SEQLEN tokens (lowered here to reach it at test size), GQA and an
+    expanded dout included (against the float64 reference); deterministic=True,
+    torch.use_deterministic_algorithms, FLASHTRITON_GLUON=0, a window, head dim 64 and shorter
+    sequences run the Triton backward."""
+    calls = []
+    real = launch._gluon_backward
+    monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
+    q, k, v = make_qkv(2, 513, 513, 4, 2, 128, torch.bfloat16, "cuda")
+    for causal in (False, True):
+        check_against_reference(
+            lambda q, k, v: flash_attention_with_lse(q, k, v, causal=causal), q, k, v, causal)
+    assert calls == [True, True]
+    flash_attention(q, k, v).sum().backward()  # dout: an expanded scalar, copied
+    assert len(calls) == 3
+
+    def grads(**opts):
+        return torch.autograd.grad(flash_attention(q, k, v, **opts), (q, k, v),
+                                   torch.ones_like(q))
+    grads(deterministic=True)
+    grads(window_size=(64, 64))
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(_env, "GLUON", False)
+    grads()
+    monkeypatch.setattr(_env, "GLUON", True)
+    q64, k64, v64 = make_qkv(1, 600, 600, 2, 2, 64, torch.bfloat16, "cuda")
+    torch.autograd.grad(flash_attention(q64, k64, v64), (q64, k64, v64), torch.ones_like(q64))
+    grads(causal=True)  # reaches the Gluon backward: the calls above did not
+    assert len(calls) == 4
+    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 1024)
+    grads()
+    assert len(calls) == 4
+
+
+@needs_hopper
+def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
+    """deterministic=True gives bitwise the same gradients run after run where the default
+    would run the Gluon backward (whose dQ sums vary in order)."""
+    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
+    q, k, v = make_qkv(2, 1024, 1024, 4, 4, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    runs = [torch.autograd.grad(flash_attention(q, k, v, causal=True, deterministic=True),
+                                (q, k, v), dout) for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)

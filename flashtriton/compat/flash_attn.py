@@ -31,20 +31,20 @@ def _returns(out, lse, return_attn_probs):
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, names):
+               deterministic, return_attn_probs, names):
     out, lse = _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                    dropout_p, names)
+                    dropout_p, names, deterministic=deterministic)
     return _returns(out, lse, return_attn_probs)
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                      softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                       return_attn_probs, block_table, names):
     if block_table is not None:
         raise NotImplementedError("block_table: paged KV caches are not supported yet; use None")
     out, lse = _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                           names)
+                           names, deterministic)
     return _returns(out, lse, return_attn_probs)
 
 
@@ -63,16 +63,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     window_size=(left, right) align to the bottom-right corner when seqlen_q !=
     seqlen_k (flash-attn >= 2.1); softcap > 0 caps the scaled scores with
     softcap * tanh(s / softcap); alibi_slopes (nheads,) or (batch, nheads)
-    float32 add -slope * |i + seqlen_k - seqlen_q - j|. The
-    backward is always deterministic here (no atomics), so ``deterministic``
-    changes nothing.
+    float32 add -slope * |i + seqlen_k - seqlen_q - j|. As in flash-attn,
+    ``deterministic=False`` lets the backward add dQ in an order that varies
+    from run to run (the Gluon backward on Hopper at head dim 128);
+    ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``)
+    runs the bitwise-repeatable Triton backward.
 
     Returns out (batch, seqlen_q, nheads, headdim); with
     ``return_attn_probs=True``, ``(out, softmax_lse, None)`` where softmax_lse
     is (batch, nheads, seqlen_q) float32 (+inf for rows that see no key).
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, return_attn_probs, ("q", "k", "v"))
+                      alibi_slopes, deterministic, return_attn_probs, ("q", "k", "v"))
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -85,7 +87,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """
     _check_packed("kv", kv, 2, "batch, seqlen_k, 2, nheads_k, headdim")
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, return_attn_probs, ("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+                      softcap, alibi_slopes, deterministic, return_attn_probs,
+                      ("q", "kv[:, :, 0]", "kv[:, :, 1]"))
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -97,7 +100,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """
     _check_packed("qkv", qkv, 3, "batch, seqlen, 3, nheads, headdim")
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                      window_size, softcap, alibi_slopes, return_attn_probs,
+                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
                       ("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
@@ -115,7 +118,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                             return_attn_probs, block_table, ("q", "k", "v"))
+                             deterministic, return_attn_probs, block_table, ("q", "k", "v"))
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -126,7 +129,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     _check_packed("kv", kv, 2, "total_k, 2, nheads_k, headdim")
     return _attention_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, return_attn_probs, None, ("q", "kv[:, 0]", "kv[:, 1]"))
+                             alibi_slopes, deterministic, return_attn_probs, None,
+                             ("q", "kv[:, 0]", "kv[:, 1]"))
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -137,7 +141,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     _check_packed("qkv", qkv, 3, "total, 3, nheads, headdim")
     return _attention_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                              max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, return_attn_probs, None,
+                             alibi_slopes, deterministic, return_attn_probs, None,
                              ("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
 
 

@@ -44,7 +44,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     window = ((sliding_window - 1, sliding_window - 1)
               if sliding_window is not None and SK > sliding_window else (-1, -1))
     opts = dict(causal=bool(is_causal), softmax_scale=scaling, window_size=window,
-                softcap=softcap or 0.0, dropout_p=dropout)
+                softcap=softcap or 0.0, dropout_p=dropout,
+                deterministic=bool(kwargs.get("deterministic")))
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
     if attention_mask is not None and attention_mask.dim() == 2:
