@@ -198,12 +198,12 @@ _CALLS_MAX = 512
 
 
 def call_signature(site: str, scalars, *tensors) -> Optional[tuple]:
-    """The signature of a call at ``site`` (None: do not replay): its Python scalars (hashable)
-    and the shape, strides, dtype and device index of each tensor argument (None where
-    absent)."""
+    """The signature of a call at ``site`` (None: do not replay): its Python scalars (hashable),
+    the switches that choose its kernels, and the shape, strides, dtype and device index of
+    each tensor argument (None where absent)."""
     if not _env.FAST_LAUNCH or _env.INTERPRET:
         return None
-    return (site, scalars, _env.TMA, _env.AUTOTUNE, _env.PDL,
+    return (site, scalars, _env.TMA, _env.AUTOTUNE, _env.PDL, _env.GLUON, GLUON_VARIANTS,
             *[None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
               for t in tensors])
 
