@@ -1,6 +1,7 @@
 """Benchmark of the attention variants against FlexAttention on the same shapes.
 
-    python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out] [--gluon-variants]
+    python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out]
+        [--triton-variants] [--gluon-bwd-variants]
 
 Variants (bf16, batch * seqlen = 16K tokens, 16 heads of 128): causal sliding window
 of 1024, document masking (documents of 2048 tokens, through mask_mod + a block
@@ -114,10 +115,13 @@ def main(argv=None):
                    default=["window", "document", "prefix_lm", "alibi", "softcap"])
     p.add_argument("--out", default="bench_out")
     p.add_argument("--commit", default=None)
-    p.add_argument("--gluon-variants", action="store_true",
-                   help="the variants' forwards on the Gluon kernel (launch.GLUON_VARIANTS)")
+    p.add_argument("--triton-variants", action="store_true",
+                   help="the variants' forwards on the Triton kernel (launch.GLUON_VARIANTS off)")
+    p.add_argument("--gluon-bwd-variants", action="store_true",
+                   help="the variants' backwards on the Gluon kernel (launch.GLUON_BWD_VARIANTS)")
     args = p.parse_args(argv)
-    launch.GLUON_VARIANTS = args.gluon_variants
+    launch.GLUON_VARIANTS = not args.triton_variants
+    launch.GLUON_BWD_VARIANTS = args.gluon_bwd_variants
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)

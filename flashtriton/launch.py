@@ -653,6 +653,17 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
     return GluonReplay(replay, views)
 
 
+def _gluon_variant(q, causal, softmax_scale, window_size, softcap, alibi_slopes, block_mask):
+    """The Variant of attention_forward_gluon's and attention_backward_gluon's options."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    variant = Variant(scale, causal, window_size[0], window_size[1], softcap, alibi_slopes)
+    if block_mask is not None:
+        variant = variant._replace(mask_mod=block_mask.mask_mod, kv_blocks=block_mask.kv_blocks,
+                                   q_blocks=block_mask.q_blocks,
+                                   block_size=block_mask.block_size)
+    return variant
+
+
 @on_device_of
 def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             causal: bool = False, softmax_scale: Optional[float] = None,
@@ -664,15 +675,11 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     head dim 64 or 128; flash-attn's window_size, softcap and alibi_slopes, or a block_mask of
     128-blocks (flashtriton.block_mask). Raises ValueError where gluon_misfit names a
     reason."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention_forward_gluon takes (B, N, H, D) q, k, v, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    variant = Variant(scale, causal, window_size[0], window_size[1], softcap, alibi_slopes)
-    if block_mask is not None:
-        variant = variant._replace(mask_mod=block_mask.mask_mod, kv_blocks=block_mask.kv_blocks,
-                                   q_blocks=block_mask.q_blocks,
-                                   block_size=block_mask.block_size)
+    variant = _gluon_variant(q, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                             block_mask)
     reason = gluon_misfit(q, k, v, variant, variants=True)
     if reason is not None:
         raise ValueError(reason)
@@ -692,28 +699,33 @@ def _gluon_descriptor(t: torch.Tensor, block):
     return TensorDescriptor(t, [rows[3], rows[4]], [t.stride(1), 1], block, layout), rows[:3]
 
 
-def gluon_backward_misfit(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, variant: Variant, dq_mode: int = 2,
-                          ws: bool = True) -> Optional[str]:
+def gluon_backward_misfit(dout: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, variant: Variant, dq_mode: int = 2) -> Optional[str]:
     """Why the Gluon backward (kernels.gluon_bwd) cannot run this call, or None: what
-    gluon_misfit asks of the forward (plain or causal attention), dout in q's dtype and in a
-    layout of _token_rows; the warp-specialized kernel (ws) takes head dim 128 and dq_mode 2
-    or 1."""
-    reason = gluon_misfit(q, k, v, variant)
-    if reason is None and (dout.shape != q.shape or dout.dtype != q.dtype
-                           or _token_rows(dout) is None):
+    gluon_misfit asks of the forward with its variants, head dim 128, a block mask shared by
+    the query heads of a KV head, dout (unless None) in q's dtype and in a layout of
+    _token_rows, dq_mode 2 or 1."""
+    reason = gluon_misfit(q, k, v, variant, head_dims=(128, ), variants=True)
+    blocks = variant.q_blocks
+    if reason is None and blocks is not None and blocks.shape[1] > 1 and q.shape[2] > k.shape[2]:
+        reason = "the Gluon backward takes GQA with a block mask shared by the heads (H=None)"
+    if reason is None and dout is not None and (
+            dout.shape != q.shape or dout.dtype != q.dtype or _token_rows(dout) is None):
         reason = "the Gluon backward takes dout in q's dtype, tokens-major or heads-major"
-    if reason is None and ws and (q.shape[-1] != 128 or dq_mode not in (1, 2)):
-        reason = "the warp-specialized Gluon backward takes head dim 128, _dq_mode 2 or 1"
+    if reason is None and dq_mode not in (1, 2):
+        reason = f"the Gluon backward takes _dq_mode 2 or 1, got {dq_mode}"
     return reason
 
 
-def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int, ws: bool):
+def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2):
     """Launch kernels.gluon_bwd on tensors that gluon_backward_misfit passed: the prep kernel
-    (delta and a zeroed fp32 dQ buffer), the backward, and dQ's copy into q's layout."""
+    (delta and a zeroed fp32 dQ buffer), the backward, and dQ's copy into q's layout. The
+    variant's window, softcap and ALiBi arguments come from _common (as the forward's)."""
     from .kernels import gluon_bwd
     B, N, H, D = q.shape
-    scale = variant.softmax_scale
+    common, _ = _common(q, None, N, N, variant)
+    alibi, stride_ab, stride_ah = _alibi_args(variant)
+    bmask, *bmask_args = _block_args(variant.q_blocks)
     dk, dv = _empty_like(k), _empty_like(v)
     dq_acc = _empty((B, H, N, D), torch.float32, q.device)
     delta = _empty((B, H, N), torch.float32, q.device)
@@ -725,20 +737,17 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int, ws:
     do_desc, do_rows = _gluon_descriptor(dout, [64, D])
     k_desc, kv_rows = _gluon_descriptor(k, [128, D])
     v_desc, _ = _gluon_descriptor(v, [128, D])
-    # The warp-specialized kernel's two consumers reduce half the head dim each.
-    dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2 if ws else D])
-    grid = (configs.cdiv(N, 128), B * k.shape[2], 1)
-    tail = (lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
-            H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows, scale * LOG2E, scale)
-    if ws:
-        gluon_bwd._attn_bwd_gluon_ws_kernel[grid](
-            q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv, *tail,
-            IS_CAUSAL=bool(variant.causal), DQ_MODE=dq_mode, **gluon_bwd.WS_OPTIONS)
-    else:
-        gluon_bwd._attn_bwd_gluon_kernel[grid](
-            q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dq_acc, dk, dv, *tail[:2],
-            N * D, *tail[2:], IS_CAUSAL=bool(variant.causal), DQ_MODE=dq_mode,
-            **gluon_bwd.OPTIONS)
+    # Each of the kernel's two consumers reduces half the head dim.
+    dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2])
+    gluon_bwd._attn_bwd_gluon_kernel[(configs.cdiv(N, 128), B * k.shape[2], 1)](
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv, alibi, bmask,
+        lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), stride_ab,
+        stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows,
+        common["qk_scale"], variant.softmax_scale, common["cap2"], -common["WIN_LEFT"],
+        common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
+        HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
+        HAS_ALIBI=alibi is not None, LISTED=bmask is not None, MASK_MOD=variant.mask_mod,
+        **gluon_bwd.OPTIONS)
     dq = _empty_like(q)
     dq.copy_(dq_acc.transpose(1, 2))
     return dq, dk, dv
@@ -748,35 +757,42 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int, ws:
 def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                              causal: bool = False, softmax_scale: Optional[float] = None,
-                             _dq_mode: int = 2, _ws: bool = False
+                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Optional[torch.Tensor] = None, block_mask=None,
+                             _dq_mode: int = 2
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Gluon backward (kernels.gluon_bwd) alone: dQ, dK, dV in the layouts of q, k, v from
-    the forward's out and natural-log lse (B, H, N). dQ is summed in an order that varies from
-    run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 0 atomics, 1 dQ not added
-    (timing only). _ws: the warp-specialized kernel (the one attention_backward runs; _dq_mode
-    2 or 1, head dim 128: its two consumers split it). Raises ValueError where
-    gluon_backward_misfit names a reason."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    """The Gluon backward (kernels.gluon_bwd) alone (tests and benchmarks; attention_backward
+    chooses it where it fits): dQ, dK, dV in the layouts of q, k, v from the forward's out and
+    natural-log lse (B, H, N); the options as attention_forward_gluon's. dQ is summed in an
+    order that varies from run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 1
+    dQ not added (timing only). Raises ValueError where gluon_backward_misfit names a
+    reason."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or dout.shape != q.shape:
         raise ValueError(f"attention_backward_gluon takes (B, N, H, D) dout, q, k, v, got "
                          f"{tuple(dout.shape)}, {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
-    variant = Variant(scale, causal)
-    reason = gluon_backward_misfit(dout, q, k, v, variant, _dq_mode, _ws)
+    variant = _gluon_variant(q, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                             block_mask)
+    reason = gluon_backward_misfit(dout, q, k, v, variant, _dq_mode)
     if reason is not None:
         raise ValueError(reason)
-    return _gluon_backward(dout, q, k, v, out, lse, variant, _dq_mode, _ws)
+    return _gluon_backward(dout, q, k, v, out, lse, variant, _dq_mode)
 
 
-# The shortest sequence attention_backward runs on the warp-specialized Gluon backward (where
-# it fits and no deterministic backward is asked for): H200 measurements in docs/perf.md.
+# The shortest sequence attention_backward runs on the Gluon backward (where it fits and no
+# deterministic backward is asked for; H200: 0.99-1.01x the Triton backward at 4K, 1.08-1.16x
+# from 8K, docs/perf.md, session 14), and whether it also runs windows, softcap, ALiBi and
+# block masks there (off until measured).
 GLUON_BWD_MIN_SEQLEN = 4096
+GLUON_BWD_VARIANTS = False
 
 
 def _runs_gluon_backward(q, k, v, variant: Variant, varlen) -> bool:
-    return (_env.GLUON and not variant.deterministic and varlen is None
-            and q.shape[1] >= GLUON_BWD_MIN_SEQLEN and q.shape[-1] == 128
-            and gluon_misfit(q, k, v, variant) is None)
+    if (not _env.GLUON or variant.deterministic or varlen is not None
+            or q.shape[1] < GLUON_BWD_MIN_SEQLEN
+            or gluon_backward_misfit(None, q, k, v, variant) is not None):
+        return False
+    return GLUON_BWD_VARIANTS or gluon_misfit(q, k, v, variant) is None
 
 
 @on_device_of
@@ -795,7 +811,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if _runs_gluon_backward(q, k, v, variant, varlen):
         if _token_rows(dout) is None:
             dout = dout.contiguous()  # e.g. the expanded gradient of a sum
-        return _gluon_backward(dout, q, k, v, out, lse, variant, 2, True)
+        return _gluon_backward(dout, q, k, v, out, lse, variant)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     lse = lse.contiguous()  # delta below shares its strides
     # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel

@@ -6,10 +6,9 @@ Gluon and Triton (back-to-back calls, replayed).
 
 --backward: the backward instead (TFLOP/s counted as 2.5x the forward's FLOPs, as the bench
 does): the Gluon backward (launch.attention_backward_gluon, whole call: prep kernel, kernel,
-dQ conversion) with dQ by TMA reductions (g2), by atomics (g0) and not added (g1, timing
-only), the warp-specialized kernel (w2 TMA reductions by its producer, w1 dQ not added),
-flashtriton's Triton backward and cuDNN's, each row's dQ/dK/dV (g2's and w2's) checked
-against cuDNN's.
+dQ conversion) with dQ added by its producer's TMA reductions (w2) and not added (w1, timing
+only), flashtriton's Triton backward (deterministic=True) and cuDNN's, each row's dQ/dK/dV
+(w2's) checked against cuDNN's.
 
     python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
     python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
@@ -31,7 +30,7 @@ from flashtriton.launch import attention_backward_gluon, attention_forward_gluon
 def triton_forward(q, k, v, causal):
     _env.GLUON = False
     try:
-        return flash_attention(q, k, v, causal=causal)
+        return flash_attention(q, k, v, causal=causal, deterministic=True)  # Triton backward
     finally:
         _env.GLUON = True
 
@@ -68,11 +67,13 @@ def main():
             err = float((out.float() - ref.float()).abs().max())
             print(f"causal={causal}: max error {err:.2e}", flush=True)
             out, lse = attention_forward_gluon(q, k, v, causal)
-            for mode, ws in ((2, False), (0, False), (2, True)):
+            for opts in ({}, dict(window_size=(100, 50)), dict(softcap=5.0),
+                         dict(alibi_slopes=torch.full((2, ), 0.1, device="cuda"))):
+                out, lse = attention_forward_gluon(q, k, v, causal, **opts)
                 grads = attention_backward_gluon(torch.ones_like(out), q, k, v, out, lse,
-                                                 causal, _dq_mode=mode, _ws=ws)
+                                                 causal, **opts)
                 torch.cuda.synchronize()
-                print(f"backward causal={causal} dq_mode={mode} ws={ws}: finite "
+                print(f"backward causal={causal} {sorted(opts)}: finite "
                       f"{all(bool(g.isfinite().all()) for g in grads)}", flush=True)
         return
     if args.backward:
@@ -108,9 +109,9 @@ def main():
 
 def backward(args):
     """The --backward table (see the module docstring)."""
-    cols = ("w2", "w1", "g2", "g0", "g1")
+    cols = ("w2", "w1")
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} " + " ".join(f"{c:>6}" for c in cols)
-          + f" {'triton':>7} {'cudnn':>6}  max|g2-cudnn| max|w2-cudnn| dq/dk/dv")
+          + f" {'triton':>7} {'cudnn':>6}  max|w2-cudnn| dq/dk/dv")
     for D, N, H, HKV, q, k, v in shapes(args):
         B = q.shape[0]
         dout = torch.randn_like(q)
@@ -124,20 +125,16 @@ def backward(args):
             tq, tk, tv = (x.detach().clone().requires_grad_() for x in (q, k, v))
             tri_out = triton_forward(tq, tk, tv, causal)
             dref = dout.transpose(1, 2)
-            fns = {f"g{m}": (lambda m=m: attention_backward_gluon(dout, q, k, v, out, lse,
+            fns = {f"w{m}": (lambda m=m: attention_backward_gluon(dout, q, k, v, out, lse,
                                                                   causal, _dq_mode=m))
-                   for m in (2, 0, 1)}
-            for m in (2, 1) if D == 128 else ():
-                fns[f"w{m}"] = (lambda m=m: attention_backward_gluon(
-                    dout, q, k, v, out, lse, causal, _dq_mode=m, _ws=True))
+                   for m in (2, 1)}
             fns["triton"] = lambda: torch.autograd.grad(tri_out, (tq, tk, tv), dout,
                                                         retain_graph=True)
             fns["cudnn"] = lambda: torch.autograd.grad(ref_out, leaves, dref,
                                                        retain_graph=True)
             ref = [g.transpose(1, 2).float() for g in fns["cudnn"]()]
             errs = " ".join("/".join(f"{float((g.float() - r).abs().max()):.1e}"
-                                     for g, r in zip(fns[name](), ref)) for name in ("g2", "w2")
-                            if name in fns)
+                                     for g, r in zip(fns[name](), ref)) for name in ("w2", ))
             tflops = {name: flops / triton.testing.do_bench(fn, warmup=10, rep=60,
                                                             return_mode="median") * 1e-9
                       for name, fn in fns.items()}

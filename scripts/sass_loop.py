@@ -104,22 +104,24 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
         BMASK="*i32", qk_scale="fp32", cap2="fp32"))
 
 
-def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, ws=False):
+def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False,
+                      softcap=False, alibi=False, mask_mod=None):
     """The Gluon backward (kernels.gluon_bwd) for sm_90, bf16, its descriptors typed as
-    launch.attention_backward_gluon makes them (64-row query blocks, 128-row key blocks)."""
+    launch._gluon_backward makes them (64-row query blocks, 128-row key blocks, dQ halves);
+    causal is the upper bound (as launch._common gives it)."""
     import torch
 
     from flashtriton.kernels import gluon_bwd
-    fn = gluon_bwd._attn_bwd_gluon_ws_kernel if ws else gluon_bwd._attn_bwd_gluon_kernel
-    consts = dict(IS_CAUSAL=causal, DQ_MODE=dq_mode,
-                  **(gluon_bwd.WS_OPTIONS if ws else gluon_bwd.OPTIONS))
+    consts = dict(DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
+                  HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
+                  MASK_MOD=mask_mod, **gluon_bwd.OPTIONS)
     q_desc = _gluon_desc([64, dim], torch.bfloat16, 16 * dim)
     kv_desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
-    dq_desc = _gluon_desc([64, dim // 2 if ws else dim], torch.float32, 16 * dim)
-    return _gluon_compile(fn, consts, dict(
+    dq_desc = _gluon_desc([64, dim // 2], torch.float32, 16 * dim)
+    return _gluon_compile(gluon_bwd._attn_bwd_gluon_kernel, consts, dict(
         q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=dq_desc,
-        LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK="*bf16", DV="*bf16", qk_scale="fp32",
-        sm_scale="fp32"))
+        LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16", ALIBI="*fp32", BMASK="*i32",
+        qk_scale="fp32", sm_scale="fp32", cap2="fp32"))
 
 
 def softmax_overlaps(sass, exps):

@@ -116,8 +116,8 @@ VARIANTS = [(False, (100, -1), 0.0, None), (False, (-1, 37), 0.0, None),
 @pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 64)])
 def test_gluon_forward_variants_match_reference(B, N, H, HKV, D, causal, window, softcap,
                                                 alibi):
-    """kernels.gluon_fwd's windows, softcap and ALiBi (launch.attention_forward_gluon; not
-    yet chosen by attention_forward) against the float64 reference."""
+    """kernels.gluon_fwd's windows, softcap and ALiBi (launch.attention_forward_gluon)
+    against the float64 reference."""
     q, k, v = make_qkv(B, N, N, H, HKV, D, torch.bfloat16, "cuda", requires_grad=False)
     if softcap:
         q = q * 4  # large logits: the cap matters
@@ -251,41 +251,68 @@ def test_gluon_forward_block_masks_match_reference(mask_mod, N):
 
 
 class _GluonBackward(torch.autograd.Function):
-    """flashtriton's forward, then kernels.gluon_bwd for the gradients (dQ added by
-    dq_mode: 2 TMA reductions, 0 atomics)."""
+    """flashtriton's forward, then kernels.gluon_bwd for the gradients (the options as
+    attention_backward_gluon's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, dq_mode, ws=False):
-        out, lse = launch.attention_forward(q, k, v, Variant(q.shape[-1] ** -0.5, causal))
+    def forward(ctx, q, k, v, opts):
+        out, lse = launch.attention_forward_gluon(q, k, v, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.dq_mode, ctx.ws = causal, dq_mode, ws
+        ctx.opts = opts
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*launch.attention_backward_gluon(dout, q, k, v, out, lse, ctx.causal,
-                                                 _dq_mode=ctx.dq_mode, _ws=ctx.ws),
-                None, None, None)
+        return (*launch.attention_backward_gluon(dout, q, k, v, out, lse, **ctx.opts), None)
+
+
+def _gluon_backward(**opts):
+    return lambda q, k, v: _GluonBackward.apply(q, k, v, opts)
 
 
 @needs_hopper
-@pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
+@pytest.mark.parametrize("B,N,H,HKV,D", [s for s in SHAPES if s[-1] == 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("dq_mode,ws", [(2, False), (0, False), (2, True)],
-                         ids=["tma-reduce", "atomics", "warp-specialized"])
-def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, dq_mode, ws):
+def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype):
     q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda")
+    check_against_reference(_gluon_backward(causal=causal), q, k, v, causal)
 
-    def run(q, k, v):
-        return _GluonBackward.apply(q, k, v, causal, dq_mode, ws)
-    if ws and D != 128:
-        out = run(q, k, v)[0]
-        with pytest.raises(ValueError, match="takes head dim 128"):
-            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
-        return
-    check_against_reference(run, q, k, v, causal)
+
+@needs_hopper
+@pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
+@pytest.mark.parametrize("B,N,H,HKV", [(2, 1000, 4, 2), (1, 333, 2, 2)])
+def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, softcap, alibi):
+    """kernels.gluon_bwd with windows (one- and two-sided, with causal, narrower than a block),
+    softcap and ALiBi (per head and per batch and head), gradients against the float64
+    reference."""
+    q, k, v = make_qkv(B, N, N, H, HKV, 128, torch.bfloat16, "cuda", requires_grad=False)
+    if softcap:
+        q = q * 4  # large logits: the cap matters
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    slopes = None
+    if alibi is not None:
+        shape = (H,) if alibi == "head" else (B, H)
+        slopes = torch.rand(shape, device="cuda", dtype=torch.float32) * 0.3
+    check_against_reference(
+        _gluon_backward(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes),
+        q, k, v, causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+
+
+@needs_hopper
+@pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
+@pytest.mark.parametrize("N,H,HKV", [(1024, 4, 2), (1000, 2, 2)])
+def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV):
+    """kernels.gluon_bwd over a block mask's transposed lists (GQA with a shared mask, ragged
+    ends), gradients against the float64 reference of the same mask."""
+    from flashtriton.block_mask import create_block_mask
+    q, k, v = make_qkv(2, N, N, H, HKV, 128, torch.bfloat16, "cuda")
+    bm = create_block_mask(mask_mod, None, None, N, N, "cuda")
+    i = torch.arange(N, device="cuda")
+    keep = mask_mod.fn(0, 0, i[:, None], i[None, :])
+    check_against_reference(_gluon_backward(block_mask=bm), q, k, v, False,
+                            attn_mask=keep[None, None].expand(2, H, N, N))
 
 
 @needs_hopper
@@ -295,9 +322,7 @@ def test_gluon_backward_reads_strided_layouts(layout):
     q, k, v = (_heads_major(x) for x in (q, k, v)) if layout == "heads-major" else _packed(q, k, v)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     for causal in (False, True):
-        for ws in (False, True):
-            check_against_reference(
-                lambda q, k, v: _GluonBackward.apply(q, k, v, causal, 2, ws), q, k, v, causal)
+        check_against_reference(_gluon_backward(causal=causal), q, k, v, causal)
 
 
 @needs_hopper
@@ -309,6 +334,11 @@ def test_gluon_backward_rejects_what_it_does_not_take():
     with pytest.raises(ValueError, match="dout in q's dtype"):
         strided = torch.randn(1, 64, 2, 256, dtype=q.dtype, device="cuda")[..., ::2]
         launch.attention_backward_gluon(strided, q, k, v, out, lse)
+    with pytest.raises(ValueError, match="_dq_mode 2 or 1"):
+        launch.attention_backward_gluon(out, q, k, v, out, lse, _dq_mode=0)
+    with pytest.raises(ValueError, match="head dims"):
+        launch.attention_backward_gluon(out[..., :64], q[..., :64], k[..., :64], v[..., :64],
+                                        out, lse)
 
 
 @needs_hopper
@@ -320,13 +350,14 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch):
     sequences run the Triton backward."""
     calls = []
     real = launch._gluon_backward
-    monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
+    monkeypatch.setattr(launch, "GLUON_BWD_VARIANTS", False)
     q, k, v = make_qkv(2, 513, 513, 4, 2, 128, torch.bfloat16, "cuda")
     for causal in (False, True):
         check_against_reference(
             lambda q, k, v: flash_attention_with_lse(q, k, v, causal=causal), q, k, v, causal)
-    assert calls == [True, True]
+    assert len(calls) == 2
     flash_attention(q, k, v).sum().backward()  # dout: an expanded scalar, copied
     assert len(calls) == 3
 
@@ -364,3 +395,31 @@ def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+@needs_hopper
+def test_attention_backward_runs_gluon_variants_when_switched_on(monkeypatch):
+    """With launch.GLUON_BWD_VARIANTS, flash_attention's backward runs a window, softcap,
+    ALiBi and a block mask on the Gluon kernel (against the float64 reference); off, the
+    Triton kernels."""
+    calls = []
+    real = launch._gluon_backward
+    monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
+    from flashtriton.block_mask import create_block_mask
+    q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
+    slopes = torch.rand(4, device="cuda") * 0.3
+    bm = create_block_mask(_doc_mod, None, None, 700, 700, "cuda")
+    i = torch.arange(700, device="cuda")
+    doc = _doc_mod.fn(0, 0, i[:, None], i[None, :])[None, None].expand(2, 4, 700, 700)
+    cases = [(dict(causal=True, window_size=(256, 0)), {}),
+             (dict(causal=True, softcap=20.0), {}), (dict(alibi_slopes=slopes), {}),
+             (dict(block_mask=bm), dict(attn_mask=doc))]
+    for on in (False, True):
+        monkeypatch.setattr(launch, "GLUON_BWD_VARIANTS", on)
+        for opts, ref in cases:
+            check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **opts),
+                                    q, k, v, opts.get("causal", False),
+                                    **{**ref, **{n: x for n, x in opts.items()
+                                                 if n not in ("causal", "block_mask")}})
+        assert len(calls) == (4 if on else 0)
