@@ -781,8 +781,8 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 # The shortest sequence attention_backward runs on the Gluon backward (where it fits and no
 # deterministic backward is asked for; H200: 0.99-1.01x the Triton backward at 4K, 1.08-1.16x
-# from 8K, docs/perf.md, session 14), and whether it also runs windows, softcap, ALiBi and
-# block masks there (off until measured).
+# from 8K), and whether it also takes windows, softcap and ALiBi there (off: at 8K they ran
+# 0.81-0.95x the Triton kernels, block masks 1.18-1.21x; docs/perf.md, session 14).
 GLUON_BWD_MIN_SEQLEN = 4096
 GLUON_BWD_VARIANTS = False
 
@@ -792,7 +792,9 @@ def _runs_gluon_backward(q, k, v, variant: Variant, varlen) -> bool:
             or q.shape[1] < GLUON_BWD_MIN_SEQLEN
             or gluon_backward_misfit(None, q, k, v, variant) is not None):
         return False
-    return GLUON_BWD_VARIANTS or gluon_misfit(q, k, v, variant) is None
+    w = variant
+    windowed = w.window_left != -1 or (w.window_right != -1 and not w.causal)
+    return GLUON_BWD_VARIANTS or not (windowed or w.softcap or w.alibi_slopes is not None)
 
 
 @on_device_of

@@ -157,13 +157,20 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
 
 
 @needs_hopper
-def test_attention_forward_runs_gluon_variants_when_switched_on(monkeypatch):
-    """With launch.GLUON_VARIANTS, flash_attention runs a window, softcap, ALiBi and block-mask
-    forward on the Gluon kernel (the default) and the Triton backward on its output and LSE
-    (against the float64 reference, gradients included); off, the Triton forward."""
+@pytest.mark.parametrize("site,switch,counts", [
+    ("_gluon_forward", "GLUON_VARIANTS", (0, 4)),
+    ("_gluon_backward", "GLUON_BWD_VARIANTS", (1, 5))], ids=["forward", "backward"])
+def test_variants_run_on_gluon_as_switched(monkeypatch, site, switch, counts):
+    """flash_attention runs a window, softcap, ALiBi and a block mask on the Gluon kernels as
+    launch's switches say (against the float64 reference, gradients included): the forwards
+    with GLUON_VARIANTS (on by default), the backwards with GLUON_BWD_VARIANTS (off by
+    default; a block mask's backward runs on Gluon either way; GLUON_BWD_MIN_SEQLEN lowered to
+    reach it at test size); switched off, the Triton kernels."""
     calls = []
-    real = launch._gluon_forward
-    monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
+    real = getattr(launch, site)
+    monkeypatch.setattr(launch, site, lambda *a: calls.append(1) or real(*a))
+    if site == "_gluon_backward":
+        monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
     from flashtriton.block_mask import create_block_mask
     q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
     slopes = torch.rand(4, device="cuda") * 0.3
@@ -173,14 +180,14 @@ def test_attention_forward_runs_gluon_variants_when_switched_on(monkeypatch):
     cases = [(dict(causal=True, window_size=(256, 0)), {}),
              (dict(causal=True, softcap=20.0), {}), (dict(alibi_slopes=slopes), {}),
              (dict(block_mask=bm), dict(attn_mask=doc))]
-    for on in (False, True):
-        monkeypatch.setattr(launch, "GLUON_VARIANTS", on)
+    for on, count in zip((False, True), counts):
+        monkeypatch.setattr(launch, switch, on)
         for opts, ref in cases:
             check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **opts),
                                     q, k, v, opts.get("causal", False),
                                     **{**ref, **{n: x for n, x in opts.items()
                                                  if n not in ("causal", "block_mask")}})
-        assert len(calls) == (4 if on else 0)
+        assert len(calls) == count
 
 
 @needs_hopper
@@ -396,30 +403,3 @@ def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
 
-
-@needs_hopper
-def test_attention_backward_runs_gluon_variants_when_switched_on(monkeypatch):
-    """With launch.GLUON_BWD_VARIANTS, flash_attention's backward runs a window, softcap,
-    ALiBi and a block mask on the Gluon kernel (against the float64 reference); off, the
-    Triton kernels."""
-    calls = []
-    real = launch._gluon_backward
-    monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
-    from flashtriton.block_mask import create_block_mask
-    q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
-    slopes = torch.rand(4, device="cuda") * 0.3
-    bm = create_block_mask(_doc_mod, None, None, 700, 700, "cuda")
-    i = torch.arange(700, device="cuda")
-    doc = _doc_mod.fn(0, 0, i[:, None], i[None, :])[None, None].expand(2, 4, 700, 700)
-    cases = [(dict(causal=True, window_size=(256, 0)), {}),
-             (dict(causal=True, softcap=20.0), {}), (dict(alibi_slopes=slopes), {}),
-             (dict(block_mask=bm), dict(attn_mask=doc))]
-    for on in (False, True):
-        monkeypatch.setattr(launch, "GLUON_BWD_VARIANTS", on)
-        for opts, ref in cases:
-            check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **opts),
-                                    q, k, v, opts.get("causal", False),
-                                    **{**ref, **{n: x for n, x in opts.items()
-                                                 if n not in ("causal", "block_mask")}})
-        assert len(calls) == (4 if on else 0)
