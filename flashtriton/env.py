@@ -27,7 +27,7 @@ def report() -> str:
                  f"forward candidates: {len(configs.candidates('fwd'))}")
     lines.append(f"TMA loads: {'on for sm_90+ GPUs' if _env.TMA else 'off'}; cached launches of "
                  f"compiled kernels: {'on' if _env.FAST_LAUNCH and not _env.INTERPRET else 'off'}")
-    lines.append(f"Gluon forward (Hopper, D=128): {'on' if _env.GLUON else 'off'}")
+    lines.append(f"Gluon forward and backward (Hopper, D=128): {'on' if _env.GLUON else 'off'}")
     lines.append(f"logging: FLASHTRITON_LOG={_env.LOG_LEVEL or 'unset'}")
     lines.append("paths: forward/backward (dense, varlen, window, softcap, ALiBi, SDPA masks, "
                  "dropout, score/mask mods, block masks), KV-cache decoding (contiguous, paged, "

@@ -12,7 +12,7 @@ only), flashtriton's Triton backward (deterministic=True) and cuDNN's, each row'
 
     python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
     python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
-    timeout 60 python scripts/bench_gluon.py --smoke   # first: one small call per variant
+    timeout 200 python scripts/bench_gluon.py --smoke   # first: one small call per variant
                                                        # (a barrier mistake hangs, not fails)
 """
 import argparse

@@ -81,7 +81,7 @@ has sweep && timeout ${T_SWEEP:-240} python3 scripts/sweep_decode.py ${SWEEP_ARG
 # the rest is skipped then), their tests, the forward bench and (where the tree has the Gluon
 # backward) the backward bench.
 if has gluon; then
-  if timeout 120 python3 scripts/bench_gluon.py --smoke > "$OUT/gluon_smoke.log" 2>&1; then
+  if timeout ${T_GLUON_SMOKE:-200} python3 scripts/bench_gluon.py --smoke > "$OUT/gluon_smoke.log" 2>&1; then
     FLASHTRITON_AUTOTUNE=0 timeout ${T_GLUON_TESTS:-420} python3 -m pytest tests/test_gluon.py \
       -n 8 -q -p no:cacheprovider -rf --tb=short > "$OUT/gluon_tests.log" 2>&1
     timeout ${T_GLUON_BENCH:-200} python3 scripts/bench_gluon.py --dims 128 \
