@@ -623,6 +623,19 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
     return None
 
 
+# Whether the Gluon kernels take one-sided ALiBi (the keys' part of the bias in the scores,
+# the rows' part in the LSE: one FMA a score) where every visible key is at or left of the
+# diagonal (causal), instead of the general |i - j| form (off until measured on the H200).
+GLUON_ALIBI_ONE_SIDED = False
+
+
+def _gluon_alibi(common, alibi) -> int:
+    """The Gluon kernels' HAS_ALIBI: 0 none, 1 the general form, 2 one-sided."""
+    if alibi is None:
+        return 0
+    return 2 if GLUON_ALIBI_ONE_SIDED and common["HAS_ALIBI"] == 2 else 1
+
+
 def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
     """Launch kernels.gluon_fwd on tensors that gluon_misfit passed. The variant's window,
     softcap and ALiBi arguments come from _common (the Triton kernels' definitions)."""
@@ -642,7 +655,7 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
             common["WIN_RIGHT"])
     consts = dict(IS_CAUSAL=bool(variant.causal) and not windowed, NUM_STAGES=2,
                   HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
-                  HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=alibi is not None,
+                  HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=_gluon_alibi(common, alibi),
                   LISTED=bmask is not None, MASK_MOD=variant.mask_mod, **gluon_fwd.OPTIONS)
     grid = (configs.cdiv(N, 128), B * H, 1)
     kernel = gluon_fwd._attn_fwd_gluon_kernel
@@ -746,7 +759,8 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
         common["qk_scale"], variant.softmax_scale, common["cap2"], -common["WIN_LEFT"],
         common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
-        HAS_ALIBI=alibi is not None, LISTED=bmask is not None, MASK_MOD=variant.mask_mod,
+        HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
+        MASK_MOD=variant.mask_mod,
         **gluon_bwd.OPTIONS)
     dq = _empty_like(q)
     dq.copy_(dq_acc.transpose(1, 2))

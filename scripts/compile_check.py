@@ -158,6 +158,7 @@ for dim in (64, 128):
 for name, flags in (("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi causal", dict(alibi=True, causal=True)),
+                    ("one-sided alibi causal", dict(alibi=2, causal=True)),
                     ("block mask", dict(mask_mod=causal_mod))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
@@ -173,6 +174,8 @@ def gluon_bwd_judge(k):
 for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
-                    ("alibi", dict(alibi=True)), ("block mask", dict(mask_mod=causal_mod))):
+                    ("alibi", dict(alibi=True)),
+                    ("one-sided alibi causal", dict(alibi=2, causal=True)),
+                    ("block mask", dict(mask_mod=causal_mod))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

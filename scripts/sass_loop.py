@@ -90,8 +90,9 @@ def _gluon_compile(fn, consts, types):
 def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
                       softcap=False, alibi=False, mask_mod=None):
     """The Gluon forward (kernels.gluon_fwd) for sm_90, bf16, its descriptors typed as the
-    launcher makes them (launch._gluon_forward: 128-row blocks); a variant by its flags
-    (mask_mod: a block mask's lists, LISTED, with this @triton.jit mask_mod)."""
+    launcher makes them (launch._gluon_forward: 128-row blocks); a variant by its flags (alibi
+    1 / True the general form, 2 one-sided; mask_mod: a block mask's lists, LISTED, with this
+    @triton.jit mask_mod)."""
     import torch
 
     from flashtriton.kernels import gluon_fwd
@@ -108,7 +109,8 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
                       softcap=False, alibi=False, mask_mod=None):
     """The Gluon backward (kernels.gluon_bwd) for sm_90, bf16, its descriptors typed as
     launch._gluon_backward makes them (64-row query blocks, 128-row key blocks, dQ halves);
-    causal is the upper bound (as launch._common gives it)."""
+    causal is the upper bound (as launch._common gives it); alibi 1 / True the general form,
+    2 one-sided."""
     import torch
 
     from flashtriton.kernels import gluon_bwd

@@ -403,3 +403,38 @@ def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
 
+
+
+@needs_hopper
+@pytest.mark.parametrize("window,softcap,alibi", [((-1, -1), 0.0, "head"),
+                                                  ((-1, -1), 0.0, "batch"),
+                                                  ((150, -1), 30.0, "head")])
+def test_gluon_one_sided_alibi_matches_reference(monkeypatch, window, softcap, alibi):
+    """With launch.GLUON_ALIBI_ONE_SIDED, causal ALiBi in the Gluon forward and backward takes
+    the one-sided form (the keys' part in the scores, the rows' part in the LSE): output, LSE
+    and gradients against the float64 reference, GQA, ragged N."""
+    monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", True)
+    B, N, H, HKV = 2, 1000, 4, 2
+    q, k, v = make_qkv(B, N, N, H, HKV, 128, torch.bfloat16, "cuda")
+    slopes = torch.rand((H,) if alibi == "head" else (B, H), device="cuda") * 0.3
+    check_against_reference(
+        _gluon_backward(causal=True, window_size=window, softcap=softcap, alibi_slopes=slopes),
+        q, k, v, True, window_size=window, softcap=softcap, alibi_slopes=slopes)
+
+
+def test_gluon_alibi_form_follows_the_switch_and_the_mask(monkeypatch):
+    """launch._gluon_alibi: no slopes 0; the general form 1; the one-sided form 2 only with
+    GLUON_ALIBI_ONE_SIDED and every visible key at or left of the diagonal (causal, or a
+    window whose right side is 0)."""
+    slopes = torch.ones(2)
+    q = torch.empty(1, 64, 2, 128)
+
+    def form(**opts):
+        variant = Variant(0.1, alibi_slopes=slopes, **opts)
+        return launch._gluon_alibi(launch._common(q, None, 64, 64, variant)[0], slopes)
+    assert launch._gluon_alibi({}, None) == 0
+    monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", False)
+    assert form(causal=True) == 1
+    monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", True)
+    assert form(causal=True) == 2 and form(window_left=30, window_right=0) == 2
+    assert form() == 1 and form(window_left=30, window_right=5) == 1

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import LOG2E, q_range, scores
+from .common import LOG2E, alibi_part, q_range, scores
 
 
 @builtin
@@ -131,8 +131,10 @@ def _dkdv_products(k_s, v_s, q_s, do_s, dk, dv, lse2, delta, keys, cols, SEQ, qk
                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr):
     """S^T = K Q^T and dP^T = V dO^T issued together; P^T while dP^T runs; dV += P^T dO
     issued, dS^T = P^T (dP^T - delta) while it runs; dK += dS^T Q issued. var = (LOWER,
-    UPPER, cap2, slope2, b, h). Returns dS^T (in the inputs' dtype) and dK, dV (their
-    products still in flight)."""
+    UPPER, cap2, slope2, b, h, anchor). HAS_ALIBI 2 (one-sided ALiBi, every visible key at or
+    left of the diagonal): the keys' part of the bias (common.alibi_part relative to the
+    anchor) here, the rows' part in lse2 (_step). Returns dS^T (in the inputs' dtype) and dK,
+    dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = q_s.shape[0]
     zero = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
@@ -140,7 +142,10 @@ def _dkdv_products(k_s, v_s, q_s, do_s, dk, dv, lse2, delta, keys, cols, SEQ, qk
     dpt = warpgroup_mma(v_s, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
     if HAS_SOFTCAP or HAS_ALIBI:  # log2-domain scores; ALiBi's |j - i| is symmetric
-        s2, tc = scores(st, keys, cols, qk_scale, var[2], var[3], 0, HAS_SOFTCAP, HAS_ALIBI)
+        s2, tc = scores(st, keys, cols, qk_scale, var[2], var[3], 0, HAS_SOFTCAP,
+                        HAS_ALIBI == 1)
+        if HAS_ALIBI == 2:
+            s2 = s2 + alibi_part(keys, var[6], var[3])[:, None]
         pt = gl.exp2(s2 - lse2[None, :])
     else:
         pt = gl.exp2(st * qk_scale - lse2[None, :])
@@ -176,7 +181,7 @@ def _step(t, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty
     """Query block t for consumer W (keys `keys`; cfg as _consume's): returns dK, dV of its
     keys."""
     LSE, DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, \
-        cap2, LOWER, UPPER = cfg
+        cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
@@ -198,11 +203,13 @@ def _step(t, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(ALIBI + off_b * stride_ab + h * stride_ah) * LOG2E
+        if HAS_ALIBI == 2:  # the rows' part of one-sided ALiBi (_dkdv_products)
+            lse2 = lse2 + alibi_part(cols, anchor, slope2)
     mbarrier.wait(full.index(slot), phase)
     dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, dk, dv, lse2, delta, keys, cols, SEQ,
-                                 qk_scale, (LOWER, UPPER, cap2, slope2, off_b, h), st_layout,
-                                 a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                 MASK_MOD)
+                                 qk_scale, (LOWER, UPPER, cap2, slope2, off_b, h, anchor),
+                                 st_layout, a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                                 HAS_ALIBI, MASK_MOD)
     # This group's rows of dS^T; dQ's product needs the other group's too.
     ds_s = ds_smem.index(slot)
     ds_s.slice(W * KEYS, KEYS, dim=0).store(dst)
@@ -232,7 +239,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (LSE,
     DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2,
-    LOWER, UPPER)."""
+    LOWER, UPPER, the program's first key: one-sided ALiBi's anchor)."""
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
     dtype: gl.constexpr = k_w.dtype
@@ -342,7 +349,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     total = GROUP * cnt
     walk = (cnt, m_lo, off_hk * GROUP, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, lst)
     cfg = (LSE, DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale,
-           sm_scale, cap2, LOWER, UPPER)
+           sm_scale, cap2, LOWER, UPPER, n * BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)

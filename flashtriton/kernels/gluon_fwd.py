@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import LOG2E, kv_range, scores
+from .common import LOG2E, alibi_part, kv_range, scores
 
 
 @gluon.jit
@@ -118,9 +118,16 @@ def _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL: gl.constexp
              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr):
     """The online softmax of one block of raw dot products s: (P, the new max, the new sum,
     the accumulator's factor). Plain scores keep the scale in the exp2's FFMA; softcap and
-    ALiBi scores (common.scores, log2 domain) are formed first, then masked."""
-    if HAS_SOFTCAP or HAS_ALIBI:
-        s, _ = scores(s, rows, cols, qk_scale, var[3], var[4], 0, HAS_SOFTCAP, HAS_ALIBI)
+    ALiBi scores (common.scores, log2 domain) are formed first, then masked. HAS_ALIBI 2:
+    one-sided ALiBi (every visible key at or left of the diagonal): the key part of the bias
+    only (common.alibi_part, relative to var[7]); the row part moves into the LSE."""
+    if HAS_SOFTCAP or HAS_ALIBI == 1:
+        s, _ = scores(s, rows, cols, qk_scale, var[3], var[4], 0, HAS_SOFTCAP, HAS_ALIBI == 1)
+        if HAS_ALIBI == 2:
+            s = s + alibi_part(cols, var[7], var[4])[None, :]
+        scale: gl.constexpr = 1.0
+    elif HAS_ALIBI == 2:  # one FFMA a score
+        s = gl.fma(s, qk_scale, alibi_part(cols, var[7], var[4])[None, :])
         scale: gl.constexpr = 1.0
     else:
         scale = qk_scale
@@ -145,7 +152,8 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
             MASK_MOD: gl.constexpr):
     """A consumer partition: ROWS query rows from row_start (q_smem holds them) over the ring's
     key blocks 0 .. n_blocks - 1 (blocks: (n_blocks, full_lo, full_hi); ring block j holds
-    the keys from _first_key(j), var = (kv0, LOWER, UPPER, cap2, slope2, b, h)); blocks
+    the keys from _first_key(j), var = (kv0, LOWER, UPPER, cap2, slope2, b, h, the query
+    block's first row)); blocks
     before full_lo (a window's lower edge) and from full_hi on (the causal diagonal, a
     window's upper edge, the ragged end, a block mask's partial blocks) are masked. WARPS
     warps; stores O and the LSE."""
@@ -209,7 +217,10 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     o_ptrs = (O + off_b * stride_ob + off_h * stride_oh + o_rows[:, None] * stride_ot
               + o_cols[None, :])
     gl.store(o_ptrs, out.to(q_smem.dtype), mask=o_rows[:, None] < SEQ)
-    lse = gl.where(l_i == 0.0, -float("inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    lse2 = m_i + gl.log2(l_i)
+    if HAS_ALIBI == 2:  # the rows' part of one-sided ALiBi (see _softmax)
+        lse2 = lse2 - alibi_part(rows, var[7], var[4])
+    lse = gl.where(l_i == 0.0, -float("inf"), lse2 * 0.6931471805599453)
     gl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=rows < SEQ)
 
 
@@ -273,7 +284,9 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     Variants (the launcher's _common): a window (HAS_LOWER / HAS_UPPER: query i sees keys
     i + LOWER .. i + UPPER; causal with a window is HAS_UPPER with UPPER 0, IS_CAUSAL is
     the plain causal kernel), softcap (qk_scale = scale / softcap, cap2 = softcap * log2 e)
-    and ALiBi (slopes at ALIBI, per head or per batch and head); LISTED: a block mask of
+    and ALiBi (slopes at ALIBI, per head or per batch and head; HAS_ALIBI 1 the general
+    form, 2 the one-sided one where every visible key is at or left of the diagonal, as
+    _softmax says); LISTED: a block mask of
     128-blocks (flashtriton.block_mask: BMASK's row of this query block lists its full then
     partial key blocks; MASK_MOD(b, h, i, j) on the partial ones)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -301,7 +314,7 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
         lst = (0, 0, 0)
         blocks, kv0 = _bounds(start_m, SEQ, (0, LOWER, UPPER), BLOCK_M, BLOCK_N, IS_CAUSAL,
                               HAS_LOWER, HAS_UPPER)
-    var = (kv0, LOWER, UPPER, cap2, slope2, off_b, off_h)
+    var = (kv0, LOWER, UPPER, cap2, slope2, off_b, off_h, start_m * BLOCK_M)
     row0 = off_b * kv_rb + off_hk * kv_rh
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
