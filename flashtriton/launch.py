@@ -591,6 +591,11 @@ def _token_rows(t: torch.Tensor):
     return None
 
 
+def _windowed(variant: Variant) -> bool:
+    """Whether a call has a sliding window beyond the causal mask."""
+    return variant.window_left != -1 or (variant.window_right != -1 and not variant.causal)
+
+
 def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                  varlen: Optional[Varlen] = None, head_dims=(64, 128),
                  variants: bool = False) -> Optional[str]:
@@ -605,7 +610,7 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
     if q.shape[-1] not in head_dims:
         return f"the Gluon forward takes head dims {head_dims}, got {q.shape[-1]}"
     w = variant
-    windowed = w.window_left != -1 or (w.window_right != -1 and not w.causal)
+    windowed = _windowed(w)
     listed = (w.kv_blocks is not None and w.block_size == 128 and w.mask_mod is not None
               and not w.causal and not windowed)
     if (w.attn_mask is not None or w.dropout_p or w.score_mod is not None
@@ -647,7 +652,7 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     # Causal attention without a window keeps its own constexpr path (IS_CAUSAL); with a
     # window the causal bound is the window's upper bound (UPPER 0).
-    windowed = variant.window_left != -1 or (variant.window_right != -1 and not variant.causal)
+    windowed = _windowed(variant)
     bmask, *bmask_args = _block_args(variant.kv_blocks)
     args = (out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *rows[0], *rows[1],
@@ -760,8 +765,7 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
         common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
         HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
-        MASK_MOD=variant.mask_mod,
-        **gluon_bwd.OPTIONS)
+        MASK_MOD=variant.mask_mod, **gluon_bwd.OPTIONS)
     dq = _empty_like(q)
     dq.copy_(dq_acc.transpose(1, 2))
     return dq, dk, dv
@@ -806,9 +810,8 @@ def _runs_gluon_backward(q, k, v, variant: Variant, varlen) -> bool:
             or q.shape[1] < GLUON_BWD_MIN_SEQLEN
             or gluon_backward_misfit(None, q, k, v, variant) is not None):
         return False
-    w = variant
-    windowed = w.window_left != -1 or (w.window_right != -1 and not w.causal)
-    return GLUON_BWD_VARIANTS or not (windowed or w.softcap or w.alibi_slopes is not None)
+    return GLUON_BWD_VARIANTS or not (_windowed(variant) or variant.softcap
+                                      or variant.alibi_slopes is not None)
 
 
 @on_device_of
@@ -822,7 +825,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         return _empty_like(q).zero_(), _empty_like(k).zero_(), _empty_like(v).zero_()
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    # The warp-specialized Gluon backward where it fits (H200, 8K-16K tokens: 1.08-1.15x the
+    # The warp-specialized Gluon backward where it fits (H200, 8K-16K tokens: 1.08-1.16x the
     # two Triton kernels; docs/perf.md, session 14); its dQ sums vary in order from run to run.
     if _runs_gluon_backward(q, k, v, variant, varlen):
         if _token_rows(dout) is None:
