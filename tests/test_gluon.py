@@ -1,5 +1,7 @@
 """The Gluon forward and backward (kernels.gluon_fwd, kernels.gluon_bwd, Hopper only) against
-the float64 reference, the layouts they read, and when attention_forward chooses the forward.
+the float64 reference (their variants too), the layouts they read, and when
+attention_forward / attention_backward choose them (deterministic=True keeps the backward on
+the repeatable Triton kernels).
 Their compiled sm_90 code (the forward's softmax between the two products' waits, the
 backward's dQ reductions) is checked on any machine by scripts/compile_check.py, which CI
 runs; the layout and eligibility rules and the backward's Triton prep kernel run on the CPU."""
