@@ -689,7 +689,7 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             alibi_slopes: Optional[torch.Tensor] = None, block_mask=None
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward alone (tests and benchmarks; attention_forward chooses it where it
-    fits, for plain and causal attention): O in q's layout and the natural-log LSE (B, H, N);
+    fits at D=128, its variants while GLUON_VARIANTS is on): O in q's layout and the natural-log LSE (B, H, N);
     head dim 64 or 128; flash-attn's window_size, softcap and alibi_slopes, or a block_mask of
     128-blocks (flashtriton.block_mask). Raises ValueError where gluon_misfit names a
     reason."""

@@ -6,8 +6,8 @@
   _attn_bwd_dkdv_kernel        one program per (key block, batch * kv head);
                                loops over the GROUP query heads sharing the kv
                                head, so dK/dV of GQA/MQA are summed in registers
-  _attn_bwd_prep_kernel        delta, and a zeroed fp32 dQ buffer, for the one-kernel
-                               Gluon backward (kernels.gluon_bwd)
+  _attn_bwd_prep_kernel        delta, and a zeroed fp32 dQ buffer, for the Gluon backward
+                               (kernels.gluon_bwd)
 
 P is rebuilt tile by tile as exp2(s2 - LSE * log2(e)); no N x N buffer exists
 and no atomics are used, so gradients are bitwise repeatable. With softcap,
