@@ -630,8 +630,9 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
 
 # Whether the Gluon kernels take one-sided ALiBi (the keys' part of the bias in the scores,
 # the rows' part in the LSE: one FMA a score) where every visible key is at or left of the
-# diagonal (causal), instead of the general |i - j| form (off until measured on the H200).
-GLUON_ALIBI_ONE_SIDED = False
+# diagonal (causal), instead of the general |i - j| form (measured on the H200, causal 8K:
+# forward 447 -> 462 TFLOP/s, the Gluon backward 320 -> 332; docs/perf.md, session 15).
+GLUON_ALIBI_ONE_SIDED = True
 
 
 def _gluon_alibi(common, alibi) -> int:

@@ -12,6 +12,7 @@ only), flashtriton's Triton backward (deterministic=True) and cuDNN's, each row'
 
     python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
     python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
+    python scripts/bench_gluon.py --backward --ab EARLY_S [--rounds 5]   # an OPTIONS A/B
     timeout 200 python scripts/bench_gluon.py --smoke   # first: one small call per variant
                                                        # (a barrier mistake hangs, not fails)
 """
@@ -24,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtriton import _env, flash_attention
 from flashtriton.bench import per_call_us
+from flashtriton.kernels import gluon_bwd
 from flashtriton.launch import attention_backward_gluon, attention_forward_gluon
 
 
@@ -53,6 +55,9 @@ def main():
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--gqa", action="store_true", help="8 KV heads")
     p.add_argument("--backward", action="store_true", help="the backward instead")
+    p.add_argument("--ab", metavar="NAME",
+                   help="with --backward: gluon_bwd.OPTIONS[NAME] off and on, round-robin")
+    p.add_argument("--rounds", type=int, default=5, help="--ab's rounds")
     p.add_argument("--smoke", action="store_true",
                    help="one small call per variant against SDPA, printed as it finishes")
     args = p.parse_args()
@@ -107,8 +112,22 @@ def main():
           f"triton {tri:.1f}")
 
 
+def with_options(fn, **options):
+    """fn with kernels.gluon_bwd.OPTIONS updated by options while it runs."""
+    def run():
+        saved = dict(gluon_bwd.OPTIONS)
+        gluon_bwd.OPTIONS.update(options)
+        try:
+            return fn()
+        finally:
+            gluon_bwd.OPTIONS.update(saved)
+    return run
+
+
 def backward(args):
     """The --backward table (see the module docstring)."""
+    if args.ab:
+        return backward_ab(args)
     cols = ("w2", "w1")
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} " + " ".join(f"{c:>6}" for c in cols)
           + f" {'triton':>7} {'cudnn':>6}  max|w2-cudnn| dq/dk/dv")
@@ -141,6 +160,42 @@ def backward(args):
             print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} " + " ".join(
                 f"{tflops.get(n, 0):>6.0f}" for n in cols) +
                 f" {tflops['triton']:>7.0f} {tflops['cudnn']:>6.0f}  {errs}", flush=True)
+
+
+def backward_ab(args):
+    """--backward --ab NAME: the Gluon backward (w2) with the boolean gluon_bwd.OPTIONS[NAME]
+    off and on, and cuDNN's, measured round-robin --rounds times (100 ms each); the median
+    TFLOP/s over the rounds and, in brackets, (max - min) / median in %. Identical kernels
+    measured one after the other differ by up to 7% (session 15): an A/B needs the rounds."""
+    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {args.ab + '=0':>14} "
+          f"{args.ab + '=1':>14} {'cudnn':>14}  max|x-cudnn| dq/dk/dv (=0, =1)")
+    for D, N, H, HKV, q, k, v in shapes(args):
+        dout = torch.randn_like(q)
+        leaves = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+        for causal in (False, True):
+            flops = 2.5 * 4 * q.shape[0] * H * N * N * D / (2 if causal else 1)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                ref_out = F.scaled_dot_product_attention(*leaves, is_causal=causal,
+                                                         enable_gqa=HKV != H)
+            out, lse = attention_forward_gluon(q, k, v, causal)
+            w2 = lambda: attention_backward_gluon(dout, q, k, v, out, lse, causal)  # noqa: E731
+            fns = [with_options(w2, **{args.ab: bool(e)}) for e in (0, 1)]
+            fns.append(lambda: torch.autograd.grad(ref_out, leaves, dout.transpose(1, 2),
+                                                   retain_graph=True))
+            ref = [g.transpose(1, 2).float() for g in fns[2]()]
+            errs = " ".join("/".join(f"{float((g.float() - r).abs().max()):.1e}"
+                                     for g, r in zip(fn(), ref)) for fn in fns[:2])
+            runs = [[], [], []]
+            for _ in range(args.rounds):
+                for fn, got in zip(fns, runs):
+                    got.append(flops / triton.testing.do_bench(fn, warmup=10, rep=100,
+                                                               return_mode="median") * 1e-9)
+            cells = []
+            for got in runs:
+                mid = sorted(got)[len(got) // 2]
+                cells.append(f"{mid:.0f} ({100 * (max(got) - min(got)) / mid:.0f}%)")
+            print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} " + " ".join(
+                f"{c:>14}" for c in cells) + f"  {errs}", flush=True)
 
 
 if __name__ == "__main__":

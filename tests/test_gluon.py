@@ -280,11 +280,19 @@ def _gluon_backward(**opts):
     return lambda q, k, v: _GluonBackward.apply(q, k, v, opts)
 
 
+@pytest.fixture(params=[False, True], ids=["s0", "s1"])
+def early_s(request, monkeypatch):
+    """The Gluon backward's EARLY_S both ways (kernels.gluon_bwd: the next step's S^T issued
+    before dQ's staging)."""
+    from flashtriton.kernels import gluon_bwd
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", request.param)
+
+
 @needs_hopper
 @pytest.mark.parametrize("B,N,H,HKV,D", [s for s in SHAPES if s[-1] == 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype):
+def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, early_s):
     q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda")
     check_against_reference(_gluon_backward(causal=causal), q, k, v, causal)
 
@@ -292,7 +300,8 @@ def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype):
 @needs_hopper
 @pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
 @pytest.mark.parametrize("B,N,H,HKV", [(2, 1000, 4, 2), (1, 333, 2, 2)])
-def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, softcap, alibi):
+def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, softcap, alibi,
+                                                 early_s):
     """kernels.gluon_bwd with windows (one- and two-sided, with causal, narrower than a block),
     softcap and ALiBi (per head and per batch and head), gradients against the float64
     reference."""
@@ -312,7 +321,7 @@ def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, s
 @needs_hopper
 @pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
 @pytest.mark.parametrize("N,H,HKV", [(1024, 4, 2), (1000, 2, 2)])
-def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV):
+def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, early_s):
     """kernels.gluon_bwd over a block mask's transposed lists (GQA with a shared mask, ragged
     ends), gradients against the float64 reference of the same mask."""
     from flashtriton.block_mask import create_block_mask
@@ -408,14 +417,17 @@ def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
 
 
 @needs_hopper
+@pytest.mark.parametrize("one_sided", [True, False])
 @pytest.mark.parametrize("window,softcap,alibi", [((-1, -1), 0.0, "head"),
                                                   ((-1, -1), 0.0, "batch"),
                                                   ((150, -1), 30.0, "head")])
-def test_gluon_one_sided_alibi_matches_reference(monkeypatch, window, softcap, alibi):
-    """With launch.GLUON_ALIBI_ONE_SIDED, causal ALiBi in the Gluon forward and backward takes
-    the one-sided form (the keys' part in the scores, the rows' part in the LSE): output, LSE
-    and gradients against the float64 reference, GQA, ragged N."""
-    monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", True)
+def test_gluon_causal_alibi_forms_match_reference(monkeypatch, window, softcap, alibi,
+                                                  one_sided):
+    """Causal ALiBi in the Gluon forward and backward, in the one-sided form (the keys' part
+    in the scores, the rows' part in the LSE; launch.GLUON_ALIBI_ONE_SIDED, the default) and
+    the general one: output, LSE and gradients against the float64 reference, GQA, ragged
+    N."""
+    monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", one_sided)
     B, N, H, HKV = 2, 1000, 4, 2
     q, k, v = make_qkv(B, N, N, H, HKV, 128, torch.bfloat16, "cuda")
     slopes = torch.rand((H,) if alibi == "head" else (B, H), device="cuda") * 0.3

@@ -125,22 +125,36 @@ def _row_stats(LSE, DELTA, base, m, SEQ, BLOCK_M: gl.constexpr, st_layout: gl.co
 
 
 @gluon.jit
-def _dkdv_products(k_s, v_s, q_s, do_s, dk, dv, lse2, delta, keys, cols, SEQ, qk_scale, var,
+def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr):
+    """S^T = K Q^T of step t, issued (asynchronous) once its Q and dO blocks have landed in
+    slot t % 2."""
+    KEYS: gl.constexpr = k_s.shape[0]
+    ROWS: gl.constexpr = q_smem.shape[1]
+    mbarrier.wait(full.index(t % 2), (t // 2) & 1)
+    zero = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
+    return warpgroup_mma(k_s, q_smem.index(t % 2).permute((1, 0)), zero, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ, qk_scale, var,
                    st_layout: gl.constexpr, a_layout: gl.constexpr, MASK: gl.constexpr,
                    HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
-                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr):
-    """S^T = K Q^T and dP^T = V dO^T issued together; P^T while dP^T runs; dV += P^T dO
-    issued, dS^T = P^T (dP^T - delta) while it runs; dK += dS^T Q issued. var = (LOWER,
+                   HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr,
+                   S_DONE: gl.constexpr):
+    """dP^T = V dO^T issued behind S^T = K Q^T (st: in flight, or S_DONE complete); P^T
+    while dP^T runs; dV += P^T dO issued, dS^T = P^T (dP^T - delta) while it runs;
+    dK += dS^T Q issued. var = (LOWER,
     UPPER, cap2, slope2, b, h, anchor). HAS_ALIBI 2 (one-sided ALiBi, every visible key at or
     left of the diagonal): the keys' part of the bias (common.alibi_part relative to the
     anchor) here, the rows' part in lse2 (_step). Returns dS^T (in the inputs' dtype) and dK,
     dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
-    ROWS: gl.constexpr = q_s.shape[0]
+    ROWS: gl.constexpr = do_s.shape[0]
     zero = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
-    st = warpgroup_mma(k_s, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_s, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+    if not S_DONE:
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
     if HAS_SOFTCAP or HAS_ALIBI:  # log2-domain scores; ALiBi's |j - i| is symmetric
         s2, tc = scores(st, keys, cols, qk_scale, var[2], var[3], 0, HAS_SOFTCAP,
                         HAS_ALIBI == 1)
@@ -170,16 +184,22 @@ def _dkdv_products(k_s, v_s, q_s, do_s, dk, dv, lse2, delta, keys, cols, SEQ, qk
 
 # The kernel's launch constants: the first consumer's 4 warps, and the registers of the
 # consumers and of the producer (setmaxnreg; 4 warps each).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24)
+# EARLY_S: each step issues the next step's S^T before it stages dQ (_step; off until
+# measured on the H200).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=False)
 
 
 @gluon.jit
-def _step(t, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
-          dq_full, dq_empty, dk, dv, keys, cfg, W: gl.constexpr, MASK: gl.constexpr,
+def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty,
+          ds_ready, dq_full, dq_empty, dk, dv, keys, cfg, W: gl.constexpr, MASK: gl.constexpr,
           HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-          HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr):
-    """Query block t for consumer W (keys `keys`; cfg as _consume's): returns dK, dV of its
-    keys."""
+          HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
+          EARLY_S: gl.constexpr):
+    """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
+    returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
+    issued by the step before, and this step issues the next one's (step last: its own
+    again, discarded) before it stages dQ, so that the product runs during the staging;
+    else the step issues its own."""
     LSE, DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, \
         cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -205,11 +225,13 @@ def _step(t, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty
         slope2 = gl.load(ALIBI + off_b * stride_ab + h * stride_ah) * LOG2E
         if HAS_ALIBI == 2:  # the rows' part of one-sided ALiBi (_dkdv_products)
             lse2 = lse2 + alibi_part(cols, anchor, slope2)
-    mbarrier.wait(full.index(slot), phase)
-    dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, dk, dv, lse2, delta, keys, cols, SEQ,
+    s_now = st
+    if not EARLY_S:
+        s_now = _issue_s(t, q_smem, k_w, full, st_layout)
+    dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, lse2, delta, keys, cols, SEQ,
                                  qk_scale, (LOWER, UPPER, cap2, slope2, off_b, h, anchor),
                                  st_layout, a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                 HAS_ALIBI, MASK_MOD)
+                                 HAS_ALIBI, MASK_MOD, EARLY_S)
     # This group's rows of dS^T; dQ's product needs the other group's too.
     ds_s = ds_smem.index(slot)
     ds_s.slice(W * KEYS, KEYS, dim=0).store(dst)
@@ -221,13 +243,32 @@ def _step(t, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_cols, dq, use_acc=False, is_async=True)
     dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
     mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
+    if EARLY_S:
+        st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
     # Stage this group's dQ columns for the producer's reduction.
     mbarrier.wait(dq_empty.index(W * 2 + slot), phase)
     dq_w.index(W * 2 + slot).store(dq * sm_scale)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(W * 2 + slot), count=1)
-    return dk, dv
+    if EARLY_S:  # (no product in flight across the loop's branch: ptxas would serialize)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+    return dk, dv, st
+
+
+@gluon.jit
+def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full,
+           empty, ds_ready, dq_full, dq_empty, dk, dv, keys, cfg, W: gl.constexpr,
+           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
+           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
+    """_step over steps lo .. hi - 1, masked or not."""
+    for t in range(lo, hi):
+        dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w,
+                           full, empty, ds_ready, dq_full, dq_empty, dk, dv, keys, cfg, W, MASK,
+                           HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
+                           EARLY_S)
+    return dk, dv, st
 
 
 @gluon.jit
@@ -235,16 +276,17 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              empty, ds_ready, dq_full, dq_empty, DK, DV, stride_kb, stride_kt, stride_kh, key0,
              off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
              HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-             MASK_MOD: gl.constexpr):
+             MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (LSE,
     DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2,
     LOWER, UPPER, the program's first key: one-sided ALiBi's anchor)."""
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
     dtype: gl.constexpr = k_w.dtype
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, q_smem.shape[1], 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     SEQ = cfg[7]
@@ -254,20 +296,25 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
     mbarrier.wait(kv_full, 0)
-    for g in range(GROUP):
-        if HAS_UPPER:  # query blocks across the causal / window upper bound
-            for t in range(g * cnt, g * cnt + a):
-                dk, dv = _step(t, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full,
-                               empty, ds_ready, dq_full, dq_empty, dk, dv, keys, cfg, W, True,
-                               HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)
-        for t in range(g * cnt + a, g * cnt + b):
-            dk, dv = _step(t, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full,
-                           empty, ds_ready, dq_full, dq_empty, dk, dv, keys, cfg, W, False,
-                           HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)
-        for t in range(g * cnt + b, (g + 1) * cnt):
-            dk, dv = _step(t, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full,
-                           empty, ds_ready, dq_full, dq_empty, dk, dv, keys, cfg, W, True,
-                           HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)
+    last = GROUP * cnt - 1
+    if cnt > 0:  # (EARLY_S: the first S^T waits for step 0's blocks; a walk may be empty)
+        st = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout)
+        if EARLY_S:
+            st = _issue_s(0, q_smem, k_w, full, st_layout)
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
+                dq_full, dq_empty)
+        for g in range(GROUP):
+            if HAS_UPPER:  # query blocks across the causal / window upper bound
+                dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
+                                    True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                    MASK_MOD, EARLY_S)
+            dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
+                                False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                MASK_MOD, EARLY_S)
+            dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
+                                W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                MASK_MOD, EARLY_S)
     rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
     dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
     offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
@@ -320,7 +367,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           EARLY_S: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -387,13 +434,13 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                      v_smem.slice(0, KEYS, dim=0), k_smem.slice(0, HEAD_DIM // 2, dim=1),
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty, DK,
                      DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk, cfg, 0,
-                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
+                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, DK, DV, stride_kb,
                      stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1, HAS_LOWER,
-                     HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
+                     HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total, H, SEQ, DQ_MODE, LISTED))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
