@@ -766,7 +766,7 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
         common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
         HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
-        MASK_MOD=variant.mask_mod, **gluon_bwd.OPTIONS)
+        MASK_MOD=variant.mask_mod, **gluon_bwd.options(common["HAS_UPPER"]))
     dq = _empty_like(q)
     dq.copy_(dq_acc.transpose(1, 2))
     return dq, dk, dv

@@ -452,3 +452,15 @@ def test_gluon_alibi_form_follows_the_switch_and_the_mask(monkeypatch):
     monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", True)
     assert form(causal=True) == 2 and form(window_left=30, window_right=0) == 2
     assert form() == 1 and form(window_left=30, window_right=5) == 1
+
+
+def test_gluon_backward_early_s_follows_the_upper_bound(monkeypatch):
+    """kernels.gluon_bwd.options: EARLY_S None (the default) is on for walks with an upper
+    bound (causal, a window's: measured faster there) and off without one; a set value
+    stays."""
+    from flashtriton.kernels import gluon_bwd
+    assert gluon_bwd.OPTIONS["EARLY_S"] is None
+    assert gluon_bwd.options(True)["EARLY_S"] is True
+    assert gluon_bwd.options(False)["EARLY_S"] is False
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", False)
+    assert gluon_bwd.options(True)["EARLY_S"] is False

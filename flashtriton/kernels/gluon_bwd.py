@@ -184,9 +184,20 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ
 
 # The kernel's launch constants: the first consumer's 4 warps, and the registers of the
 # consumers and of the producer (setmaxnreg; 4 warps each).
-# EARLY_S: each step issues the next step's S^T before it stages dQ (_step; off until
-# measured on the H200).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=False)
+# EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
+# walk has an upper bound (causal, a window's), as options() says.
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None)
+
+
+def options(has_upper: bool) -> dict:
+    """The kernel's launch constants for a walk with (has_upper) or without an upper bound:
+    OPTIONS with EARLY_S chosen where it is None. Measured on the H200 (bf16, 8K and 16K,
+    five rounds; docs/perf.md, session 15): causal 373 -> 409 and 401 -> 439 TFLOP/s with it,
+    without a bound 486 -> 463 and 495 -> 472."""
+    opts = dict(OPTIONS)
+    if opts["EARLY_S"] is None:
+        opts["EARLY_S"] = bool(has_upper)
+    return opts
 
 
 @gluon.jit
