@@ -1,7 +1,7 @@
 """Benchmark of the attention variants against FlexAttention on the same shapes.
 
     python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out]
-        [--triton-variants] [--gluon-bwd-variants] [--general-alibi]
+        [--triton-variants] [--triton-bwd-variants] [--general-alibi]
 
 Variants (bf16, batch * seqlen = 16K tokens, 16 heads of 128): causal sliding window
 of 1024, document masking (documents of 2048 tokens, through mask_mod + a block
@@ -117,15 +117,16 @@ def main(argv=None):
     p.add_argument("--commit", default=None)
     p.add_argument("--triton-variants", action="store_true",
                    help="the variants' forwards on the Triton kernel (launch.GLUON_VARIANTS off)")
-    p.add_argument("--gluon-bwd-variants", action="store_true",
-                   help="the variants' backwards on the Gluon kernel (launch.GLUON_BWD_VARIANTS)")
+    p.add_argument("--triton-bwd-variants", action="store_true",
+                   help="the variants' backwards on the Triton kernels (launch.GLUON_BWD_VARIANTS "
+                        "off)")
     p.add_argument("--general-alibi", action="store_true",
                    help="causal ALiBi's general |i - j| form in the Gluon kernels "
                         "(launch.GLUON_ALIBI_ONE_SIDED off)")
     args = p.parse_args(argv)
     launch.GLUON_VARIANTS = not args.triton_variants
     launch.GLUON_ALIBI_ONE_SIDED = not args.general_alibi
-    launch.GLUON_BWD_VARIANTS = args.gluon_bwd_variants
+    launch.GLUON_BWD_VARIANTS = not args.triton_bwd_variants
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)

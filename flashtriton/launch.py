@@ -800,10 +800,11 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 # The shortest sequence attention_backward runs on the Gluon backward (where it fits and no
 # deterministic backward is asked for; H200: 0.99-1.01x the Triton backward at 4K, 1.08-1.16x
-# from 8K), and whether it also takes windows, softcap and ALiBi there (off: at 8K they ran
-# 0.81-0.95x the Triton kernels, block masks 1.18-1.21x; docs/perf.md, session 14).
+# from 8K), and whether it also takes windows, softcap and ALiBi there (on since its
+# EARLY_S walk, session 15: causal at 8K, window 315, softcap 387, ALiBi 382 TFLOP/s against
+# the Triton backward's 304, 297, 393; block masks always, 1.18-1.21x; docs/perf.md).
 GLUON_BWD_MIN_SEQLEN = 4096
-GLUON_BWD_VARIANTS = False
+GLUON_BWD_VARIANTS = True
 
 
 def _runs_gluon_backward(q, k, v, variant: Variant, varlen) -> bool:

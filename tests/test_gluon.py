@@ -165,9 +165,9 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
 def test_variants_run_on_gluon_as_switched(monkeypatch, site, switch, counts):
     """flash_attention runs a window, softcap, ALiBi and a block mask on the Gluon kernels as
     launch's switches say (against the float64 reference, gradients included): the forwards
-    with GLUON_VARIANTS (on by default), the backwards with GLUON_BWD_VARIANTS (off by
-    default; a block mask's backward runs on Gluon either way; GLUON_BWD_MIN_SEQLEN lowered to
-    reach it at test size); switched off, the Triton kernels."""
+    with GLUON_VARIANTS, the backwards with GLUON_BWD_VARIANTS (both on by default; a block
+    mask's backward runs on Gluon either way; GLUON_BWD_MIN_SEQLEN lowered to reach it at test
+    size); switched off, the Triton kernels."""
     calls = []
     real = getattr(launch, site)
     monkeypatch.setattr(launch, site, lambda *a: calls.append(1) or real(*a))
