@@ -29,9 +29,8 @@ Variants: a window (HAS_LOWER / HAS_UPPER: query i sees keys i + LOWER .. i + UP
 HAS_UPPER with UPPER 0), softcap and ALiBi (kernels.common.scores, as the forward), and a block
 mask of 128-blocks (LISTED: the key block's row of the transposed lists names its full, then
 partial query blocks; MASK_MOD(b, h, i, j) on the partial ones). Each key block walks, per
-query head, masked query blocks (a causal or window bound's edge, or all of them for a ragged
-key block), those that see all its keys (no mask), then, with a lower bound or a block mask,
-masked ones again (a window's far edge, the ragged end, partial blocks).
+query head, masked query blocks (a causal or window bound's edge), those that see all its
+keys (no mask), then masked ones again (a window's far edge, the ragged end, partial blocks).
 
 Scope: bf16 / fp16, head dim 128, SQ == SK, GQA, q / k / v / dO in the 2-D token-row views of
 launch._token_rows. The prep kernel (kernels.attn_bwd) computes delta and zeroes the fp32 dQ
@@ -97,10 +96,7 @@ def _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
                  HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, LISTED: gl.constexpr):
     """Key block n's query blocks per query head: the first (m_lo), how many (cnt), and the
     steps [a, b) of them that see every key of the block (no mask; none for a ragged key
-    block). Steps before a and from b on are masked. Without a lower bound or a block mask
-    no step after a needs the mask (b = cnt: the rows past SEQ of a ragged last query block
-    have P = 0; a ragged key block has a = cnt), so that _consume walks two loops, not three
-    (the third loop cost the causal backward 14% on the H200: docs/perf.md, session 15)."""
+    block). Steps before a and from b on are masked."""
     if LISTED:
         SUB: gl.constexpr = 128 // BLOCK_M
         m_lo = 0
@@ -114,9 +110,6 @@ def _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
         cnt = gl.maximum(gl.cdiv(hi, BLOCK_M) - m_lo, 0)
         a = (full_lo - lo) // BLOCK_M
         b = (full_hi - lo) // BLOCK_M
-        if not HAS_LOWER:
-            a = gl.where((n + 1) * BLOCK_N > SEQ, cnt, a)
-            b = cnt
     return m_lo, cnt, a, b
 
 
@@ -323,17 +316,16 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
                 dq_full, dq_empty)
         for g in range(GROUP):
-            if HAS_UPPER or not (HAS_LOWER or LISTED):  # across an upper bound; ragged keys
+            if HAS_UPPER:  # query blocks across the causal / window upper bound
                 dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
                                     True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                                     MASK_MOD, EARLY_S)
             dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                 False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                                 MASK_MOD, EARLY_S)
-            if HAS_LOWER or LISTED:  # across a lower bound, a block mask's partial blocks
-                dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys,
-                                    cfg, W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                    LISTED, MASK_MOD, EARLY_S)
+            dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
+                                W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                MASK_MOD, EARLY_S)
     rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
     dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
     offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
