@@ -2,6 +2,7 @@
 
     python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out]
         [--triton-variants] [--triton-bwd-variants] [--general-alibi]
+        [--gluon-bwd-option NAME=0|1]
 
 Variants (bf16, batch * seqlen = 16K tokens, 16 heads of 128): causal sliding window
 of 1024, document masking (documents of 2048 tokens, through mask_mod + a block
@@ -123,7 +124,16 @@ def main(argv=None):
     p.add_argument("--general-alibi", action="store_true",
                    help="causal ALiBi's general |i - j| form in the Gluon kernels "
                         "(launch.GLUON_ALIBI_ONE_SIDED off)")
+    p.add_argument("--gluon-bwd-option", action="append", default=[], metavar="NAME=0|1",
+                   help="set a boolean of kernels.gluon_bwd.OPTIONS (e.g. STATS_SMEM=1)")
     args = p.parse_args(argv)
+    if args.gluon_bwd_option:
+        from .kernels import gluon_bwd
+        for item in args.gluon_bwd_option:
+            name, value = item.split("=")
+            if name not in gluon_bwd.OPTIONS:
+                p.error(f"no gluon_bwd option {name!r}")
+            gluon_bwd.OPTIONS[name] = bool(int(value))
     launch.GLUON_VARIANTS = not args.triton_variants
     launch.GLUON_ALIBI_ONE_SIDED = not args.general_alibi
     launch.GLUON_BWD_VARIANTS = not args.triton_bwd_variants

@@ -690,8 +690,8 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             alibi_slopes: Optional[torch.Tensor] = None, block_mask=None
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward alone (tests and benchmarks; attention_forward chooses it where it
-    fits at D=128, its variants while GLUON_VARIANTS is on): O in q's layout and the natural-log LSE (B, H, N);
-    head dim 64 or 128; flash-attn's window_size, softcap and alibi_slopes, or a block_mask of
+    fits at D=128, its variants while GLUON_VARIANTS is on): O in q's layout and the
+    natural-log LSE (B, H, N); head dim 64 or 128; flash-attn's window_size, softcap and alibi_slopes, or a block_mask of
     128-blocks (flashtriton.block_mask). Raises ValueError where gluon_misfit names a
     reason."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
@@ -716,6 +716,16 @@ def _gluon_descriptor(t: torch.Tensor, block):
     rows = _token_rows(t)
     layout = gl.NVMMASharedLayout.get_default_for(block, el[t.dtype])
     return TensorDescriptor(t, [rows[3], rows[4]], [t.stride(1), 1], block, layout), rows[:3]
+
+
+def _gluon_flat_descriptor(t: torch.Tensor, block: int):
+    """A host TensorDescriptor over contiguous fp32 t as one row of t.numel() values, `block`
+    at a time (kernels.gluon_bwd's LSE and delta tiles)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    flat = t.view(-1)
+    return TensorDescriptor(flat, [flat.numel()], [1], [block],
+                            gl.NVMMASharedLayout.get_default_for([block], gl.float32))
 
 
 def gluon_backward_misfit(dout: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
@@ -758,10 +768,11 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
     v_desc, _ = _gluon_descriptor(v, [128, D])
     # Each of the kernel's two consumers reduces half the head dim.
     dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2])
+    stats_descs = [_gluon_flat_descriptor(t, 64) for t in (lse, delta)]
     gluon_bwd._attn_bwd_gluon_kernel[(configs.cdiv(N, 128), B * k.shape[2], 1)](
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lse, delta, dk, dv, alibi, bmask,
-        lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), stride_ab,
-        stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, *stats_descs, lse, delta, dk, dv, alibi,
+        bmask, lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
+        stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows,
         common["qk_scale"], variant.softmax_scale, common["cap2"], -common["WIN_LEFT"],
         common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],

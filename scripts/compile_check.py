@@ -176,6 +176,9 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi", dict(alibi=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
-                    ("block mask", dict(mask_mod=causal_mod))):
+                    ("block mask", dict(mask_mod=causal_mod)),
+                    # LSE and delta by TMA into shared memory (gluon_bwd.OPTIONS, off)
+                    ("stats-smem causal", dict(causal=True, STATS_SMEM=True)),
+                    ("stats-smem block mask", dict(mask_mod=causal_mod, STATS_SMEM=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

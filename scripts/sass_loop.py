@@ -65,14 +65,15 @@ def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **o
 
 
 def _gluon_desc(block, dtype, width):
-    """The type of a host TensorDescriptor over a 2-D view of ``width`` columns (only its
-    dtype, block and layout matter)."""
+    """The type of a host TensorDescriptor over a 2-D view of ``width`` columns (1-D with a
+    1-D block; only its dtype, block and layout matter)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
     el = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
-    view = torch.empty(256, width, dtype=dtype)
+    view = torch.empty(256, width, dtype=dtype) if len(block) == 2 else torch.empty(256 * width,
+                                                                                  dtype=dtype)
     return mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
                                         gl.NVMMASharedLayout.get_default_for(block, el)))
 
@@ -106,7 +107,7 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
 
 
 def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False,
-                      softcap=False, alibi=False, mask_mod=None):
+                      softcap=False, alibi=False, mask_mod=None, **options):
     """The Gluon backward (kernels.gluon_bwd) for sm_90, bf16, its descriptors typed as
     launch._gluon_backward makes them (64-row query blocks, 128-row key blocks, dQ halves);
     causal is the upper bound (as launch._common gives it); alibi 1 / True the general form,
@@ -116,12 +117,14 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
     from flashtriton.kernels import gluon_bwd
     consts = dict(DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
-                  MASK_MOD=mask_mod, **gluon_bwd.options(upper or causal))
+                  MASK_MOD=mask_mod, **{**gluon_bwd.options(upper or causal), **options})
     q_desc = _gluon_desc([64, dim], torch.bfloat16, 16 * dim)
     kv_desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
     dq_desc = _gluon_desc([64, dim // 2], torch.float32, 16 * dim)
+    stats_desc = _gluon_desc([64], torch.float32, 16)
     return _gluon_compile(gluon_bwd._attn_bwd_gluon_kernel, consts, dict(
         q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=dq_desc,
+        lse_desc=stats_desc, delta_desc=stats_desc,
         LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16", ALIBI="*fp32", BMASK="*i32",
         qk_scale="fp32", sm_scale="fp32", cap2="fp32"))
 

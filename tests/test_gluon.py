@@ -280,19 +280,22 @@ def _gluon_backward(**opts):
     return lambda q, k, v: _GluonBackward.apply(q, k, v, opts)
 
 
-@pytest.fixture(params=[False, True], ids=["s0", "s1"])
-def early_s(request, monkeypatch):
-    """The Gluon backward's EARLY_S both ways (kernels.gluon_bwd: the next step's S^T issued
-    before dQ's staging)."""
+@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(STATS_SMEM=True)],
+                ids=["s0", "s1", "stats"])
+def bwd_options(request, monkeypatch):
+    """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
+    step's S^T issued before dQ's staging), and STATS_SMEM (LSE and delta by TMA into shared
+    memory)."""
     from flashtriton.kernels import gluon_bwd
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", request.param)
+    for name, value in request.param.items():
+        monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
 
 
 @needs_hopper
 @pytest.mark.parametrize("B,N,H,HKV,D", [s for s in SHAPES if s[-1] == 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, early_s):
+def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, bwd_options):
     q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda")
     check_against_reference(_gluon_backward(causal=causal), q, k, v, causal)
 
@@ -301,7 +304,7 @@ def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, early_
 @pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
 @pytest.mark.parametrize("B,N,H,HKV", [(2, 1000, 4, 2), (1, 333, 2, 2)])
 def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, softcap, alibi,
-                                                 early_s):
+                                                 bwd_options):
     """kernels.gluon_bwd with windows (one- and two-sided, with causal, narrower than a block),
     softcap and ALiBi (per head and per batch and head), gradients against the float64
     reference."""
@@ -321,7 +324,7 @@ def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, s
 @needs_hopper
 @pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
 @pytest.mark.parametrize("N,H,HKV", [(1024, 4, 2), (1000, 2, 2)])
-def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, early_s):
+def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, bwd_options):
     """kernels.gluon_bwd over a block mask's transposed lists (GQA with a shared mask, ragged
     ends), gradients against the float64 reference of the same mask."""
     from flashtriton.block_mask import create_block_mask

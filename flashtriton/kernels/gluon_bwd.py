@@ -79,16 +79,29 @@ def _block_coords(t, walk, BLOCK_M: gl.constexpr, LISTED: gl.constexpr):
 
 
 @gluon.jit
-def _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, LISTED: gl.constexpr):
-    """TMA of step t's Q and dO blocks into slot t % 2."""
+def _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ,
+             LISTED: gl.constexpr, STATS_SMEM: gl.constexpr):
+    """TMA of step t's Q and dO blocks into slot t % 2; STATS_SMEM: its rows' LSE and delta
+    too (stats = (lse_desc, delta_desc, lse_smem, delta_smem): 1-D views of the (B, H, SEQ)
+    buffers; rows past SEQ read the next head's, _smem_stats masks them)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    q_row, q_col, o_row, o_col, _, _ = _block_coords(t, walk, BLOCK_M, LISTED)
+    q_row, q_col, o_row, o_col, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     slot = t % 2
-    mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    if STATS_SMEM:
+        mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                        + stats[0].block_type.nbytes + stats[1].block_type.nbytes)
+    else:
+        mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], full.index(slot),
                                     q_smem.index(slot))
     tma.async_copy_global_to_shared(do_desc, [o_row, o_col], full.index(slot),
                                     do_smem.index(slot))
+    if STATS_SMEM:
+        row = (walk[9] * H + h) * SEQ + m * BLOCK_M
+        tma.async_copy_global_to_shared(stats[0], [row], full.index(slot),
+                                        stats[2].index(slot))
+        tma.async_copy_global_to_shared(stats[1], [row], full.index(slot),
+                                        stats[3].index(slot))
 
 
 @gluon.jit
@@ -125,6 +138,18 @@ def _row_stats(LSE, DELTA, base, m, SEQ, BLOCK_M: gl.constexpr, st_layout: gl.co
 
 
 @gluon.jit
+def _smem_stats(lse_s, delta_s, cols, SEQ, var, layout: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """STATS_SMEM: the LSE (log2 domain, +inf past SEQ and for rows that see no key; one-sided
+    ALiBi's rows' part added, as _step does) and delta of step's rows from the slot's shared
+    tiles, read where they are used (not held in registers through the step's products)."""
+    lse = gl.where(cols < SEQ, lse_s.load(layout), float("inf"))
+    lse2 = gl.where(lse == -float("inf"), float("inf"), lse) * 1.4426950408889634
+    if HAS_ALIBI == 2:
+        lse2 = lse2 + alibi_part(cols, var[6], var[3])
+    return lse2, delta_s
+
+
+@gluon.jit
 def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr):
     """S^T = K Q^T of step t, issued (asynchronous) once its Q and dO blocks have landed in
     slot t % 2."""
@@ -141,7 +166,7 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ
                    st_layout: gl.constexpr, a_layout: gl.constexpr, MASK: gl.constexpr,
                    HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr,
-                   S_DONE: gl.constexpr):
+                   S_DONE: gl.constexpr, STATS_SMEM: gl.constexpr):
     """dP^T = V dO^T issued behind S^T = K Q^T (st: in flight, or S_DONE complete); P^T
     while dP^T runs; dV += P^T dO issued, dS^T = P^T (dP^T - delta) while it runs;
     dK += dS^T Q issued. var = (LOWER,
@@ -155,6 +180,9 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ
     dpt = warpgroup_mma(v_s, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     if not S_DONE:
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+    if STATS_SMEM:  # lse2 and delta are the slot's shared tiles
+        lse2, delta = _smem_stats(lse2, delta, cols, SEQ, var, gl.SliceLayout(0, st_layout),
+                                  HAS_ALIBI)
     if HAS_SOFTCAP or HAS_ALIBI:  # log2-domain scores; ALiBi's |j - i| is symmetric
         s2, tc = scores(st, keys, cols, qk_scale, var[2], var[3], 0, HAS_SOFTCAP,
                         HAS_ALIBI == 1)
@@ -177,6 +205,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ
         pg = pt * (1.0 - tc * tc)
     dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_s, dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+    if STATS_SMEM:
+        delta = delta.load(gl.SliceLayout(0, st_layout))
     dst = (pg * (dpt - delta[None, :])).to(k_s.dtype)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_s, dk, is_async=True)
     return dst, dk, dv
@@ -185,8 +215,11 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ
 # The kernel's launch constants: the first consumer's 4 warps, and the registers of the
 # consumers and of the producer (setmaxnreg; 4 warps each).
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
-# walk has an upper bound (causal, a window's), as options() says.
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None)
+# walk has an upper bound (causal, a window's), as options() says. STATS_SMEM: the rows' LSE
+# and delta loaded by the producer's TMA beside Q and dO, read by the consumers where they are
+# used (off until measured on the H200).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None,
+               STATS_SMEM=False)
 
 
 def options(has_upper: bool) -> dict:
@@ -202,15 +235,16 @@ def options(has_upper: bool) -> dict:
 
 @gluon.jit
 def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty,
-          ds_ready, dq_full, dq_empty, dk, dv, keys, cfg, W: gl.constexpr, MASK: gl.constexpr,
-          HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-          HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
-          EARLY_S: gl.constexpr):
+          ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
+          MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
+          HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
+          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, STATS_SMEM: gl.constexpr):
     """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
     again, discarded) before it stages dQ, so that the product runs during the staging;
-    else the step issues its own."""
+    else the step issues its own. STATS_SMEM: the rows' LSE and delta come from the slot's
+    shared tiles (stats_smem, loaded by the producer with Q and dO), else from global memory."""
     LSE, DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, \
         cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -229,12 +263,17 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     phase = (t // 2) & 1
     q_s = q_smem.index(slot)
     do_s = do_smem.index(slot)
-    cols, lse2, delta = _row_stats(LSE, DELTA, off_b * stride_lb + h * stride_lh, m, SEQ,
-                                   BLOCK_M, st_layout)
+    if STATS_SMEM:  # read in _dkdv_products (_smem_stats)
+        cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        lse2 = stats_smem[0].index(slot)
+        delta = stats_smem[1].index(slot)
+    else:
+        cols, lse2, delta = _row_stats(LSE, DELTA, off_b * stride_lb + h * stride_lh, m, SEQ,
+                                       BLOCK_M, st_layout)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(ALIBI + off_b * stride_ab + h * stride_ah) * LOG2E
-        if HAS_ALIBI == 2:  # the rows' part of one-sided ALiBi (_dkdv_products)
+        if HAS_ALIBI == 2 and not STATS_SMEM:  # one-sided ALiBi's rows' part (_dkdv_products)
             lse2 = lse2 + alibi_part(cols, anchor, slope2)
     s_now = st
     if not EARLY_S:
@@ -242,7 +281,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, lse2, delta, keys, cols, SEQ,
                                  qk_scale, (LOWER, UPPER, cap2, slope2, off_b, h, anchor),
                                  st_layout, a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                 HAS_ALIBI, MASK_MOD, EARLY_S)
+                                 HAS_ALIBI, MASK_MOD, EARLY_S, STATS_SMEM)
     # This group's rows of dS^T; dQ's product needs the other group's too.
     ds_s = ds_smem.index(slot)
     ds_s.slice(W * KEYS, KEYS, dim=0).store(dst)
@@ -269,25 +308,26 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
 
 @gluon.jit
 def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full,
-           empty, ds_ready, dq_full, dq_empty, dk, dv, keys, cfg, W: gl.constexpr,
+           empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, STATS_SMEM: gl.constexpr):
     """_step over steps lo .. hi - 1, masked or not."""
     for t in range(lo, hi):
         dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w,
-                           full, empty, ds_ready, dq_full, dq_empty, dk, dv, keys, cfg, W, MASK,
-                           HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                           EARLY_S)
+                           full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
+                           cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                           MASK_MOD, EARLY_S, STATS_SMEM)
     return dk, dv, st
 
 
 @gluon.jit
 def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_full, full,
-             empty, ds_ready, dq_full, dq_empty, DK, DV, stride_kb, stride_kt, stride_kh, key0,
-             off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
-             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-             MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
+             empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb, stride_kt,
+             stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
+             HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+             LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
+             STATS_SMEM: gl.constexpr):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (LSE,
     DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2,
@@ -314,18 +354,18 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
             st = _issue_s(0, q_smem, k_w, full, st_layout)
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
-                dq_full, dq_empty)
+                dq_full, dq_empty, stats_smem)
         for g in range(GROUP):
             if HAS_UPPER:  # query blocks across the causal / window upper bound
                 dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
                                     True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S)
+                                    MASK_MOD, EARLY_S, STATS_SMEM)
             dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                 False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                MASK_MOD, EARLY_S)
+                                MASK_MOD, EARLY_S, STATS_SMEM)
             dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
                                 W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                MASK_MOD, EARLY_S)
+                                MASK_MOD, EARLY_S, STATS_SMEM)
     rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
     dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
     offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
@@ -351,14 +391,16 @@ def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
 
 @gluon.jit
 def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq_full,
-             dq_empty, walk, total, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr):
+             dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr,
+             STATS_SMEM: gl.constexpr):
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
     2), then step t - 1's dQ reductions; a staging slot is released once its reductions
     have read it (tma.store_wait)."""
     for t in range(total + 1):
         if t < total:
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
-            _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, LISTED)
+            _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED,
+                     STATS_SMEM)
         if t >= 1:
             _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, DQ_MODE, LISTED)
             if t >= 2:
@@ -369,7 +411,8 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
 
 
 @gluon.jit
-def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV, ALIBI,
+def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, LSE,
+                           DELTA, DK, DV, ALIBI,
                            BMASK, stride_lb, stride_lh, stride_kb, stride_kt, stride_kh,
                            stride_ab, stride_ah, stride_bb, stride_bh, stride_bq, BM_N, H,
                            GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh, kv_ch,
@@ -378,11 +421,14 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           EARLY_S: gl.constexpr, num_warps: gl.constexpr):
+                           EARLY_S: gl.constexpr, STATS_SMEM: gl.constexpr,
+                           num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
-    64 x D / 2 (one per consumer). dK and dV (strides stride_k*) take k's layout. Variants as
+    64 x D / 2 (one per consumer); lse_desc and delta_desc view LSE and DELTA (contiguous
+    (B, H, SEQ)) as B * H * SEQ rows in blocks of 64 (STATS_SMEM; else LSE and DELTA are read
+    by pointer). dK and dV (strides stride_k*) take k's layout. Variants as
     the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the
     block mask's transposed lists, one row per key block, shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
@@ -417,6 +463,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     # staging: (consumer, slot) -> 64 x HEAD_DIM / 2 fp32
     dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2],
                                         dq_desc.layout)
+    stats_smem = (gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], lse_desc.layout),
+                  gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], delta_desc.layout))
     kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -443,15 +491,19 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA,
     gl.warp_specialize(
         [(_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(0, KEYS, dim=0),
                      v_smem.slice(0, KEYS, dim=0), k_smem.slice(0, HEAD_DIM // 2, dim=1),
-                     ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty, DK,
-                     DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk, cfg, 0,
-                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S)),
+                     ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
+                     stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
+                     cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
+                     EARLY_S, STATS_SMEM)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
-                     kv_full, full, empty, ds_ready, dq_full, dq_empty, DK, DV, stride_kb,
-                     stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1, HAS_LOWER,
-                     HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S)),
+                     kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
+                     stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
+                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S,
+                     STATS_SMEM)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
-                     dq_full, dq_empty, walk, total, H, SEQ, DQ_MODE, LISTED))],
+                     dq_full, dq_empty, walk, total,
+                     (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
+                     LISTED, STATS_SMEM))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
