@@ -759,6 +759,8 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
     dq_acc = _empty((B, H, N, D), torch.float32, q.device)
     delta = _empty((B, H, N), torch.float32, q.device)
     lse = lse.contiguous()
+    if lse.data_ptr() % 16:  # (a view's offset) the LSE tiles' TMA descriptor needs 16 bytes
+        lse = lse.clone()
     _attn_bwd_prep_kernel[(configs.cdiv(N, 64), B * H)](
         out, dout, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), dout.stride(0),
         dout.stride(1), dout.stride(2), H, N, HEAD_DIM=D, BLOCK_M=64, num_warps=4)
