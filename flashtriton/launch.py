@@ -723,7 +723,7 @@ def _gluon_flat_descriptor(t: torch.Tensor, block: int):
     at a time (kernels.gluon_bwd's LSE and delta tiles)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    flat = t.view(-1)
+    flat = t.view(-1) if t.data_ptr() % 16 == 0 else t.view(-1).clone()  # (a view's offset)
     return TensorDescriptor(flat, [flat.numel()], [1], [block],
                             gl.NVMMASharedLayout.get_default_for([block], gl.float32))
 
@@ -759,8 +759,6 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
     dq_acc = _empty((B, H, N, D), torch.float32, q.device)
     delta = _empty((B, H, N), torch.float32, q.device)
     lse = lse.contiguous()
-    if lse.data_ptr() % 16:  # (a view's offset) the LSE tiles' TMA descriptor needs 16 bytes
-        lse = lse.clone()
     _attn_bwd_prep_kernel[(configs.cdiv(N, 64), B * H)](
         out, dout, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), dout.stride(0),
         dout.stride(1), dout.stride(2), H, N, HEAD_DIM=D, BLOCK_M=64, num_warps=4)
@@ -770,7 +768,10 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
     v_desc, _ = _gluon_descriptor(v, [128, D])
     # Each of the kernel's two consumers reduces half the head dim.
     dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2])
-    stats_descs = [_gluon_flat_descriptor(t, 64) for t in (lse, delta)]
+    options = gluon_bwd.options(common["HAS_UPPER"])
+    # LSE's and delta's tiles by TMA (STATS_SMEM), else stand-ins that the kernel never reads
+    stats_descs = ([_gluon_flat_descriptor(t, 64) for t in (lse, delta)]
+                   if options["STATS_SMEM"] else [q_desc, do_desc])
     gluon_bwd._attn_bwd_gluon_kernel[(configs.cdiv(N, 128), B * k.shape[2], 1)](
         q_desc, k_desc, v_desc, do_desc, dq_desc, *stats_descs, lse, delta, dk, dv, alibi,
         bmask, lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
@@ -779,7 +780,7 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
         common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
         HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
-        MASK_MOD=variant.mask_mod, **gluon_bwd.options(common["HAS_UPPER"]))
+        MASK_MOD=variant.mask_mod, **options)
     dq = _empty_like(q)
     dq.copy_(dq_acc.transpose(1, 2))
     return dq, dk, dv

@@ -121,7 +121,8 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
     q_desc = _gluon_desc([64, dim], torch.bfloat16, 16 * dim)
     kv_desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
     dq_desc = _gluon_desc([64, dim // 2], torch.float32, 16 * dim)
-    stats_desc = _gluon_desc([64], torch.float32, 16)
+    # LSE's and delta's tiles (STATS_SMEM), else Q's and dO's stand in (as the launcher does)
+    stats_desc = _gluon_desc([64], torch.float32, 16) if consts["STATS_SMEM"] else q_desc
     return _gluon_compile(gluon_bwd._attn_bwd_gluon_kernel, consts, dict(
         q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=dq_desc,
         lse_desc=stats_desc, delta_desc=stats_desc,

@@ -427,8 +427,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
     64 x D / 2 (one per consumer); lse_desc and delta_desc view LSE and DELTA (contiguous
-    (B, H, SEQ)) as B * H * SEQ rows in blocks of 64 (STATS_SMEM; else LSE and DELTA are read
-    by pointer). dK and dV (strides stride_k*) take k's layout. Variants as
+    (B, H, SEQ)) as B * H * SEQ rows in blocks of 64 (STATS_SMEM; else they are unused and
+    LSE and DELTA are read by pointer). dK and dV (strides stride_k*) take k's layout. Variants as
     the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the
     block mask's transposed lists, one row per key block, shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
@@ -463,8 +463,12 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     # staging: (consumer, slot) -> 64 x HEAD_DIM / 2 fp32
     dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2],
                                         dq_desc.layout)
-    stats_smem = (gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], lse_desc.layout),
-                  gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], delta_desc.layout))
+    # (the layout of launch._gluon_flat_descriptor's tiles, whatever lse_desc is without
+    # STATS_SMEM: the launcher then passes Q's and dO's descriptors, unused)
+    stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                      rank=1)
+    stats_smem = (gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stats_layout),
+                  gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stats_layout))
     kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
