@@ -691,9 +691,9 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward alone (tests and benchmarks; attention_forward chooses it where it
     fits at D=128, its variants while GLUON_VARIANTS is on): O in q's layout and the
-    natural-log LSE (B, H, N); head dim 64 or 128; flash-attn's window_size, softcap and alibi_slopes, or a block_mask of
-    128-blocks (flashtriton.block_mask). Raises ValueError where gluon_misfit names a
-    reason."""
+    natural-log LSE (B, H, N); head dim 64 or 128; flash-attn's window_size, softcap and
+    alibi_slopes, or a block_mask of 128-blocks (flashtriton.block_mask). Raises ValueError
+    where gluon_misfit names a reason."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention_forward_gluon takes (B, N, H, D) q, k, v, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
