@@ -22,6 +22,12 @@ varies from run to run: the backward is not bitwise repeatable (launch dispatche
 a deterministic backward is asked for). A one-kernel, 8-warp form with the same body ran
 0.84-0.92x the Triton backward and was removed (docs/perf.md, sessions 13-14).
 
+Two forms of the step (OPTIONS, options()): EARLY_S issues the next step's S^T before dQ's
+staging, so that the product runs while the consumers stage (on where the walk has an upper
+bound: +8-10% causal, -5% without one); STATS_SMEM has the producer load each step's LSE and
+delta by TMA beside Q and dO, which the consumers read where they use them instead of holding
+32 registers through the step (off until measured; docs/perf.md, session 15).
+
 The rows of a ragged last query block read the next head's rows (the 2-D view has no per-head
 bound): their LSE is +inf, so P = dS = 0 there and they add zeros.
 
