@@ -125,7 +125,7 @@ def main(argv=None):
                    help="causal ALiBi's general |i - j| form in the Gluon kernels "
                         "(launch.GLUON_ALIBI_ONE_SIDED off)")
     p.add_argument("--gluon-bwd-option", action="append", default=[], metavar="NAME=0|1",
-                   help="set a boolean of kernels.gluon_bwd.OPTIONS (e.g. STATS_SMEM=1)")
+                   help="set a boolean of kernels.gluon_bwd.OPTIONS (e.g. EARLY_S=0)")
     args = p.parse_args(argv)
     if args.gluon_bwd_option:
         from .kernels import gluon_bwd

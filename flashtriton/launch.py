@@ -719,12 +719,11 @@ def _gluon_descriptor(t: torch.Tensor, block):
 
 
 def _gluon_flat_descriptor(t: torch.Tensor, block: int):
-    """A host TensorDescriptor over contiguous fp32 t as one row of t.numel() values, `block`
-    at a time (kernels.gluon_bwd's LSE and delta tiles)."""
+    """A host TensorDescriptor over a fresh (contiguous, aligned) fp32 buffer t as one row of
+    t.numel() values, `block` at a time (kernels.gluon_bwd's LSE and delta tiles)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    flat = t.view(-1) if t.data_ptr() % 16 == 0 else t.view(-1).clone()  # (a view's offset)
-    return TensorDescriptor(flat, [flat.numel()], [1], [block],
+    return TensorDescriptor(t, [t.numel()], [1], [block],
                             gl.NVMMASharedLayout.get_default_for([block], gl.float32))
 
 
@@ -748,8 +747,9 @@ def gluon_backward_misfit(dout: Optional[torch.Tensor], q: torch.Tensor, k: torc
 
 def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2):
     """Launch kernels.gluon_bwd on tensors that gluon_backward_misfit passed: the prep kernel
-    (delta and a zeroed fp32 dQ buffer), the backward, and dQ's copy into q's layout. The
-    variant's window, softcap and ALiBi arguments come from _common (as the forward's)."""
+    (the log2 LSE and delta, each head's rows padded to a multiple of 64, and a zeroed fp32 dQ
+    buffer), the backward, and dQ's copy into q's layout. The variant's window, softcap and
+    ALiBi arguments come from _common (as the forward's)."""
     from .kernels import gluon_bwd
     B, N, H, D = q.shape
     common, _ = _common(q, None, N, N, variant)
@@ -757,11 +757,12 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
     bmask, *bmask_args = _block_args(variant.q_blocks)
     dk, dv = _empty_like(k), _empty_like(v)
     dq_acc = _empty((B, H, N, D), torch.float32, q.device)
-    delta = _empty((B, H, N), torch.float32, q.device)
+    lse2, delta = _empty((2, B * H * configs.cdiv(N, 64) * 64), torch.float32, q.device)
     lse = lse.contiguous()
     _attn_bwd_prep_kernel[(configs.cdiv(N, 64), B * H)](
-        out, dout, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), dout.stride(0),
-        dout.stride(1), dout.stride(2), H, N, HEAD_DIM=D, BLOCK_M=64, num_warps=4)
+        out, dout, lse, lse2, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), H, N,
+        HEAD_DIM=D, BLOCK_M=64, num_warps=4)
     q_desc, q_rows = _gluon_descriptor(q, [64, D])
     do_desc, do_rows = _gluon_descriptor(dout, [64, D])
     k_desc, kv_rows = _gluon_descriptor(k, [128, D])
@@ -769,15 +770,12 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
     # Each of the kernel's two consumers reduces half the head dim.
     dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2])
     options = gluon_bwd.options(common["HAS_UPPER"])
-    # LSE's and delta's tiles by TMA (STATS_SMEM), else stand-ins that the kernel never reads
-    stats_descs = ([_gluon_flat_descriptor(t, 64) for t in (lse, delta)]
-                   if options["STATS_SMEM"] else [q_desc, do_desc])
     gluon_bwd._attn_bwd_gluon_kernel[(configs.cdiv(N, 128), B * k.shape[2], 1)](
-        q_desc, k_desc, v_desc, do_desc, dq_desc, *stats_descs, lse, delta, dk, dv, alibi,
-        bmask, lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
-        stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows, *do_rows, *kv_rows,
-        common["qk_scale"], variant.softmax_scale, common["cap2"], -common["WIN_LEFT"],
-        common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
+        q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, 64),
+        _gluon_flat_descriptor(delta, 64), dk, dv, alibi, bmask, dk.stride(0), dk.stride(1),
+        dk.stride(2), stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows,
+        *do_rows, *kv_rows, common["qk_scale"], variant.softmax_scale, common["cap2"],
+        -common["WIN_LEFT"], common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
         HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
         MASK_MOD=variant.mask_mod, **options)

@@ -177,8 +177,8 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("alibi", dict(alibi=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
                     ("block mask", dict(mask_mod=causal_mod)),
-                    # LSE and delta by TMA into shared memory (gluon_bwd.OPTIONS, off)
-                    ("stats-smem causal", dict(causal=True, STATS_SMEM=True)),
-                    ("stats-smem block mask", dict(mask_mod=causal_mod, STATS_SMEM=True))):
+                    # EARLY_S the other way round (gluon_bwd.options)
+                    ("plain early-s", dict(EARLY_S=True)),
+                    ("causal no early-s", dict(causal=True, EARLY_S=False))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

@@ -13,7 +13,7 @@
 # run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
 # in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD), abvariants (the same
 # for bench_variants; VARIANTS="alibi window" picks variants for both runs), bwdab (the Gluon
-# backward's OPTIONS[$BWD_OPTION], default STATS_SMEM, off and on: tests, A/B, variants).
+# backward's OPTIONS[$BWD_OPTION], default EARLY_S, off and on: tests, A/B, variants).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -91,16 +91,16 @@ if has gluon; then
       --seqlens 2048 8192 16384 > "$OUT/gluon_backward.log" 2>&1
   fi
 fi
-# The Gluon backward's boolean OPTIONS[$BWD_OPTION] (default STATS_SMEM) off and on: its tests
+# The Gluon backward's boolean OPTIONS[$BWD_OPTION] (default EARLY_S) off and on: its tests
 # (every form), bench_gluon's round-robin A/B, and bench_variants with it on, then off.
 has bwdab && FLASHTRITON_AUTOTUNE=0 timeout ${T_BWDAB_TESTS:-240} python3 -m pytest \
   tests/test_gluon.py -k backward -n 16 -q -p no:cacheprovider -rf --tb=short \
   > "$OUT/bwdab_tests.log" 2>&1
 has bwdab && timeout ${T_BWDAB:-150} python3 scripts/bench_gluon.py --backward \
-  --ab ${BWD_OPTION:-STATS_SMEM} --dims 128 --seqlens 8192 16384 --rounds 3 > "$OUT/bwdab.log" 2>&1
+  --ab ${BWD_OPTION:-EARLY_S} --dims 128 --seqlens 8192 16384 --rounds 3 > "$OUT/bwdab.log" 2>&1
 for flag in 1 0; do
   has bwdab && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit \
-    "$commit" --out "$OUT/bwdab_variants$flag" --gluon-bwd-option ${BWD_OPTION:-STATS_SMEM}=$flag \
+    "$commit" --out "$OUT/bwdab_variants$flag" --gluon-bwd-option ${BWD_OPTION:-EARLY_S}=$flag \
     > "$OUT/bwdab_variants$flag.log" 2>&1
 done
 has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
@@ -117,10 +117,10 @@ has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; echo "== cloc
                   grep -m2 '^#' "$OUT/clocks.log"; awk '$1 !~ /^#/ && NF > 3 {n++; if (lo == "" || $NF < lo) lo = $NF;
                   if ($NF > hi) hi = $NF} END {print "last column: min", lo, "max", hi, "over", n, "s"}' "$OUT/clocks.log"; }
 has bwdprobe && { echo "== backward kernels"; cut -c1-300 "$OUT/bwdprobe.log"; }
-has bwdab    && { echo "== gluon_bwd ${BWD_OPTION:-STATS_SMEM}"; grep -E "^(FAILED|ERROR)" \
+has bwdab    && { echo "== gluon_bwd ${BWD_OPTION:-EARLY_S}"; grep -E "^(FAILED|ERROR)" \
                   "$OUT/bwdab_tests.log" | cut -c1-300 | head; grep -E "passed|failed" \
                   "$OUT/bwdab_tests.log" | tail -1; cat "$OUT/bwdab.log"; for flag in 1 0; do
-                  echo "-- bench_variants, ${BWD_OPTION:-STATS_SMEM}=$flag"; cat \
+                  echo "-- bench_variants, ${BWD_OPTION:-EARLY_S}=$flag"; cat \
                   "$OUT/bwdab_variants$flag/variants.md" 2>/dev/null || tail -5 \
                   "$OUT/bwdab_variants$flag.log"; done; }
 has sweep    && { echo "== decode splits (graph GB/s)"; cat "$OUT/sweep.log"; }

@@ -121,12 +121,10 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
     q_desc = _gluon_desc([64, dim], torch.bfloat16, 16 * dim)
     kv_desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
     dq_desc = _gluon_desc([64, dim // 2], torch.float32, 16 * dim)
-    # LSE's and delta's tiles (STATS_SMEM), else Q's and dO's stand in (as the launcher does)
-    stats_desc = _gluon_desc([64], torch.float32, 16) if consts["STATS_SMEM"] else q_desc
+    stats_desc = _gluon_desc([64], torch.float32, 16)  # the rows' LSE and delta
     return _gluon_compile(gluon_bwd._attn_bwd_gluon_kernel, consts, dict(
         q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=dq_desc,
-        lse_desc=stats_desc, delta_desc=stats_desc,
-        LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16", ALIBI="*fp32", BMASK="*i32",
+        lse_desc=stats_desc, delta_desc=stats_desc, DK="*bf16", DV="*bf16", ALIBI="*fp32", BMASK="*i32",
         qk_scale="fp32", sm_scale="fp32", cap2="fp32"))
 
 

@@ -6,6 +6,8 @@ Their compiled sm_90 code (the forward's softmax between the two products' waits
 backward's dQ reductions) is checked on any machine by scripts/compile_check.py, which CI
 runs; the layout and eligibility rules and the backward's Triton prep kernel run on the CPU."""
 
+import math
+
 import pytest
 import torch
 import triton
@@ -213,20 +215,29 @@ def test_gluon_forward_raises_off_hopper():
         launch.attention_forward_gluon(q, k, v)
 
 
-def test_backward_prep_kernel_gives_delta_and_a_zeroed_dq_buffer():
+def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer():
     """kernels.attn_bwd._attn_bwd_prep_kernel (the Gluon backward's first launch, a Triton
-    kernel: runs in the interpreter): delta = rowsum(dO * O) in (B, H, N) and the fp32 dQ
-    buffer (B, H, N, D) zeroed, from O and dO in any strided (B, N, H, D) layout."""
+    kernel: runs in the interpreter): the log2 LSE (+inf where it is -inf) and delta =
+    rowsum(dO * O) of each head's rows, padded to 128 rows (N = 70: not a multiple of 4, so
+    unpadded rows would start off the 16-byte alignment TMA needs) with +inf and 0, and the
+    fp32 dQ buffer (B, H, N, D) zeroed, from O and dO in any strided (B, N, H, D) layout."""
     from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
     B, N, H, D = 2, 70, 3, 64
     out = torch.randn(B, H, N, D, dtype=torch.bfloat16, device=DEVICE).transpose(1, 2)
     dout = torch.randn(B, N, H, D, dtype=torch.bfloat16, device=DEVICE)
-    delta = torch.full((B, H, N), float("nan"), device=DEVICE)
+    lse = torch.randn(B, H, N, device=DEVICE)
+    lse[0, 1, 5] = -float("inf")  # a row that sees no key
+    lse2, delta = torch.full((2, B, H, 128), float("nan"), device=DEVICE)
     dq = torch.full((B, H, N, D), float("nan"), device=DEVICE)
-    _attn_bwd_prep_kernel[(2, B * H)](out, dout, delta, dq, *out.stride()[:3],
-                                      *dout.stride()[:3], H, N, HEAD_DIM=D, BLOCK_M=64)
+    _attn_bwd_prep_kernel[(2, B * H)](out, dout, lse, lse2, delta, dq, *out.stride()[:3],
+                                      *dout.stride()[:3], *lse.stride()[:2], H, N, HEAD_DIM=D,
+                                      BLOCK_M=64)
     expect = (out.double() * dout.double()).sum(-1).transpose(1, 2)
-    torch.testing.assert_close(delta.double(), expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(delta[..., :N].double(), expect, rtol=1e-5, atol=1e-5)
+    expect = torch.where(lse == -float("inf"), float("inf"), lse * math.log2(math.e))
+    torch.testing.assert_close(lse2[..., :N], expect)
+    assert lse2[0, 1, 5] == float("inf")
+    assert bool((lse2[..., N:] == float("inf")).all()) and bool((delta[..., N:] == 0).all())
     assert bool((dq == 0).all())
 
 
@@ -280,12 +291,10 @@ def _gluon_backward(**opts):
     return lambda q, k, v: _GluonBackward.apply(q, k, v, opts)
 
 
-@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(STATS_SMEM=True)],
-                ids=["s0", "s1", "stats"])
+@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True)], ids=["s0", "s1"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
-    step's S^T issued before dQ's staging), and STATS_SMEM (LSE and delta by TMA into shared
-    memory)."""
+    step's S^T issued before dQ's staging)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)

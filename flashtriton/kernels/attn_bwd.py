@@ -6,8 +6,8 @@
   _attn_bwd_dkdv_kernel        one program per (key block, batch * kv head);
                                loops over the GROUP query heads sharing the kv
                                head, so dK/dV of GQA/MQA are summed in registers
-  _attn_bwd_prep_kernel        delta, and a zeroed fp32 dQ buffer, for the Gluon backward
-                               (kernels.gluon_bwd)
+  _attn_bwd_prep_kernel        the log2 LSE and delta (padded rows), and a zeroed fp32 dQ
+                               buffer, for the Gluon backward (kernels.gluon_bwd)
 
 P is rebuilt tile by tile as exp2(s2 - LSE * log2(e)); no N x N buffer exists
 and no atomics are used, so gradients are bitwise repeatable. With softcap,
@@ -434,11 +434,14 @@ def _attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _attn_bwd_prep_kernel(O, DO, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_dob,
-                          stride_dot, stride_doh, H, SQ, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr):
-    """Program (row block, batch * head): delta = rowsum(dO * O) (fp32, (B, H, SQ)) and
-    zeros into the rows of the fp32 dQ buffer (B, H, SQ, HEAD_DIM)."""
+def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_dob,
+                          stride_dot, stride_doh, stride_lb, stride_lh, H, SQ,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (row block, batch * head): the rows' LSE in the log2 domain (+inf for rows
+    that see no key) and delta = rowsum(dO * O), fp32, into LSE2 and DELTA (B * H rows of
+    cdiv(SQ, BLOCK_M) * BLOCK_M: padding rows get +inf and 0, so P = dS = 0 there, and every
+    head's rows start 256-byte aligned for the Gluon backward's TMA), and zeros into the rows
+    of the fp32 dQ buffer (B, H, SQ, HEAD_DIM)."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -451,6 +454,8 @@ def _attn_bwd_prep_kernel(O, DO, DELTA, DQ, stride_ob, stride_ot, stride_oh, str
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + r64 * stride_dot + cols[None, :],
                  mask=keep, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + off_bh.to(tl.int64) * SQ + rows, delta, mask=rows < SQ)
+    padded = off_bh.to(tl.int64) * tl.cdiv(SQ, BLOCK_M) * BLOCK_M + rows
+    tl.store(LSE2 + padded, _lse2(LSE + off_b * stride_lb + off_h * stride_lh, rows, SQ))
+    tl.store(DELTA + padded, delta)
     tl.store(DQ + (off_bh.to(tl.int64) * SQ + r64) * HEAD_DIM + cols[None, :],
              tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)

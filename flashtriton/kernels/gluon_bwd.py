@@ -14,22 +14,24 @@ warpgroups own 64 keys each; per query block each runs
     dQ  = dS K                          the columns of its half of the head dim, from both
                                         consumers' dS^T (exchanged through shared memory)
 
-and stages its dQ half; a producer partition (4 warps, few registers) streams Q and dO into a
-two-slot ring by TMA and adds the staged dQ tiles into an fp32 buffer by TMA bulk reductions
+and stages its dQ half; a producer partition (4 warps, few registers) streams Q and dO, and
+their rows' LSE and delta, into a two-slot ring by TMA and adds the staged dQ tiles into an fp32 buffer by TMA bulk reductions
 (`cp.reduce.async.bulk.tensor`, in L2), so the tensor-core warps never wait for a reduction
 (DQ_MODE 2; DQ_MODE 1 keeps the product but adds nothing: a timing ablation). The sum's order
 varies from run to run: the backward is not bitwise repeatable (launch dispatches it unless
 a deterministic backward is asked for). A one-kernel, 8-warp form with the same body ran
 0.84-0.92x the Triton backward and was removed (docs/perf.md, sessions 13-14).
 
-Two forms of the step (OPTIONS, options()): EARLY_S issues the next step's S^T before dQ's
-staging, so that the product runs while the consumers stage (on where the walk has an upper
-bound: +8-10% causal, -5% without one); STATS_SMEM has the producer load each step's LSE and
-delta by TMA beside Q and dO, which the consumers read where they use them instead of holding
-32 registers through the step (off until measured; docs/perf.md, session 15).
+The consumers read the LSE and delta from shared memory where they use them, rather than
+holding 32 registers of them through the step: fewer spills, +5% without a mask and +14-16%
+causal on the H200 (docs/perf.md, session 16). Two forms of the step (OPTIONS, options()):
+EARLY_S issues the next step's S^T before dQ's staging, so that the product runs while the
+consumers stage (on where the walk has an upper bound: +8-10% causal, -5% without one,
+session 15).
 
-The rows of a ragged last query block read the next head's rows (the 2-D view has no per-head
-bound): their LSE is +inf, so P = dS = 0 there and they add zeros.
+The rows of a ragged last query block read the next head's Q and dO rows (the 2-D view has
+no per-head bound): the prep kernel pads each head's LSE rows to a multiple of 64 with +inf,
+so P = dS = 0 there and they add zeros.
 
 Variants: a window (HAS_LOWER / HAS_UPPER: query i sees keys i + LOWER .. i + UPPER; causal is
 HAS_UPPER with UPPER 0), softcap and ALiBi (kernels.common.scores, as the forward), and a block
@@ -39,8 +41,8 @@ query head, masked query blocks (a causal or window bound's edge), those that se
 keys (no mask), then masked ones again (a window's far edge, the ragged end, partial blocks).
 
 Scope: bf16 / fp16, head dim 128, SQ == SK, GQA, q / k / v / dO in the 2-D token-row views of
-launch._token_rows. The prep kernel (kernels.attn_bwd) computes delta and zeroes the fp32 dQ
-buffer first. Gluon does not run in the interpreter: scripts/compile_check.py compiles this
+launch._token_rows. The prep kernel (kernels.attn_bwd) computes the log2 LSE and delta of
+padded rows and zeroes the fp32 dQ buffer first. Gluon does not run in the interpreter: scripts/compile_check.py compiles this
 kernel for sm_90 on any machine, tests/test_gluon.py runs it on a Hopper GPU.
 """
 
@@ -86,28 +88,22 @@ def _block_coords(t, walk, BLOCK_M: gl.constexpr, LISTED: gl.constexpr):
 
 @gluon.jit
 def _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ,
-             LISTED: gl.constexpr, STATS_SMEM: gl.constexpr):
-    """TMA of step t's Q and dO blocks into slot t % 2; STATS_SMEM: its rows' LSE and delta
-    too (stats = (lse_desc, delta_desc, lse_smem, delta_smem): 1-D views of the (B, H, SEQ)
-    buffers; rows past SEQ read the next head's, _smem_stats masks them)."""
+             LISTED: gl.constexpr):
+    """TMA of step t's Q and dO blocks, and of their rows' log2 LSE and delta (stats =
+    (lse_desc, delta_desc, lse_smem, delta_smem): the prep kernel's padded B * H rows of
+    cdiv(SEQ, BLOCK_M) * BLOCK_M), into slot t % 2."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     q_row, q_col, o_row, o_col, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     slot = t % 2
-    if STATS_SMEM:
-        mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                        + stats[0].block_type.nbytes + stats[1].block_type.nbytes)
-    else:
-        mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                    + stats[0].block_type.nbytes + stats[1].block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], full.index(slot),
                                     q_smem.index(slot))
     tma.async_copy_global_to_shared(do_desc, [o_row, o_col], full.index(slot),
                                     do_smem.index(slot))
-    if STATS_SMEM:
-        row = (walk[9] * H + h) * SEQ + m * BLOCK_M
-        tma.async_copy_global_to_shared(stats[0], [row], full.index(slot),
-                                        stats[2].index(slot))
-        tma.async_copy_global_to_shared(stats[1], [row], full.index(slot),
-                                        stats[3].index(slot))
+    row = ((walk[9] * H + h) * gl.cdiv(SEQ, BLOCK_M) + m) * BLOCK_M
+    tma.async_copy_global_to_shared(stats[0], [row], full.index(slot), stats[2].index(slot))
+    tma.async_copy_global_to_shared(stats[1], [row], full.index(slot), stats[3].index(slot))
 
 
 @gluon.jit
@@ -133,26 +129,14 @@ def _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _row_stats(LSE, DELTA, base, m, SEQ, BLOCK_M: gl.constexpr, st_layout: gl.constexpr):
-    """Query block m's rows (the columns of S^T), their LSE in the log2 domain (+inf past SEQ
-    and for rows that see no key: P = 0 there) and delta."""
-    cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    lse = gl.load(LSE + base + cols, mask=cols < SEQ, other=float("inf"))
-    lse = gl.where(lse == -float("inf"), float("inf"), lse)
-    delta = gl.load(DELTA + base + cols, mask=cols < SEQ, other=0.0)
-    return cols, lse * 1.4426950408889634, delta
-
-
-@gluon.jit
-def _smem_stats(lse_s, delta_s, cols, SEQ, var, layout: gl.constexpr, HAS_ALIBI: gl.constexpr):
-    """STATS_SMEM: the LSE (log2 domain, +inf past SEQ and for rows that see no key; one-sided
-    ALiBi's rows' part added, as _step does) and delta of step's rows from the slot's shared
-    tiles, read where they are used (not held in registers through the step's products)."""
-    lse = gl.where(cols < SEQ, lse_s.load(layout), float("inf"))
-    lse2 = gl.where(lse == -float("inf"), float("inf"), lse) * 1.4426950408889634
+def _lse2(lse_s, cols, var, layout: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """The step's rows' LSE (log2 domain, +inf for padding rows and rows that see no key)
+    from the slot's shared tile, one-sided ALiBi's rows' part added (_dkdv_products), read
+    where it is used rather than held in registers through the step's products."""
+    lse2 = lse_s.load(layout)
     if HAS_ALIBI == 2:
         lse2 = lse2 + alibi_part(cols, var[6], var[3])
-    return lse2, delta_s
+    return lse2
 
 
 @gluon.jit
@@ -168,17 +152,17 @@ def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ, qk_scale, var,
-                   st_layout: gl.constexpr, a_layout: gl.constexpr, MASK: gl.constexpr,
+def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, SEQ, qk_scale,
+                   var, st_layout: gl.constexpr, a_layout: gl.constexpr, MASK: gl.constexpr,
                    HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr,
-                   S_DONE: gl.constexpr, STATS_SMEM: gl.constexpr):
+                   S_DONE: gl.constexpr):
     """dP^T = V dO^T issued behind S^T = K Q^T (st: in flight, or S_DONE complete); P^T
     while dP^T runs; dV += P^T dO issued, dS^T = P^T (dP^T - delta) while it runs;
-    dK += dS^T Q issued. var = (LOWER,
-    UPPER, cap2, slope2, b, h, anchor). HAS_ALIBI 2 (one-sided ALiBi, every visible key at or
-    left of the diagonal): the keys' part of the bias (common.alibi_part relative to the
-    anchor) here, the rows' part in lse2 (_step). Returns dS^T (in the inputs' dtype) and dK,
+    dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor); lse_s and
+    delta_s: the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key
+    at or left of the diagonal): the keys' part of the bias (common.alibi_part relative to
+    the anchor) here, the rows' part in lse2 (_lse2). Returns dS^T (in the inputs' dtype) and dK,
     dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
@@ -186,9 +170,7 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ
     dpt = warpgroup_mma(v_s, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     if not S_DONE:
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-    if STATS_SMEM:  # lse2 and delta are the slot's shared tiles
-        lse2, delta = _smem_stats(lse2, delta, cols, SEQ, var, gl.SliceLayout(0, st_layout),
-                                  HAS_ALIBI)
+    lse2 = _lse2(lse_s, cols, var, gl.SliceLayout(0, st_layout), HAS_ALIBI)
     if HAS_SOFTCAP or HAS_ALIBI:  # log2-domain scores; ALiBi's |j - i| is symmetric
         s2, tc = scores(st, keys, cols, qk_scale, var[2], var[3], 0, HAS_SOFTCAP,
                         HAS_ALIBI == 1)
@@ -211,8 +193,7 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ
         pg = pt * (1.0 - tc * tc)
     dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_s, dv, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-    if STATS_SMEM:
-        delta = delta.load(gl.SliceLayout(0, st_layout))
+    delta = delta_s.load(gl.SliceLayout(0, st_layout))
     dst = (pg * (dpt - delta[None, :])).to(k_s.dtype)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_s, dk, is_async=True)
     return dst, dk, dv
@@ -221,11 +202,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse2, delta, keys, cols, SEQ
 # The kernel's launch constants: the first consumer's 4 warps, and the registers of the
 # consumers and of the producer (setmaxnreg; 4 warps each).
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
-# walk has an upper bound (causal, a window's), as options() says. STATS_SMEM: the rows' LSE
-# and delta loaded by the producer's TMA beside Q and dO, read by the consumers where they are
-# used (off until measured on the H200).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None,
-               STATS_SMEM=False)
+# walk has an upper bound (causal, a window's), as options() says.
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None)
 
 
 def options(has_upper: bool) -> dict:
@@ -244,15 +222,14 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
           ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, STATS_SMEM: gl.constexpr):
+          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
     """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
     again, discarded) before it stages dQ, so that the product runs during the staging;
-    else the step issues its own. STATS_SMEM: the rows' LSE and delta come from the slot's
-    shared tiles (stats_smem, loaded by the producer with Q and dO), else from global memory."""
-    LSE, DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, \
-        cap2, LOWER, UPPER, anchor = cfg
+    else the step issues its own. The rows' LSE and delta come from the slot's shared tiles
+    (stats_smem, loaded by the producer with Q and dO)."""
+    ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
@@ -269,25 +246,18 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     phase = (t // 2) & 1
     q_s = q_smem.index(slot)
     do_s = do_smem.index(slot)
-    if STATS_SMEM:  # read in _dkdv_products (_smem_stats)
-        cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        lse2 = stats_smem[0].index(slot)
-        delta = stats_smem[1].index(slot)
-    else:
-        cols, lse2, delta = _row_stats(LSE, DELTA, off_b * stride_lb + h * stride_lh, m, SEQ,
-                                       BLOCK_M, st_layout)
+    cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(ALIBI + off_b * stride_ab + h * stride_ah) * LOG2E
-        if HAS_ALIBI == 2 and not STATS_SMEM:  # one-sided ALiBi's rows' part (_dkdv_products)
-            lse2 = lse2 + alibi_part(cols, anchor, slope2)
     s_now = st
     if not EARLY_S:
         s_now = _issue_s(t, q_smem, k_w, full, st_layout)
-    dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, lse2, delta, keys, cols, SEQ,
-                                 qk_scale, (LOWER, UPPER, cap2, slope2, off_b, h, anchor),
-                                 st_layout, a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                 HAS_ALIBI, MASK_MOD, EARLY_S, STATS_SMEM)
+    dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, stats_smem[0].index(slot),
+                                 stats_smem[1].index(slot), keys, cols, SEQ, qk_scale,
+                                 (LOWER, UPPER, cap2, slope2, off_b, h, anchor), st_layout,
+                                 a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                 MASK_MOD, EARLY_S)
     # This group's rows of dS^T; dQ's product needs the other group's too.
     ds_s = ds_smem.index(slot)
     ds_s.slice(W * KEYS, KEYS, dim=0).store(dst)
@@ -317,13 +287,13 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, d
            empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, STATS_SMEM: gl.constexpr):
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
     """_step over steps lo .. hi - 1, masked or not."""
     for t in range(lo, hi):
         dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w,
                            full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
                            cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                           MASK_MOD, EARLY_S, STATS_SMEM)
+                           MASK_MOD, EARLY_S)
     return dk, dv, st
 
 
@@ -332,12 +302,11 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb, stride_kt,
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-             LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             STATS_SMEM: gl.constexpr):
+             LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
-    _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (LSE,
-    DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2,
-    LOWER, UPPER, the program's first key: one-sided ALiBi's anchor)."""
+    _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
+    stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
+    key: one-sided ALiBi's anchor)."""
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -346,7 +315,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    SEQ = cfg[7]
+    SEQ = cfg[3]
     cnt = walk[0]
     GROUP, a, b = bounds
     keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
@@ -365,19 +334,19 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
             if HAS_UPPER:  # query blocks across the causal / window upper bound
                 dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
                                     True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, STATS_SMEM)
+                                    MASK_MOD, EARLY_S)
             dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                 False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                MASK_MOD, EARLY_S, STATS_SMEM)
+                                MASK_MOD, EARLY_S)
             dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
                                 W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                MASK_MOD, EARLY_S, STATS_SMEM)
+                                MASK_MOD, EARLY_S)
     rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
     dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
     offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
             + dcols[None, :])
     keep = rows[:, None] < SEQ
-    gl.store(DK + offs, (dk * cfg[9]).to(dtype), mask=keep)
+    gl.store(DK + offs, (dk * cfg[5]).to(dtype), mask=keep)
     gl.store(DV + offs, dv.to(dtype), mask=keep)
 
 
@@ -397,16 +366,14 @@ def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
 
 @gluon.jit
 def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq_full,
-             dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr,
-             STATS_SMEM: gl.constexpr):
+             dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr):
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
     2), then step t - 1's dQ reductions; a staging slot is released once its reductions
     have read it (tma.store_wait)."""
     for t in range(total + 1):
         if t < total:
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
-            _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED,
-                     STATS_SMEM)
+            _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED)
         if t >= 1:
             _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, DQ_MODE, LISTED)
             if t >= 2:
@@ -417,9 +384,8 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
 
 
 @gluon.jit
-def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, LSE,
-                           DELTA, DK, DV, ALIBI,
-                           BMASK, stride_lb, stride_lh, stride_kb, stride_kt, stride_kh,
+def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, delta_desc, DK,
+                           DV, ALIBI, BMASK, stride_kb, stride_kt, stride_kh,
                            stride_ab, stride_ah, stride_bb, stride_bh, stride_bq, BM_N, H,
                            GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh, kv_ch,
                            qk_scale, sm_scale, cap2, LOWER, UPPER, DQ_MODE: gl.constexpr,
@@ -427,14 +393,14 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           EARLY_S: gl.constexpr, STATS_SMEM: gl.constexpr,
+                           EARLY_S: gl.constexpr,
                            num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
-    64 x D / 2 (one per consumer); lse_desc and delta_desc view LSE and DELTA (contiguous
-    (B, H, SEQ)) as B * H * SEQ rows in blocks of 64 (STATS_SMEM; else they are unused and
-    LSE and DELTA are read by pointer). dK and dV (strides stride_k*) take k's layout. Variants as
+    64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
+    delta (B * H rows of cdiv(SEQ, 64) * 64) as one row, in blocks of 64. dK and dV (strides
+    stride_k*) take k's layout. Variants as
     the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the
     block mask's transposed lists, one row per key block, shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
@@ -458,8 +424,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                                    HAS_UPPER, LISTED)
     total = GROUP * cnt
     walk = (cnt, m_lo, off_hk * GROUP, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, lst)
-    cfg = (LSE, DELTA, ALIBI, stride_lb, stride_lh, stride_ab, stride_ah, SEQ, qk_scale,
-           sm_scale, cap2, LOWER, UPPER, n * BLOCK_N)
+    cfg = (ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER,
+           n * BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -469,8 +435,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     # staging: (consumer, slot) -> 64 x HEAD_DIM / 2 fp32
     dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2],
                                         dq_desc.layout)
-    # (the layout of launch._gluon_flat_descriptor's tiles, whatever lse_desc is without
-    # STATS_SMEM: the launcher then passes Q's and dO's descriptors, unused)
+    # the rows' log2 LSE and delta: (slot) -> 64 fp32 each
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                       rank=1)
     stats_smem = (gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stats_layout),
@@ -504,16 +469,16 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, STATS_SMEM)),
+                     EARLY_S)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
                      stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
-                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S,
-                     STATS_SMEM)),
+                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
+                     EARLY_S)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
-                     LISTED, STATS_SMEM))],
+                     LISTED))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
