@@ -747,8 +747,8 @@ def gluon_backward_misfit(dout: Optional[torch.Tensor], q: torch.Tensor, k: torc
 
 def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2):
     """Launch kernels.gluon_bwd on tensors that gluon_backward_misfit passed: the prep kernel
-    (the log2 LSE and delta, each head's rows padded to a multiple of 64, and a zeroed fp32 dQ
-    buffer), the backward, and dQ's copy into q's layout. The variant's window, softcap and
+    (the log2 LSE and delta, each head's rows padded to a multiple of 128, and a zeroed fp32
+    dQ buffer), the backward, and dQ's copy into q's layout. The variant's window, softcap and
     ALiBi arguments come from _common (as the forward's)."""
     from .kernels import gluon_bwd
     B, N, H, D = q.shape
@@ -757,12 +757,14 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
     bmask, *bmask_args = _block_args(variant.q_blocks)
     dk, dv = _empty_like(k), _empty_like(v)
     dq_acc = _empty((B, H, N, D), torch.float32, q.device)
-    lse2, delta = _empty((2, B * H * configs.cdiv(N, 64) * 64), torch.float32, q.device)
+    # (128: a block mask's walk reads both 64-row halves of its last query block)
+    pad = configs.cdiv(N, 128) * 128
+    lse2, delta = _empty((2, B * H * pad), torch.float32, q.device)
     lse = lse.contiguous()
-    _attn_bwd_prep_kernel[(configs.cdiv(N, 64), B * H)](
+    _attn_bwd_prep_kernel[(pad // 64, B * H)](
         out, dout, lse, lse2, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), H, N,
-        HEAD_DIM=D, BLOCK_M=64, num_warps=4)
+        pad, HEAD_DIM=D, BLOCK_M=64, num_warps=4)
     q_desc, q_rows = _gluon_descriptor(q, [64, D])
     do_desc, do_rows = _gluon_descriptor(dout, [64, D])
     k_desc, kv_rows = _gluon_descriptor(k, [128, D])

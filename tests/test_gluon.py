@@ -230,8 +230,8 @@ def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer():
     lse2, delta = torch.full((2, B, H, 128), float("nan"), device=DEVICE)
     dq = torch.full((B, H, N, D), float("nan"), device=DEVICE)
     _attn_bwd_prep_kernel[(2, B * H)](out, dout, lse, lse2, delta, dq, *out.stride()[:3],
-                                      *dout.stride()[:3], *lse.stride()[:2], H, N, HEAD_DIM=D,
-                                      BLOCK_M=64)
+                                      *dout.stride()[:3], *lse.stride()[:2], H, N, 128,
+                                      HEAD_DIM=D, BLOCK_M=64)
     expect = (out.double() * dout.double()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(delta[..., :N].double(), expect, rtol=1e-5, atol=1e-5)
     expect = torch.where(lse == -float("inf"), float("inf"), lse * math.log2(math.e))
@@ -332,10 +332,11 @@ def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, s
 
 @needs_hopper
 @pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
-@pytest.mark.parametrize("N,H,HKV", [(1024, 4, 2), (1000, 2, 2)])
+@pytest.mark.parametrize("N,H,HKV", [(1024, 4, 2), (1000, 2, 2), (700, 2, 2)])
 def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, bwd_options):
     """kernels.gluon_bwd over a block mask's transposed lists (GQA with a shared mask, ragged
-    ends), gradients against the float64 reference of the same mask."""
+    ends; N = 700: the last 128-row query block's second half is all padding), gradients
+    against the float64 reference of the same mask."""
     from flashtriton.block_mask import create_block_mask
     q, k, v = make_qkv(2, N, N, H, HKV, 128, torch.bfloat16, "cuda")
     bm = create_block_mask(mask_mod, None, None, N, N, "cuda")

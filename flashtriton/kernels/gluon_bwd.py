@@ -30,8 +30,9 @@ consumers stage (on where the walk has an upper bound: +8-10% causal, -5% withou
 session 15).
 
 The rows of a ragged last query block read the next head's Q and dO rows (the 2-D view has
-no per-head bound): the prep kernel pads each head's LSE rows to a multiple of 64 with +inf,
-so P = dS = 0 there and they add zeros.
+no per-head bound): the prep kernel pads each head's LSE rows to a multiple of 128 (a block
+mask walks both halves of its last 128-row query block) with +inf, so P = dS = 0 there and
+they add zeros.
 
 Variants: a window (HAS_LOWER / HAS_UPPER: query i sees keys i + LOWER .. i + UPPER; causal is
 HAS_UPPER with UPPER 0), softcap and ALiBi (kernels.common.scores, as the forward), and a block
@@ -90,8 +91,8 @@ def _block_coords(t, walk, BLOCK_M: gl.constexpr, LISTED: gl.constexpr):
 def _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ,
              LISTED: gl.constexpr):
     """TMA of step t's Q and dO blocks, and of their rows' log2 LSE and delta (stats =
-    (lse_desc, delta_desc, lse_smem, delta_smem): the prep kernel's padded B * H rows of
-    cdiv(SEQ, BLOCK_M) * BLOCK_M), into slot t % 2."""
+    (lse_desc, delta_desc, lse_smem, delta_smem): the prep kernel's B * H rows padded to
+    cdiv(SEQ, 128) * 128), into slot t % 2."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     q_row, q_col, o_row, o_col, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     slot = t % 2
@@ -101,7 +102,7 @@ def _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ,
                                     q_smem.index(slot))
     tma.async_copy_global_to_shared(do_desc, [o_row, o_col], full.index(slot),
                                     do_smem.index(slot))
-    row = ((walk[9] * H + h) * gl.cdiv(SEQ, BLOCK_M) + m) * BLOCK_M
+    row = (walk[9] * H + h) * (gl.cdiv(SEQ, 128) * 128) + m * BLOCK_M
     tma.async_copy_global_to_shared(stats[0], [row], full.index(slot), stats[2].index(slot))
     tma.async_copy_global_to_shared(stats[1], [row], full.index(slot), stats[3].index(slot))
 
@@ -399,7 +400,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
     64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
-    delta (B * H rows of cdiv(SEQ, 64) * 64) as one row, in blocks of 64. dK and dV (strides
+    delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
     stride_k*) take k's layout. Variants as
     the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the
     block mask's transposed lists, one row per key block, shared by the group's query heads).
