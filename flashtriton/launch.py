@@ -813,11 +813,12 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 
 # The shortest sequence attention_backward runs on the Gluon backward (where it fits and no
-# deterministic backward is asked for; H200: 0.99-1.01x the Triton backward at 4K, 1.08-1.16x
-# from 8K), and whether it also takes windows, softcap and ALiBi there (on since its
-# EARLY_S walk, session 15: causal at 8K, window 315, softcap 387, ALiBi 382 TFLOP/s against
-# the Triton backward's 304, 297, 393; block masks always, 1.18-1.21x; docs/perf.md).
-GLUON_BWD_MIN_SEQLEN = 4096
+# deterministic backward is asked for; H200, session 16, B x N = 16K: 1.18x / 1.05x the
+# Triton backward at 1K plain / causal, 1.24x / 1.10x at 2K, 1.18x / 1.24x at 4K), and
+# whether it also takes windows, softcap and ALiBi there (on since its EARLY_S walk, session
+# 15: causal at 8K, window 315, softcap 387, ALiBi 382 TFLOP/s against the Triton backward's
+# 304, 297, 393; block masks always, 1.18-1.21x; docs/perf.md).
+GLUON_BWD_MIN_SEQLEN = 1024
 GLUON_BWD_VARIANTS = True
 
 
