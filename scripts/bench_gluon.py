@@ -13,6 +13,7 @@ only), flashtriton's Triton backward (deterministic=True) and cuDNN's, each row'
     python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
     python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
     python scripts/bench_gluon.py --backward --ab EARLY_S [--rounds 5]   # an OPTIONS A/B
+    python scripts/bench_gluon.py --ab HEAVY_FIRST [--rounds 5]   # the forward's OPTIONS
     timeout 200 python scripts/bench_gluon.py --smoke   # first: one small call per variant
                                                        # (a barrier mistake hangs, not fails)
 """
@@ -25,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtriton import _env, flash_attention
 from flashtriton.bench import per_call_us
-from flashtriton.kernels import gluon_bwd
+from flashtriton.kernels import gluon_bwd, gluon_fwd
 from flashtriton.launch import attention_backward_gluon, attention_forward_gluon
 
 
@@ -56,7 +57,8 @@ def main():
     p.add_argument("--gqa", action="store_true", help="8 KV heads")
     p.add_argument("--backward", action="store_true", help="the backward instead")
     p.add_argument("--ab", metavar="NAME",
-                   help="with --backward: gluon_bwd.OPTIONS[NAME] off and on, round-robin")
+                   help="gluon_fwd.OPTIONS[NAME] (--backward: gluon_bwd's) off and on, "
+                   "round-robin")
     p.add_argument("--rounds", type=int, default=5, help="--ab's rounds")
     p.add_argument("--smoke", action="store_true",
                    help="one small call per variant against SDPA, printed as it finishes")
@@ -82,7 +84,9 @@ def main():
                       f"{all(bool(g.isfinite().all()) for g in grads)}", flush=True)
         return
     if args.backward:
-        return backward(args)
+        return backward_ab(args) if args.ab else backward(args)
+    if args.ab:
+        return forward_ab(args)
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {'gluon':>7} {'triton':>7} {'cudnn':>7}"
           f"  max|gluon-sdpa|")
     for D, N, H, HKV, q, k, v in shapes(args):
@@ -112,22 +116,8 @@ def main():
           f"triton {tri:.1f}")
 
 
-def with_options(fn, **options):
-    """fn with kernels.gluon_bwd.OPTIONS updated by options while it runs."""
-    def run():
-        saved = dict(gluon_bwd.OPTIONS)
-        gluon_bwd.OPTIONS.update(options)
-        try:
-            return fn()
-        finally:
-            gluon_bwd.OPTIONS.update(saved)
-    return run
-
-
 def backward(args):
     """The --backward table (see the module docstring)."""
-    if args.ab:
-        return backward_ab(args)
     cols = ("w2", "w1")
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} " + " ".join(f"{c:>6}" for c in cols)
           + f" {'triton':>7} {'cudnn':>6}  max|w2-cudnn| dq/dk/dv")
@@ -162,11 +152,60 @@ def backward(args):
                 f" {tflops['triton']:>7.0f} {tflops['cudnn']:>6.0f}  {errs}", flush=True)
 
 
+def with_options(fn, table, **options):
+    """fn with the kernel's OPTIONS (table: gluon_fwd's or gluon_bwd's) updated by options
+    while it runs."""
+    def run():
+        saved = dict(table)
+        table.update(options)
+        try:
+            return fn()
+        finally:
+            table.update(saved)
+    return run
+
+
+def round_robin(fns, flops, rounds):
+    """fns timed in turn, `rounds` times (100 ms each): per fn the median TFLOP/s over the
+    rounds and, in brackets, (max - min) / median in %. Identical kernels measured one after
+    the other differ by up to 7% (session 15): an A/B needs the rounds."""
+    runs = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, got in zip(fns, runs):
+            got.append(flops / triton.testing.do_bench(fn, warmup=10, rep=100,
+                                                       return_mode="median") * 1e-9)
+    cells = []
+    for got in runs:
+        mid = sorted(got)[len(got) // 2]
+        cells.append(f"{mid:.0f} ({100 * (max(got) - min(got)) / mid:.0f}%)")
+    return " ".join(f"{c:>14}" for c in cells)
+
+
+def forward_ab(args):
+    """--ab NAME: the Gluon forward with the boolean gluon_fwd.OPTIONS[NAME] off and on, and
+    cuDNN's, round-robin (round_robin)."""
+    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {args.ab + '=0':>14} "
+          f"{args.ab + '=1':>14} {'cudnn':>14}  max|x-cudnn| (=0, =1)")
+    for D, N, H, HKV, q, k, v in shapes(args):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        for causal in (False, True):
+            flops = 4 * q.shape[0] * H * N * N * D / (2 if causal else 1)
+            fwd = lambda: attention_forward_gluon(q, k, v, causal)[0]  # noqa: E731
+            fns = [with_options(fwd, gluon_fwd.OPTIONS, **{args.ab: bool(e)}) for e in (0, 1)]
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                          enable_gqa=HKV != H)
+            ref = cudnn().transpose(1, 2).float()
+            errs = " ".join(f"{float((fn().float() - ref).abs().max()):.1e}" for fn in fns)
+            print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} "
+                  + round_robin(fns + [cudnn], flops, args.rounds) + f"  {errs}", flush=True)
+
+
 def backward_ab(args):
     """--backward --ab NAME: the Gluon backward (w2) with the boolean gluon_bwd.OPTIONS[NAME]
-    off and on, and cuDNN's, measured round-robin --rounds times (100 ms each); the median
-    TFLOP/s over the rounds and, in brackets, (max - min) / median in %. Identical kernels
-    measured one after the other differ by up to 7% (session 15): an A/B needs the rounds."""
+    off and on, and cuDNN's, round-robin (round_robin)."""
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {args.ab + '=0':>14} "
           f"{args.ab + '=1':>14} {'cudnn':>14}  max|x-cudnn| dq/dk/dv (=0, =1)")
     for D, N, H, HKV, q, k, v in shapes(args):
@@ -179,23 +218,14 @@ def backward_ab(args):
                                                          enable_gqa=HKV != H)
             out, lse = attention_forward_gluon(q, k, v, causal)
             w2 = lambda: attention_backward_gluon(dout, q, k, v, out, lse, causal)  # noqa: E731
-            fns = [with_options(w2, **{args.ab: bool(e)}) for e in (0, 1)]
+            fns = [with_options(w2, gluon_bwd.OPTIONS, **{args.ab: bool(e)}) for e in (0, 1)]
             fns.append(lambda: torch.autograd.grad(ref_out, leaves, dout.transpose(1, 2),
                                                    retain_graph=True))
             ref = [g.transpose(1, 2).float() for g in fns[2]()]
             errs = " ".join("/".join(f"{float((g.float() - r).abs().max()):.1e}"
                                      for g, r in zip(fn(), ref)) for fn in fns[:2])
-            runs = [[], [], []]
-            for _ in range(args.rounds):
-                for fn, got in zip(fns, runs):
-                    got.append(flops / triton.testing.do_bench(fn, warmup=10, rep=100,
-                                                               return_mode="median") * 1e-9)
-            cells = []
-            for got in runs:
-                mid = sorted(got)[len(got) // 2]
-                cells.append(f"{mid:.0f} ({100 * (max(got) - min(got)) / mid:.0f}%)")
-            print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} " + " ".join(
-                f"{c:>14}" for c in cells) + f"  {errs}", flush=True)
+            print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} "
+                  + round_robin(fns, flops, args.rounds) + f"  {errs}", flush=True)
 
 
 if __name__ == "__main__":

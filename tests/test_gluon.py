@@ -95,6 +95,23 @@ def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
 
 
 @needs_hopper
+@pytest.mark.parametrize("heavy_first", [False, True])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, 50)),
+                                           (True, (100, 0))],
+                         ids=["causal", "upper-bound", "causal-window"])
+def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatch):
+    """gluon_fwd.OPTIONS["HEAVY_FIRST"] both ways (a walk with an upper bound and no lower one
+    takes each head's query blocks last first; a window with both bounds keeps the order)
+    against the float64 reference: ragged, GQA, several heads."""
+    from flashtriton.kernels import gluon_fwd
+    monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", heavy_first)
+    q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
+    check_against_reference(
+        lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal, window_size=window),
+        q, k, v, causal, window_size=window, check_grads=False)
+
+
+@needs_hopper
 @pytest.mark.parametrize("layout", ["heads-major", "packed"])
 def test_gluon_forward_reads_strided_layouts(layout):
     q, k, v = make_qkv(2, 333, 333, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=False)

@@ -15,12 +15,13 @@ warpgroups own 64 keys each; per query block each runs
                                         consumers' dS^T (exchanged through shared memory)
 
 and stages its dQ half; a producer partition (4 warps, few registers) streams Q and dO, and
-their rows' LSE and delta, into a two-slot ring by TMA and adds the staged dQ tiles into an fp32 buffer by TMA bulk reductions
-(`cp.reduce.async.bulk.tensor`, in L2), so the tensor-core warps never wait for a reduction
-(DQ_MODE 2; DQ_MODE 1 keeps the product but adds nothing: a timing ablation). The sum's order
-varies from run to run: the backward is not bitwise repeatable (launch dispatches it unless
-a deterministic backward is asked for). A one-kernel, 8-warp form with the same body ran
-0.84-0.92x the Triton backward and was removed (docs/perf.md, sessions 13-14).
+their rows' LSE and delta, into a two-slot ring by TMA and adds the staged dQ tiles into an
+fp32 buffer by TMA bulk reductions (`cp.reduce.async.bulk.tensor`, in L2), so the
+tensor-core warps never wait for a reduction (DQ_MODE 2; DQ_MODE 1 keeps the product but
+adds nothing: a timing ablation). The sum's order varies from run to run: the backward is
+not bitwise repeatable (launch dispatches it unless a deterministic backward is asked for).
+A one-kernel, 8-warp form with the same body ran 0.84-0.92x the Triton backward and was
+removed (docs/perf.md, sessions 13-14).
 
 The consumers read the LSE and delta from shared memory where they use them, rather than
 holding 32 registers of them through the step: fewer spills, +5% without a mask and +14-16%
@@ -43,8 +44,9 @@ keys (no mask), then masked ones again (a window's far edge, the ragged end, par
 
 Scope: bf16 / fp16, head dim 128, SQ == SK, GQA, q / k / v / dO in the 2-D token-row views of
 launch._token_rows. The prep kernel (kernels.attn_bwd) computes the log2 LSE and delta of
-padded rows and zeroes the fp32 dQ buffer first. Gluon does not run in the interpreter: scripts/compile_check.py compiles this
-kernel for sm_90 on any machine, tests/test_gluon.py runs it on a Hopper GPU.
+padded rows and zeroes the fp32 dQ buffer first. Gluon does not run in the interpreter:
+scripts/compile_check.py compiles this kernel for sm_90 on any machine, tests/test_gluon.py
+runs it on a Hopper GPU.
 """
 
 from triton.experimental import gluon

@@ -245,7 +245,10 @@ def _bounds(start_m, SEQ, var, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 
 # The kernel's launch constants: the first consumer's 4 warps, and the
 # registers of the second consumer and of the producer (setmaxnreg; 4 warps each).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40)
+# HEAVY_FIRST: under a causal bound (no lower one) the programs of a head take its query
+# blocks last first, so the blocks that see the most keys start first and the grid's tail
+# holds the light ones (as the Triton kernels' common.heavy_first).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True)
 
 
 @gluon.jit
@@ -276,7 +279,7 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
     (B, H, N, D) memory: rb H * N, rh N, ch 0). num_warps (4) is the first consumer's
@@ -295,6 +298,8 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
     start_m = gl.program_id(0)
+    if HEAVY_FIRST and (IS_CAUSAL or (HAS_UPPER and not HAS_LOWER)):  # (OPTIONS)
+        start_m = gl.num_programs(0) - 1 - start_m
     off_b = gl.program_id(1) // H
     off_h = gl.program_id(1) % H
     off_hk = off_h // GROUP  # K and V: the query head's KV head (GQA)
