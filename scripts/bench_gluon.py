@@ -50,6 +50,17 @@ def shapes(args):
             yield D, N, H, HKV, q, k, v
 
 
+def cudnn_forward(q, k, v, causal):
+    """cuDNN SDPA's forward of (B, N, H, D) q, k, v (GQA where k has fewer heads)."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                  enable_gqa=kt.shape[1] != qt.shape[1])
+    return run
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
@@ -90,14 +101,9 @@ def main():
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {'gluon':>7} {'triton':>7} {'cudnn':>7}"
           f"  max|gluon-sdpa|")
     for D, N, H, HKV, q, k, v in shapes(args):
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         for causal in (False, True):
             flops = 4 * q.shape[0] * H * N * N * D / (2 if causal else 1)
-
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                          enable_gqa=HKV != H)
+            cudnn = cudnn_forward(q, k, v, causal)
             fns = {"gluon": lambda: attention_forward_gluon(q, k, v, causal),
                    "triton": lambda: triton_forward(q, k, v, causal),
                    "cudnn": cudnn}
@@ -187,16 +193,11 @@ def forward_ab(args):
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {args.ab + '=0':>14} "
           f"{args.ab + '=1':>14} {'cudnn':>14}  max|x-cudnn| (=0, =1)")
     for D, N, H, HKV, q, k, v in shapes(args):
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         for causal in (False, True):
             flops = 4 * q.shape[0] * H * N * N * D / (2 if causal else 1)
             fwd = lambda: attention_forward_gluon(q, k, v, causal)[0]  # noqa: E731
             fns = [with_options(fwd, gluon_fwd.OPTIONS, **{args.ab: bool(e)}) for e in (0, 1)]
-
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                          enable_gqa=HKV != H)
+            cudnn = cudnn_forward(q, k, v, causal)
             ref = cudnn().transpose(1, 2).float()
             errs = " ".join(f"{float((fn().float() - ref).abs().max()):.1e}" for fn in fns)
             print(f"{D:>4} {N:>6} {HKV:>4} {int(causal):>6} "
