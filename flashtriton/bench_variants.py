@@ -2,7 +2,7 @@
 
     python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out]
         [--triton-variants] [--triton-bwd-variants] [--general-alibi]
-        [--gluon-bwd-option NAME=0|1]
+        [--gluon-option NAME=0|1]
 
 Variants (bf16, batch * seqlen = 16K tokens, 16 heads of 128): causal sliding window
 of 1024, document masking (documents of 2048 tokens, through mask_mod + a block
@@ -124,16 +124,20 @@ def main(argv=None):
     p.add_argument("--general-alibi", action="store_true",
                    help="causal ALiBi's general |i - j| form in the Gluon kernels "
                         "(launch.GLUON_ALIBI_ONE_SIDED off)")
-    p.add_argument("--gluon-bwd-option", action="append", default=[], metavar="NAME=0|1",
-                   help="set a boolean of kernels.gluon_bwd.OPTIONS (e.g. EARLY_S=0)")
+    p.add_argument("--gluon-option", "--gluon-bwd-option", dest="gluon_option",
+                   action="append", default=[], metavar="NAME=0|1",
+                   help="set a boolean of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
+                        "whichever has it (e.g. EARLY_S=0, ROW_BOUNDS=1: both kernels)")
     args = p.parse_args(argv)
-    if args.gluon_bwd_option:
-        from .kernels import gluon_bwd
-        for item in args.gluon_bwd_option:
+    if args.gluon_option:
+        from .kernels import gluon_bwd, gluon_fwd
+        for item in args.gluon_option:
             name, value = item.split("=")
-            if name not in gluon_bwd.OPTIONS:
-                p.error(f"no gluon_bwd option {name!r}")
-            gluon_bwd.OPTIONS[name] = bool(int(value))
+            tables = [t for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS) if name in t]
+            if not tables:
+                p.error(f"no Gluon kernel option {name!r}")
+            for table in tables:
+                table[name] = bool(int(value))
     launch.GLUON_VARIANTS = not args.triton_variants
     launch.GLUON_ALIBI_ONE_SIDED = not args.general_alibi
     launch.GLUON_BWD_VARIANTS = not args.triton_bwd_variants

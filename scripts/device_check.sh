@@ -12,8 +12,8 @@
 # by $ONLY), ab (the bench's flashtriton rows once more from an older tree, for A/B in one
 # run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
 # in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD), abvariants (the same
-# for bench_variants; VARIANTS="alibi window" picks variants for both runs), bwdab (the Gluon
-# backward's OPTIONS[$BWD_OPTION], default EARLY_S, off and on: tests, A/B, variants).
+# for bench_variants; VARIANTS="alibi window" picks variants for both runs), optab (a Gluon
+# kernel option $OPTION, default ROW_BOUNDS, off and on: tests, A/Bs, variants).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -91,17 +91,22 @@ if has gluon; then
       --seqlens 2048 8192 16384 > "$OUT/gluon_backward.log" 2>&1
   fi
 fi
-# The Gluon backward's boolean OPTIONS[$BWD_OPTION] (default EARLY_S) off and on: its tests
-# (every form), bench_gluon's round-robin A/B, and bench_variants with it on, then off.
-has bwdab && FLASHTRITON_AUTOTUNE=0 timeout ${T_BWDAB_TESTS:-240} python3 -m pytest \
-  tests/test_gluon.py -k backward -n 16 -q -p no:cacheprovider -rf --tb=short \
-  > "$OUT/bwdab_tests.log" 2>&1
-has bwdab && timeout ${T_BWDAB:-150} python3 scripts/bench_gluon.py --backward \
-  --ab ${BWD_OPTION:-EARLY_S} --dims 128 --seqlens 8192 16384 --rounds 3 > "$OUT/bwdab.log" 2>&1
+# A boolean option of the Gluon kernels ($OPTION, default ROW_BOUNDS; gluon_fwd.OPTIONS and / or
+# gluon_bwd.OPTIONS) off and on: tests/test_gluon.py (its fixtures run both forms), bench_gluon's
+# round-robin A/B of the kernel(s) that have it, and bench_variants with it on, then off.
+opt=${OPTION:-ROW_BOUNDS}
+has optab && FLASHTRITON_AUTOTUNE=0 timeout ${T_OPTAB_TESTS:-240} python3 -m pytest \
+  tests/test_gluon.py -n 16 -q -p no:cacheprovider -rf --tb=short > "$OUT/optab_tests.log" 2>&1
+has optab && python3 -c "from flashtriton.kernels import gluon_fwd; exit('$opt' not in \
+  gluon_fwd.OPTIONS)" && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --ab $opt \
+  --dims 128 --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_fwd.log" 2>&1
+has optab && python3 -c "from flashtriton.kernels import gluon_bwd; exit('$opt' not in \
+  gluon_bwd.OPTIONS)" && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --backward \
+  --ab $opt --dims 128 --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_bwd.log" 2>&1
 for flag in 1 0; do
-  has bwdab && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit \
-    "$commit" --out "$OUT/bwdab_variants$flag" --gluon-bwd-option ${BWD_OPTION:-EARLY_S}=$flag \
-    > "$OUT/bwdab_variants$flag.log" 2>&1
+  has optab && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit \
+    "$commit" --out "$OUT/optab_variants$flag" --gluon-option $opt=$flag \
+    > "$OUT/optab_variants$flag.log" 2>&1
 done
 has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
 has host && timeout ${T_DECODE:-90} python3 scripts/sweep_decode.py > "$OUT/decode_sweep.log" 2>&1
@@ -117,12 +122,12 @@ has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; echo "== cloc
                   grep -m2 '^#' "$OUT/clocks.log"; awk '$1 !~ /^#/ && NF > 3 {n++; if (lo == "" || $NF < lo) lo = $NF;
                   if ($NF > hi) hi = $NF} END {print "last column: min", lo, "max", hi, "over", n, "s"}' "$OUT/clocks.log"; }
 has bwdprobe && { echo "== backward kernels"; cut -c1-300 "$OUT/bwdprobe.log"; }
-has bwdab    && { echo "== gluon_bwd ${BWD_OPTION:-EARLY_S}"; grep -E "^(FAILED|ERROR)" \
-                  "$OUT/bwdab_tests.log" | cut -c1-300 | head; grep -E "passed|failed" \
-                  "$OUT/bwdab_tests.log" | tail -1; cat "$OUT/bwdab.log"; for flag in 1 0; do
-                  echo "-- bench_variants, ${BWD_OPTION:-EARLY_S}=$flag"; cat \
-                  "$OUT/bwdab_variants$flag/variants.md" 2>/dev/null || tail -5 \
-                  "$OUT/bwdab_variants$flag.log"; done; }
+has optab    && { echo "== gluon $opt"; grep -E "^(FAILED|ERROR)" "$OUT/optab_tests.log" \
+                  | cut -c1-300 | head; grep -E "passed|failed" "$OUT/optab_tests.log" | tail -1
+                  cat "$OUT/optab_fwd.log" "$OUT/optab_bwd.log" 2>/dev/null; for flag in 1 0; do
+                  echo "-- bench_variants, $opt=$flag"; cat \
+                  "$OUT/optab_variants$flag/variants.md" 2>/dev/null || tail -5 \
+                  "$OUT/optab_variants$flag.log"; done; }
 has sweep    && { echo "== decode splits (graph GB/s)"; cat "$OUT/sweep.log"; }
 has decode   && { echo "== decode"; cat "$OUT/decode/results.md" 2>/dev/null || tail -5 "$OUT/decode_bench.log"; }
 has atomic   && { echo "== atomic-dQ tests"; grep -E "^(FAILED|ERROR)" "$OUT/atomic_tests.log" | cut -c1-300 | head;

@@ -89,7 +89,7 @@ def _gluon_compile(fn, consts, types):
 
 
 def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
-                      softcap=False, alibi=False, mask_mod=None):
+                      softcap=False, alibi=False, mask_mod=None, **options):
     """The Gluon forward (kernels.gluon_fwd) for sm_90, bf16, its descriptors typed as the
     launcher makes them (launch._gluon_forward: 128-row blocks); a variant by its flags (alibi
     1 / True the general form, 2 one-sided; mask_mod: a block mask's lists, LISTED, with this
@@ -100,7 +100,7 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
     desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
     consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, HAS_LOWER=lower, HAS_UPPER=upper,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
-                  MASK_MOD=mask_mod, **gluon_fwd.OPTIONS)
+                  MASK_MOD=mask_mod, **{**gluon_fwd.OPTIONS, **options})
     return _gluon_compile(gluon_fwd._attn_fwd_gluon_kernel, consts, dict(
         q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
         BMASK="*i32", qk_scale="fp32", cap2="fp32"))

@@ -137,3 +137,25 @@ def test_merge_joins_runs_into_one_report(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit, match="no rows"):
         bench.main(["--merge", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x")])
+
+
+def test_variants_bench_sets_gluon_options(monkeypatch):
+    """bench_variants --gluon-option NAME=0|1 sets the boolean in whichever Gluon kernel's
+    OPTIONS has it (ROW_BOUNDS: both, EARLY_S: the backward's) before it needs the GPU, and
+    rejects a name neither has."""
+    from flashtriton import bench_variants as bv
+    from flashtriton import launch
+    from flashtriton.kernels import gluon_bwd, gluon_fwd
+    for table in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS):
+        monkeypatch.setitem(table, "ROW_BOUNDS", False)
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", None)
+    for name in ("GLUON_VARIANTS", "GLUON_ALIBI_ONE_SIDED", "GLUON_BWD_VARIANTS"):
+        monkeypatch.setattr(launch, name, getattr(launch, name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="CUDA GPU"):
+        bv.main(["--gluon-option", "ROW_BOUNDS=1", "--gluon-option", "EARLY_S=0"])
+    assert gluon_fwd.OPTIONS["ROW_BOUNDS"] is True and gluon_bwd.OPTIONS["ROW_BOUNDS"] is True
+    assert gluon_bwd.OPTIONS["EARLY_S"] is False and "EARLY_S" not in gluon_fwd.OPTIONS
+    with pytest.raises(SystemExit) as exc:
+        bv.main(["--gluon-option", "NO_SUCH=1"])
+    assert exc.value.code == 2
