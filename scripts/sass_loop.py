@@ -80,11 +80,15 @@ def _gluon_desc(block, dtype, width):
 
 def _gluon_compile(fn, consts, types):
     """A Gluon kernel for sm_90: constexprs ``consts``, argument types ``types`` (i32 for the
-    rest)."""
+    rest), and (as source_for) what the launcher derives from typical arguments: 16-byte
+    aligned pointers and strides divisible by 16 (without it the stores of dK, dV and O are
+    2 bytes each)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride")}
     source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                                 for k, v in consts.items()})
+                                                 for k, v in consts.items()}, attrs=attrs)
     return triton.compile(source, target=TARGET, options={"num_warps": consts["num_warps"]})
 
 
