@@ -123,9 +123,8 @@ class FlashAttnFunction(torch.autograd.Function):
     q, k, v as one tuple (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
     dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods, deterministic): autograd
-    processes
-    every argument of apply on every call (host time), and only q, k, v are differentiable;
-    the tensors in ``rest`` are inputs the backward reads, kept on ctx."""
+    processes every argument of apply on every call (host time), and only q, k, v are
+    differentiable; the tensors in ``rest`` are inputs the backward reads, kept on ctx."""
 
     @staticmethod
     def forward(ctx, q, k, v, rest):
