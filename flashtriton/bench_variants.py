@@ -127,7 +127,7 @@ def main(argv=None):
     p.add_argument("--gluon-option", "--gluon-bwd-option", dest="gluon_option",
                    action="append", default=[], metavar="NAME=0|1",
                    help="set a boolean of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
-                        "whichever has it (e.g. EARLY_S=0, ROW_BOUNDS=1: both kernels)")
+                        "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0)")
     args = p.parse_args(argv)
     if args.gluon_option:
         from .kernels import gluon_bwd, gluon_fwd

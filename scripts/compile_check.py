@@ -159,10 +159,7 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi causal", dict(alibi=True, causal=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
-                    ("block mask", dict(mask_mod=causal_mod)),
-                    # masked blocks by per-row bounds (gluon_fwd.OPTIONS, off)
-                    ("window row-bounds", dict(lower=True, upper=True, ROW_BOUNDS=True)),
-                    ("causal row-bounds", dict(causal=True, ROW_BOUNDS=True))):
+                    ("block mask", dict(mask_mod=causal_mod))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
 # The Gluon backward (kernels.gluon_bwd): dQ added by TMA bulk reductions (two UTMAREDG a
@@ -182,9 +179,6 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("block mask", dict(mask_mod=causal_mod)),
                     # EARLY_S the other way round (gluon_bwd.options)
                     ("plain early-s", dict(EARLY_S=True)),
-                    ("causal no early-s", dict(causal=True, EARLY_S=False)),
-                    # masked steps by per-key bounds (gluon_bwd.OPTIONS, off)
-                    ("window row-bounds", dict(lower=True, upper=True, ROW_BOUNDS=True)),
-                    ("causal row-bounds", dict(causal=True, ROW_BOUNDS=True))):
+                    ("causal no early-s", dict(causal=True, EARLY_S=False))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

@@ -13,7 +13,7 @@
 # run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
 # in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD), abvariants (the same
 # for bench_variants; VARIANTS="alibi window" picks variants for both runs), optab (a Gluon
-# kernel option $OPTION, default ROW_BOUNDS, off and on: tests, A/Bs, variants).
+# kernel option $OPTION off and on: tests, A/Bs, variants).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -91,10 +91,10 @@ if has gluon; then
       --seqlens 2048 8192 16384 > "$OUT/gluon_backward.log" 2>&1
   fi
 fi
-# A boolean option of the Gluon kernels ($OPTION, default ROW_BOUNDS; gluon_fwd.OPTIONS and / or
+# A boolean option of the Gluon kernels ($OPTION, e.g. EARLY_S; gluon_fwd.OPTIONS and / or
 # gluon_bwd.OPTIONS) off and on: tests/test_gluon.py (its fixtures run both forms), bench_gluon's
 # round-robin A/B of the kernel(s) that have it, and bench_variants with it on, then off.
-opt=${OPTION:-ROW_BOUNDS}
+has optab && opt=${OPTION:?set OPTION for optab}
 has optab && FLASHTRITON_AUTOTUNE=0 timeout ${T_OPTAB_TESTS:-240} python3 -m pytest \
   tests/test_gluon.py -n 16 -q -p no:cacheprovider -rf --tb=short > "$OUT/optab_tests.log" 2>&1
 has optab && python3 -c "from flashtriton.kernels import gluon_fwd; exit('$opt' not in \

@@ -141,20 +141,19 @@ def test_merge_joins_runs_into_one_report(tmp_path):
 
 def test_variants_bench_sets_gluon_options(monkeypatch):
     """bench_variants --gluon-option NAME=0|1 sets the boolean in whichever Gluon kernel's
-    OPTIONS has it (ROW_BOUNDS: both, EARLY_S: the backward's) before it needs the GPU, and
-    rejects a name neither has."""
+    OPTIONS has it (HEAVY_FIRST: the forward's, EARLY_S: the backward's) before it needs the
+    GPU, and rejects a name neither has."""
     from flashtriton import bench_variants as bv
     from flashtriton import launch
     from flashtriton.kernels import gluon_bwd, gluon_fwd
-    for table in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS):
-        monkeypatch.setitem(table, "ROW_BOUNDS", False)
+    monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", True)
     monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", None)
     for name in ("GLUON_VARIANTS", "GLUON_ALIBI_ONE_SIDED", "GLUON_BWD_VARIANTS"):
         monkeypatch.setattr(launch, name, getattr(launch, name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA GPU"):
-        bv.main(["--gluon-option", "ROW_BOUNDS=1", "--gluon-option", "EARLY_S=0"])
-    assert gluon_fwd.OPTIONS["ROW_BOUNDS"] is True and gluon_bwd.OPTIONS["ROW_BOUNDS"] is True
+        bv.main(["--gluon-option", "HEAVY_FIRST=0", "--gluon-option", "EARLY_S=0"])
+    assert gluon_fwd.OPTIONS["HEAVY_FIRST"] is False and "HEAVY_FIRST" not in gluon_bwd.OPTIONS
     assert gluon_bwd.OPTIONS["EARLY_S"] is False and "EARLY_S" not in gluon_fwd.OPTIONS
     with pytest.raises(SystemExit) as exc:
         bv.main(["--gluon-option", "NO_SUCH=1"])

@@ -83,19 +83,11 @@ def test_gluon_misfit_names_what_it_does_not_take():
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
 
 
-@pytest.fixture(params=[False, True], ids=["rb0", "rb1"])
-def fwd_options(request, monkeypatch):
-    """The Gluon forward's masked blocks both ways (kernels.gluon_fwd.OPTIONS["ROW_BOUNDS"]:
-    a score compared with per-row bounds, or with each bound)."""
-    from flashtriton.kernels import gluon_fwd
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "ROW_BOUNDS", request.param)
-
-
 @needs_hopper
 @pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype, fwd_options):
+def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
     q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda", requires_grad=False)
     check_against_reference(
         lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal), q, k, v, causal,
@@ -107,8 +99,7 @@ def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype, fwd_opt
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, 50)),
                                            (True, (100, 0))],
                          ids=["causal", "upper-bound", "causal-window"])
-def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatch,
-                                         fwd_options):
+def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatch):
     """gluon_fwd.OPTIONS["HEAVY_FIRST"] both ways (a walk with an upper bound and no lower one
     takes each head's query blocks last first; a window with both bounds keeps the order)
     against the float64 reference: ragged, GQA, several heads."""
@@ -145,7 +136,7 @@ VARIANTS = [(False, (100, -1), 0.0, None), (False, (-1, 37), 0.0, None),
 @pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
 @pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 64)])
 def test_gluon_forward_variants_match_reference(B, N, H, HKV, D, causal, window, softcap,
-                                                alibi, fwd_options):
+                                                alibi):
     """kernels.gluon_fwd's windows, softcap and ALiBi (launch.attention_forward_gluon)
     against the float64 reference."""
     q, k, v = make_qkv(B, N, N, H, HKV, D, torch.bfloat16, "cuda", requires_grad=False)
@@ -282,7 +273,7 @@ def _prefix_mod(b, h, q_idx, kv_idx):
 @needs_hopper
 @pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
 @pytest.mark.parametrize("N", [1024, 1000])
-def test_gluon_forward_block_masks_match_reference(mask_mod, N, fwd_options):
+def test_gluon_forward_block_masks_match_reference(mask_mod, N):
     """kernels.gluon_fwd over a block mask's lists (full blocks unmasked but at a ragged end,
     mask_mod on the partial ones) against the float64 reference of the same mask."""
     from flashtriton.block_mask import create_block_mask
@@ -317,12 +308,10 @@ def _gluon_backward(**opts):
     return lambda q, k, v: _GluonBackward.apply(q, k, v, opts)
 
 
-@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ROW_BOUNDS=True)],
-                ids=["s0", "s1", "rb"])
+@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True)], ids=["s0", "s1"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
-    step's S^T issued before dQ's staging), and ROW_BOUNDS (masked steps compare each score
-    with per-key bounds)."""
+    step's S^T issued before dQ's staging)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)

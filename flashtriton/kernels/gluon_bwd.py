@@ -155,19 +155,21 @@ def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr):
 
 
 @gluon.jit
-def _row_keep(keys, cols, SEQ, var, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
-              MASK_MOD: gl.constexpr):
-    """ROW_BOUNDS (OPTIONS): which (key, query) pairs of S^T a masked step keeps, with SEQ and
-    the window's bounds folded into each key's first and last query first (query i sees key
-    j where j <= i + UPPER, i.e. i >= j - UPPER, and j >= i + LOWER, i.e. i <= j - LOWER; a
-    key past SEQ: none), so a score takes one compare a bound instead of one a condition."""
+def _keep(keys, cols, SEQ, var, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
+          MASK_MOD: gl.constexpr):
+    """Which (key, query) pairs of a masked step's S^T are kept. SEQ and the window's bounds
+    are folded into each key's first and last query first (query i sees key j where
+    j <= i + UPPER, i.e. i >= j - UPPER, and j >= i + LOWER, i.e. i <= j - LOWER; a key past
+    SEQ: none), so a score takes one compare a bound instead of one a condition."""
     valid = keys < SEQ
     if HAS_UPPER:
         keep = cols[None, :] >= gl.where(valid, keys - var[1], 1 << 30)[:, None]
         if HAS_LOWER:
             keep = keep & (cols[None, :] <= (keys - var[0])[:, None])
-    else:
+    elif HAS_LOWER:
         keep = cols[None, :] <= gl.where(valid, keys - var[0], -1)[:, None]
+    else:  # keys past SEQ only (a ragged key block)
+        keep = valid[:, None]
     if MASK_MOD is not None:
         keep = keep & MASK_MOD(var[4], var[5], cols[None, :], keys[:, None])
     return keep
@@ -184,8 +186,7 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
     dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor); lse_s and
     delta_s: the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key
     at or left of the diagonal): the keys' part of the bias (common.alibi_part relative to
-    the anchor) here, the rows' part in lse2 (_lse2). MASK 2: a masked step by _row_keep
-    (ROW_BOUNDS) where the walk has a bound. Returns dS^T (in the inputs' dtype) and dK,
+    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). Returns dS^T (in the inputs' dtype) and dK,
     dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
@@ -202,18 +203,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
         pt = gl.exp2(s2 - lse2[None, :])
     else:
         pt = gl.exp2(st * qk_scale - lse2[None, :])
-    if MASK == 2 and (HAS_UPPER or HAS_LOWER):  # ROW_BOUNDS: SEQ and the bounds per key
-        pt = gl.where(_row_keep(keys, cols, SEQ, var, HAS_LOWER, HAS_UPPER, MASK_MOD), pt,
-                      0.0)
-    elif MASK:  # keys past SEQ (a ragged key block), outside the window, or MASK_MOD's
-        keep = keys[:, None] < SEQ
-        if MASK_MOD is not None:
-            keep = keep & MASK_MOD(var[4], var[5], cols[None, :], keys[:, None])
-        if HAS_UPPER:
-            keep = keep & (keys[:, None] <= cols[None, :] + var[1])
-        if HAS_LOWER:
-            keep = keep & (keys[:, None] >= cols[None, :] + var[0])
-        pt = gl.where(keep, pt, 0.0)
+    if MASK:  # keys past SEQ (a ragged key block), outside the window, or MASK_MOD's
+        pt = gl.where(_keep(keys, cols, SEQ, var, HAS_LOWER, HAS_UPPER, MASK_MOD), pt, 0.0)
     pg = pt  # P^T times the scores' derivative (softcap * tanh(x / softcap): 1 - tanh^2),
     if HAS_SOFTCAP:  # formed now so that the tanh is not kept through dP^T's wait
         pg = pt * (1.0 - tc * tc)
@@ -228,10 +219,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # The kernel's launch constants: the first consumer's 4 warps, and the registers of the
 # consumers and of the producer (setmaxnreg; 4 warps each).
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
-# walk has an upper bound (causal, a window's), as options() says. ROW_BOUNDS: masked steps
-# compare each score with per-key bounds (_row_keep; off until measured on the H200).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None,
-               ROW_BOUNDS=False)
+# walk has an upper bound (causal, a window's), as options() says.
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None)
 
 
 def options(has_upper: bool) -> dict:
@@ -330,12 +319,11 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb, stride_kt,
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-             LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             MASKED: gl.constexpr):
+             LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
-    key: one-sided ALiBi's anchor). MASKED: the masked steps' MASK (2: ROW_BOUNDS)."""
+    key: one-sided ALiBi's anchor)."""
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -362,13 +350,13 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         for g in range(GROUP):
             if HAS_UPPER:  # query blocks across the causal / window upper bound
                 dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
-                                    MASKED, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                    True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                                     MASK_MOD, EARLY_S)
             dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                 False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                                 MASK_MOD, EARLY_S)
             dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
-                                W, MASKED, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                                 MASK_MOD, EARLY_S)
     rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
     dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
@@ -422,8 +410,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           EARLY_S: gl.constexpr, ROW_BOUNDS: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           EARLY_S: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -498,14 +485,14 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, 1 + ROW_BOUNDS)),
+                     EARLY_S)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
                      stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
                      HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, 1 + ROW_BOUNDS)),
+                     EARLY_S)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,

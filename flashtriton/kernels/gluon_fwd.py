@@ -61,35 +61,24 @@ def _wait(bars, j, NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def _masked(s, rows, cols, SK, var, IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr,
-            HAS_UPPER: gl.constexpr, MASK_MOD: gl.constexpr, ROW_BOUNDS: gl.constexpr):
+            HAS_UPPER: gl.constexpr, MASK_MOD: gl.constexpr):
     """Scores of keys past SK, and (causal) past the diagonal, or (window) outside
     [i + LOWER, i + UPPER], or where MASK_MOD(b, h, i, j) is False (var: (kv0, LOWER,
-    UPPER, cap2, slope2, b, h)), set to -inf. ROW_BOUNDS (OPTIONS): SK and UPPER folded into
-    one end per row first, so a score takes one compare for them (two with LOWER) instead of
-    one per bound; causal compares with the diagonal only (SQ == SK: keys past SK are seen
-    only by rows past SEQ, whose O and LSE are not stored)."""
-    if ROW_BOUNDS:
-        if IS_CAUSAL:
-            keep = cols[None, :] < (rows + 1)[:, None]
-        else:
-            end = gl.zeros_like(rows) + SK
-            if HAS_UPPER:
-                end = gl.minimum(end, rows + (var[2] + 1))
-            keep = cols[None, :] < end[:, None]
-        if HAS_LOWER:
-            keep = keep & (cols[None, :] >= (rows + var[1])[:, None])
-        if MASK_MOD is not None:
-            keep = keep & MASK_MOD(var[5], var[6], rows[:, None], cols[None, :])
-        return gl.where(keep, s, -float("inf"))
-    keep = cols[None, :] < SK
+    UPPER, cap2, slope2, b, h)), set to -inf. SK and UPPER are folded into one end per row
+    first, so a score takes one compare for them (two with LOWER) instead of one a bound;
+    causal compares with the diagonal only (SQ == SK: keys past SK are seen only by rows
+    past SEQ, whose O and LSE are not stored)."""
+    if IS_CAUSAL:
+        keep = cols[None, :] < (rows + 1)[:, None]
+    else:
+        end = gl.zeros_like(rows) + SK
+        if HAS_UPPER:
+            end = gl.minimum(end, rows + (var[2] + 1))
+        keep = cols[None, :] < end[:, None]
+    if HAS_LOWER:
+        keep = keep & (cols[None, :] >= (rows + var[1])[:, None])
     if MASK_MOD is not None:
         keep = keep & MASK_MOD(var[5], var[6], rows[:, None], cols[None, :])
-    if IS_CAUSAL:
-        keep = keep & (cols[None, :] <= rows[:, None])
-    if HAS_UPPER:
-        keep = keep & (cols[None, :] <= rows[:, None] + var[2])
-    if HAS_LOWER:
-        keep = keep & (cols[None, :] >= rows[:, None] + var[1])
     return gl.where(keep, s, -float("inf"))
 
 
@@ -147,9 +136,8 @@ def _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL: gl.constexp
         scale: gl.constexpr = 1.0
     else:
         scale = qk_scale
-    if MASK:  # (2: ROW_BOUNDS)
-        s = _masked(s, rows, cols, SEQ, var, IS_CAUSAL, HAS_LOWER, HAS_UPPER, MASK_MOD,
-                    MASK == 2)
+    if MASK:
+        s = _masked(s, rows, cols, SEQ, var, IS_CAUSAL, HAS_LOWER, HAS_UPPER, MASK_MOD)
     # m in the scaled (log2) domain; the scale folds into the exp2's argument (one FFMA)
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
     m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -166,14 +154,14 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
             HEAD_DIM: gl.constexpr, WARPS: gl.constexpr, IS_CAUSAL: gl.constexpr,
             NUM_STAGES: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-            MASK_MOD: gl.constexpr, MASKED: gl.constexpr):
+            MASK_MOD: gl.constexpr):
     """A consumer partition: ROWS query rows from row_start (q_smem holds them) over the ring's
     key blocks 0 .. n_blocks - 1 (blocks: (n_blocks, full_lo, full_hi); ring block j holds
     the keys from _first_key(j), var = (kv0, LOWER, UPPER, cap2, slope2, b, h, the query
     block's first row)); blocks
     before full_lo (a window's lower edge) and from full_hi on (the causal diagonal, a
     window's upper edge, the ragged end, a block mask's partial blocks) are masked. WARPS
-    warps; stores O and the LSE. MASKED: _softmax's MASK for masked blocks (2: ROW_BOUNDS)."""
+    warps; stores O and the LSE."""
     # S and O in the wgmma accumulator layout: 16-row atoms, warps stacked along the rows.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
@@ -197,7 +185,7 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     _release(k_empty, 0, NUM_STAGES)
     p, m_i, l_i, _ = _softmax(s, m_i, l_i, rows, _first_key(0, var[0], lst, BLOCK_N, LISTED)
-                              + offs_n, SEQ, qk_scale, var, IS_CAUSAL, MASKED, HAS_LOWER,
+                              + offs_n, SEQ, qk_scale, var, IS_CAUSAL, True, HAS_LOWER,
                               HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_MOD)  # (masked: once)
     # Masked blocks below full_lo, blocks that see every key, masked blocks from full_hi on.
     lo_end = 1
@@ -207,9 +195,8 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
             p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty,
                                      v_empty, p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ,
                                      qk_scale, var, lst, p_layout, alpha_layout, IS_CAUSAL,
-                                     MASKED,
-                                     NUM_STAGES, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                     LISTED, MASK_MOD)
+                                     True, NUM_STAGES, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                                     HAS_ALIBI, LISTED, MASK_MOD)
     for j in range(lo_end, gl.maximum(full_hi, lo_end)):
         p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                  p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale, var,
@@ -218,7 +205,7 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     for j in range(gl.maximum(full_hi, lo_end), n_blocks):
         p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                                  p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale, var,
-                                 lst, p_layout, alpha_layout, IS_CAUSAL, MASKED, NUM_STAGES,
+                                 lst, p_layout, alpha_layout, IS_CAUSAL, True, NUM_STAGES,
                                  HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)
     # The last block's P V.
     last = n_blocks - 1
@@ -266,10 +253,7 @@ def _bounds(start_m, SEQ, var, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 # HEAVY_FIRST: under a causal bound (no lower one) the programs of a head take its query
 # blocks last first, so the blocks that see the most keys start first and the grid's tail
 # holds the light ones (as the Triton kernels' common.heavy_first).
-# ROW_BOUNDS: masked blocks compare each score with per-row bounds (_masked; off until
-# measured on the H200).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True,
-               ROW_BOUNDS=False)
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True)
 
 
 @gluon.jit
@@ -300,8 +284,7 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
-                           HEAVY_FIRST: gl.constexpr, ROW_BOUNDS: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
     (B, H, N, D) memory: rb H * N, rh N, ch 0). num_warps (4) is the first consumer's
@@ -367,13 +350,12 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
                     k_empty, v_empty, O, LSE, start_m * BLOCK_M, off_b, off_h, stride_ob,
                     stride_ot, stride_oh, stride_lb, stride_lh, blocks, SEQ, qk_scale, var,
                     lst, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES, HAS_LOWER,
-                    HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, 1 + ROW_BOUNDS)),
+                    HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
          (_attend, (q_smem.slice(HALF, HALF, dim=0), k_smem, v_smem, q_full, k_full, v_full,
                     k_empty, v_empty, O, LSE, start_m * BLOCK_M + HALF, off_b, off_h,
                     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, blocks, SEQ,
                     qk_scale, var, lst, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                    1 + ROW_BOUNDS)),
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
          (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
                      k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
                      off_h * q_ch, row0, col, blocks[0], kv0, lst, NUM_STAGES, LISTED))],
