@@ -4,6 +4,7 @@ Inference only (no autograd). Launcher and API in one module: the kernels live i
 ``kernels/decode.py``.
 """
 
+import functools
 import math
 from typing import Optional, Tuple, Union
 
@@ -13,6 +14,11 @@ from . import _env, configs, launch
 from .api import AttentionOutput, _check_alibi, _check_scale, _check_softcap, _check_window, \
     _describe, check_qkv
 from .kernels.decode import _attn_merge_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx):
@@ -64,7 +70,7 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
     max_splits = max(1, configs.cdiv(capacity, block_n))
     if num_splits > 0:
         return min(num_splits, max_splits)
-    sms = 4 if device.type == "cpu" else launch.num_sms(device)
+    sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
     one_wave = sms // (B * HKV)
     if not paged and one_wave >= 8 and capacity >= 2048 * one_wave:
         return min(max_splits, one_wave, 128)

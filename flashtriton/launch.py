@@ -296,17 +296,6 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device=_SCRATCH_DEVICE)
 
 
-def num_sms(device: torch.device) -> int:
-    """The device's SM count (the persistent kernels' and the decode splits' grid)."""
-    device = torch.device(device)
-    return _num_sms(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=None)
 def _tma_capable(device: torch.device) -> bool:
     """Whether ``device`` has TMA (the Tensor Memory Accelerator): Hopper and newer."""
@@ -783,13 +772,12 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
     # Each of the kernel's two consumers reduces half the head dim.
     dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2])
     options = gluon_bwd.options(common["HAS_UPPER"])
-    n_tiles = configs.cdiv(N, 128) * B * k.shape[2]
-    gluon_bwd._attn_bwd_gluon_kernel[(gluon_bwd.programs(n_tiles, num_sms(q.device)),)](
+    gluon_bwd._attn_bwd_gluon_kernel[(configs.cdiv(N, 128), B * k.shape[2], 1)](
         q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, 64),
         _gluon_flat_descriptor(delta, 64), dk, dv, alibi, bmask, dk.stride(0), dk.stride(1),
         dk.stride(2), stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows,
         *do_rows, *kv_rows, common["qk_scale"], variant.softmax_scale, common["cap2"],
-        -common["WIN_LEFT"], common["WIN_RIGHT"], n_tiles, DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
+        -common["WIN_LEFT"], common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
         HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
         MASK_MOD=variant.mask_mod, **options)

@@ -308,18 +308,13 @@ def _gluon_backward(**opts):
     return lambda q, k, v: _GluonBackward.apply(q, k, v, opts)
 
 
-@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(PERSISTENT=True)],
-                ids=["s0", "s1", "p"])
+@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True)], ids=["s0", "s1"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
-    step's S^T issued before dQ's staging), and PERSISTENT on a GPU taken to have 3 SMs, so
-    that each program takes several tiles in turn (the ring's slots and phases, and K and V,
-    carried from tile to tile)."""
+    step's S^T issued before dQ's staging)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
-    if request.param.get("PERSISTENT"):
-        monkeypatch.setattr(launch, "num_sms", lambda device: 3)
 
 
 @needs_hopper

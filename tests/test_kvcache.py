@@ -305,8 +305,8 @@ def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want)
     # 132 SMs (H200): one program per SM where that makes >= 8 splits of >= 2048 keys, else
     # at most two per SM, without a nearly empty extra wave, at most one 128-key tile each (a
     # 1K cache at B=1: 8 splits).
-    from flashtriton import decode, launch
-    monkeypatch.setattr(launch, "num_sms", lambda device: 132)
+    from flashtriton import decode
+    monkeypatch.setattr(decode, "_num_sms", lambda index: 132)
     splits = decode._splits(0, B, HKV, N, 128, torch.device("cuda", 0))
     assert splits == want
     programs = splits * B * HKV

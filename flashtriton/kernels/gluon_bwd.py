@@ -70,13 +70,12 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _block_coords(t, walk, BLOCK_M: gl.constexpr, LISTED: gl.constexpr):
-    """Step t of a tile's walk (cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
-    lst, g0): query head h0 + t // cnt and its query block, m_lo + t % cnt or (LISTED; lst =
-    (the key block's row of the transposed lists, n_full, BM_N)) the (t % cnt)-th 64-row half
-    of its full, then partial 128-blocks. Returns the block's first row in q's and dO's 2-D
-    views (launch._token_rows), their columns, h and m. (g0: the tile's first step in the
-    program's count of steps, which picks ring slots and barrier phases.)"""
-    cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, lst, g0 = walk
+    """Step t of a program's walk (cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
+    lst): query head h0 + t // cnt and its query block, m_lo + t % cnt or (LISTED; lst = (the
+    key block's row of the transposed lists, n_full, BM_N)) the (t % cnt)-th 64-row half of
+    its full, then partial 128-blocks. Returns the block's first row in q's and dO's 2-D
+    views (launch._token_rows), their columns, h and m."""
+    cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, lst = walk
     h = h0 + t // cnt
     i = t % cnt
     if LISTED:
@@ -95,11 +94,10 @@ def _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ,
              LISTED: gl.constexpr):
     """TMA of step t's Q and dO blocks, and of their rows' log2 LSE and delta (stats =
     (lse_desc, delta_desc, lse_smem, delta_smem): the prep kernel's B * H rows padded to
-    cdiv(SEQ, 128) * 128), into slot (g0 + t) % 2. Returns the step's first row in the fp32
-    dQ buffer (B * H * SEQ rows)."""
+    cdiv(SEQ, 128) * 128), into slot t % 2."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     q_row, q_col, o_row, o_col, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
-    slot = (walk[11] + t) % 2
+    slot = t % 2
     mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                     + stats[0].block_type.nbytes + stats[1].block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], full.index(slot),
@@ -109,7 +107,6 @@ def _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ,
     row = (walk[9] * H + h) * (gl.cdiv(SEQ, 128) * 128) + m * BLOCK_M
     tma.async_copy_global_to_shared(stats[0], [row], full.index(slot), stats[2].index(slot))
     tma.async_copy_global_to_shared(stats[1], [row], full.index(slot), stats[3].index(slot))
-    return (walk[9] * H + h) * SEQ + m * BLOCK_M
 
 
 @gluon.jit
@@ -147,8 +144,8 @@ def _lse2(lse_s, cols, var, layout: gl.constexpr, HAS_ALIBI: gl.constexpr):
 
 @gluon.jit
 def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr):
-    """S^T = K Q^T of the program's step t, issued (asynchronous) once its Q and dO blocks
-    have landed in slot t % 2."""
+    """S^T = K Q^T of step t, issued (asynchronous) once its Q and dO blocks have landed in
+    slot t % 2."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = q_smem.shape[1]
     mbarrier.wait(full.index(t % 2), (t // 2) & 1)
@@ -189,8 +186,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
     dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor); lse_s and
     delta_s: the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key
     at or left of the diagonal): the keys' part of the bias (common.alibi_part relative to
-    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). Returns
-    dS^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
+    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). Returns dS^T (in the inputs' dtype) and dK,
+    dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
     zero = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
@@ -222,10 +219,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # The kernel's launch constants: the first consumer's 4 warps, and the registers of the
 # consumers and of the producer (setmaxnreg; 4 warps each).
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
-# walk has an upper bound (causal, a window's), as options() says. PERSISTENT: as many
-# programs as SMs, each taking its tiles in turn (programs(); off: one program a tile).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None,
-               PERSISTENT=False)
+# walk has an upper bound (causal, a window's), as options() says.
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None)
 
 
 def options(has_upper: bool) -> dict:
@@ -233,15 +228,10 @@ def options(has_upper: bool) -> dict:
     OPTIONS with EARLY_S chosen where it is None. Measured on the H200 (bf16, 8K and 16K,
     five rounds; docs/perf.md, session 15): causal 373 -> 409 and 401 -> 439 TFLOP/s with it,
     without a bound 486 -> 463 and 495 -> 472."""
-    opts = {k: v for k, v in OPTIONS.items() if k != "PERSISTENT"}
+    opts = dict(OPTIONS)
     if opts["EARLY_S"] is None:
         opts["EARLY_S"] = bool(has_upper)
     return opts
-
-
-def programs(n_tiles: int, sms: int) -> int:
-    """How many programs take the n_tiles tiles on a GPU of sms SMs (OPTIONS["PERSISTENT"])."""
-    return min(n_tiles, sms) if OPTIONS["PERSISTENT"] else n_tiles
 
 
 @gluon.jit
@@ -269,9 +259,8 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
     off_b = walk[9]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
-    g = walk[11] + t  # the program's step count: ring slot and phase
-    slot = g % 2
-    phase = (g // 2) & 1
+    slot = t % 2
+    phase = (t // 2) & 1
     q_s = q_smem.index(slot)
     do_s = do_smem.index(slot)
     cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
@@ -280,7 +269,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
         slope2 = gl.load(ALIBI + off_b * stride_ab + h * stride_ah) * LOG2E
     s_now = st
     if not EARLY_S:
-        s_now = _issue_s(g, q_smem, k_w, full, st_layout)
+        s_now = _issue_s(t, q_smem, k_w, full, st_layout)
     dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, stats_smem[0].index(slot),
                                  stats_smem[1].index(slot), keys, cols, SEQ, qk_scale,
                                  (LOWER, UPPER, cap2, slope2, off_b, h, anchor), st_layout,
@@ -298,7 +287,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
     mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
     if EARLY_S:
-        st = _issue_s(walk[11] + gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
+        st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
     # Stage this group's dQ columns for the producer's reduction.
     mbarrier.wait(dq_empty.index(W * 2 + slot), phase)
     dq_w.index(W * 2 + slot).store(dq * sm_scale)
@@ -326,55 +315,15 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, d
 
 
 @gluon.jit
-def _tile_count(n_tiles):
-    """How many of the n_tiles (key block, batch * KV head) tiles this program takes (_tile)."""
-    P = gl.num_programs(0)
-    full = n_tiles // P
-    pos = gl.where(full % 2 == 0, gl.program_id(0), P - 1 - gl.program_id(0))
-    return full + gl.where(pos < n_tiles % P, 1, 0)
-
-
-@gluon.jit
-def _tile(r, g0, geo, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LOWER: gl.constexpr,
-          HAS_UPPER: gl.constexpr, LISTED: gl.constexpr):
-    """The program's r-th tile: tile r * P + pid, or r * P + P - 1 - pid in odd rounds (a
-    snake order, so that no program takes the heaviest tile of every round; P programs, one
-    round when P is the tile count), key block fastest (so that the programs running at once
-    share the heads whose Q, dO and dQ they read and add into, in L2). geo = (SEQ, H, GROUP,
-    LOWER, UPPER, BMASK, stride_bb, stride_bh, stride_bq, BM_N, q_rb, q_rh, q_ch, o_rb, o_rh,
-    o_ch); g0: the tile's first step in the program's count. Returns the key block n, the KV
-    head, the walk (_block_coords) and (GROUP, a, b) (_walk_bounds)."""
-    SEQ, H, GROUP, LOWER, UPPER, BMASK, stride_bb, stride_bh, stride_bq, BM_N = geo[:10]
-    P = gl.num_programs(0)
-    tile = r * P + gl.where(r % 2 == 0, gl.program_id(0), P - 1 - gl.program_id(0))
-    NB = gl.cdiv(SEQ, BLOCK_N)
-    n = tile % NB
-    off_b = tile // NB // (H // GROUP)
-    off_hk = tile // NB % (H // GROUP)
-    if LISTED:
-        row = BMASK + off_b * stride_bb + off_hk * GROUP * stride_bh + n * stride_bq
-        lst = (row, gl.load(row + 1), BM_N)
-    else:
-        lst = (0, 0, 0)
-    m_lo, cnt, a, b = _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M, BLOCK_N, HAS_LOWER,
-                                   HAS_UPPER, LISTED)
-    walk = (cnt, m_lo, off_hk * GROUP, geo[10], geo[11], geo[12], geo[13], geo[14], geo[15],
-            off_b, lst, g0)
-    return n, off_hk, walk, (GROUP, a, b)
-
-
-@gluon.jit
-def _consume(geo, count, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_full, kv_empty,
-             full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb,
-             stride_kt, stride_kh, scal, W: gl.constexpr, HAS_LOWER: gl.constexpr,
+def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_full, full,
+             empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb, stride_kt,
+             stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
-    """Consumer W, over the program's count tiles (_tile): keys n * 128 + W * 64 .. + 63 over
-    every step of the tile's walk (per query head, steps [a, b) unmasked); releases K and V
-    (kv_empty) once its last product has read them, then stores the keys' dK and dV while
-    the producer loads the next tile. scal = (ALIBI, stride_ab, stride_ah, qk_scale,
-    sm_scale, cap2); _step's cfg adds SEQ, LOWER, UPPER and the tile's first key (one-sided
-    ALiBi's anchor)."""
+    """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
+    _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
+    stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
+    key: one-sided ALiBi's anchor)."""
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -383,99 +332,71 @@ def _consume(geo, count, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_fu
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    SEQ = geo[0]
-    g0 = 0
-    for r in range(count):
-        n, off_hk, walk, bounds = _tile(r, g0, geo, BLOCK_M, 2 * KEYS, HAS_LOWER, HAS_UPPER,
-                                        LISTED)
-        cnt = walk[0]
-        GROUP, a, b = bounds
-        cfg = (scal[0], scal[1], scal[2], SEQ, scal[3], scal[4], scal[5], geo[3], geo[4],
-               n * 2 * KEYS)
-        key0 = n * 2 * KEYS + W * KEYS
-        keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
-        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
-        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
-        mbarrier.wait(kv_full, r & 1)
-        last = GROUP * cnt - 1
-        if cnt > 0:  # (EARLY_S: the first S^T waits for step 0's blocks; a walk may be empty)
-            st = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout)
-            if EARLY_S:
-                st = _issue_s(g0, q_smem, k_w, full, st_layout)
-                st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-            ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty,
-                    ds_ready, dq_full, dq_empty, stats_smem)
-            for g in range(GROUP):
-                if HAS_UPPER:  # query blocks across the causal / window upper bound
-                    dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys,
-                                        cfg, W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                        HAS_ALIBI, LISTED, MASK_MOD, EARLY_S)
-                dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys,
-                                    cfg, W, False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                    HAS_ALIBI, LISTED, MASK_MOD, EARLY_S)
-                dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys,
-                                    cfg, W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                    HAS_ALIBI, LISTED, MASK_MOD, EARLY_S)
-        mbarrier.arrive(kv_empty, count=1)  # every product of the tile has completed
-        rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
-        dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
-        offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
-                + dcols[None, :])
-        keep = rows[:, None] < SEQ
-        gl.store(DK + offs, (dk * scal[4]).to(dtype), mask=keep)
-        gl.store(DV + offs, dv.to(dtype), mask=keep)
-        g0 += GROUP * cnt
+    SEQ = cfg[3]
+    cnt = walk[0]
+    GROUP, a, b = bounds
+    keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
+    mbarrier.wait(kv_full, 0)
+    last = GROUP * cnt - 1
+    if cnt > 0:  # (EARLY_S: the first S^T waits for step 0's blocks; a walk may be empty)
+        st = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout)
+        if EARLY_S:
+            st = _issue_s(0, q_smem, k_w, full, st_layout)
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
+                dq_full, dq_empty, stats_smem)
+        for g in range(GROUP):
+            if HAS_UPPER:  # query blocks across the causal / window upper bound
+                dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
+                                    True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                    MASK_MOD, EARLY_S)
+            dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
+                                False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                MASK_MOD, EARLY_S)
+            dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
+                                W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                MASK_MOD, EARLY_S)
+    rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
+    dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
+    offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
+            + dcols[None, :])
+    keep = rows[:, None] < SEQ
+    gl.store(DK + offs, (dk * cfg[5]).to(dtype), mask=keep)
+    gl.store(DV + offs, dv.to(dtype), mask=keep)
 
 
 @gluon.jit
-def _reduce(dq_desc, dq_smem, dq_full, g, row, DQ_MODE: gl.constexpr):
-    """The program's step g's dQ (from row `row` of the fp32 buffer): both groups' staged
-    column halves, each by one TMA reduction."""
+def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
+            LISTED: gl.constexpr):
+    """Step t's dQ: both groups' staged column halves, each by one TMA reduction."""
+    BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[1]
+    _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
+    row = (walk[9] * H + h) * SEQ + m * BLOCK_M
     for w in gl.static_range(2):
-        mbarrier.wait(dq_full.index(w * 2 + g % 2), (g // 2) & 1)
+        mbarrier.wait(dq_full.index(w * 2 + t % 2), (t // 2) & 1)
         if DQ_MODE == 2:
-            _tma_reduce_add(dq_desc, [row, w * HALF_D], dq_smem.index(w * 2 + g % 2))
+            _tma_reduce_add(dq_desc, [row, w * HALF_D], dq_smem.index(w * 2 + t % 2))
 
 
 @gluon.jit
-def _produce(geo, count, q_desc, do_desc, dq_desc, k_desc, v_desc, q_smem, do_smem, dq_smem,
-             k_smem, v_smem, kv_full, kv_empty, full, empty, dq_full, dq_empty, stats,
-             kv_rows, DQ_MODE: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
-             LISTED: gl.constexpr):
-    """The producer, over the program's count tiles (_tile): the tile's K and V once both
-    consumers have released the last tile's (kv_empty), then step g's Q and dO once both
-    have released the slot (step g - 2), then step g - 1's dQ reductions (g counts the
-    program's steps across its tiles, so that the last step of a tile is reduced after the
-    next tile's loads are under way); a staging slot is released once its reductions have
-    read it (tma.store_wait). kv_rows = (kv_rb, kv_rh, kv_ch) of k's and v's 2-D views."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    H = geo[1]
-    g = 0
-    pending = 0  # the dQ row of step g - 1
-    for r in range(count):
-        n, off_hk, walk, bounds = _tile(r, g, geo, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER,
-                                        LISTED)
-        mbarrier.wait(kv_empty, r & 1)
-        kv_row = walk[9] * kv_rows[0] + off_hk * kv_rows[1] + n * BLOCK_N
-        mbarrier.expect(kv_full, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row, off_hk * kv_rows[2]], kv_full, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [kv_row, off_hk * kv_rows[2]], kv_full, v_smem)
-        for t in range(bounds[0] * walk[0]):
-            mbarrier.wait(empty.index(g % 2), (g // 2) & 1)
-            row = _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, geo[0],
-                           LISTED)
-            if g >= 1:
-                _reduce(dq_desc, dq_smem, dq_full, g - 1, pending, DQ_MODE)
-                if g >= 2:
-                    tma.store_wait(2)  # step g - 2's reductions are done: free its staging
-                    for w in gl.static_range(2):
-                        mbarrier.arrive(dq_empty.index(w * 2 + g % 2), count=1)
-            pending = row
-            g += 1
-    if g >= 1:
-        _reduce(dq_desc, dq_smem, dq_full, g - 1, pending, DQ_MODE)
+def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq_full,
+             dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr):
+    """The producer: step t's Q and dO once both consumers have released the slot (step t -
+    2), then step t - 1's dQ reductions; a staging slot is released once its reductions
+    have read it (tma.store_wait)."""
+    for t in range(total + 1):
+        if t < total:
+            mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
+            _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED)
+        if t >= 1:
+            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, DQ_MODE, LISTED)
+            if t >= 2:
+                tma.store_wait(2)  # step t - 2's reductions are done: free its staging slots
+                for w in gl.static_range(2):
+                    mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
     tma.store_wait(0)
 
 
@@ -484,16 +405,15 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            DV, ALIBI, BMASK, stride_kb, stride_kt, stride_kh,
                            stride_ab, stride_ah, stride_bb, stride_bh, stride_bq, BM_N, H,
                            GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh, kv_ch,
-                           qk_scale, sm_scale, cap2, LOWER, UPPER, n_tiles,
-                           DQ_MODE: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
+                           qk_scale, sm_scale, cap2, LOWER, UPPER, DQ_MODE: gl.constexpr,
+                           HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, num_warps: gl.constexpr):
-    """Programs over the n_tiles tiles (key block of 128, batch * KV head; _tile): one each,
-    or (persistent) as many programs as SMs, each taking its tiles in turn. The descriptors
-    view q, k, v and dO as 2-D token rows (launch._token_rows: head h of batch b starts at
-    row b * rb + h * rh, column h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
+    """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
+    token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
+    h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
     64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
     delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
     stride_k*) take k's layout. Variants as
@@ -508,10 +428,20 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
 
-    count = _tile_count(n_tiles)
-    geo = (SEQ, H, GROUP, LOWER, UPPER, BMASK, stride_bb, stride_bh, stride_bq, BM_N, q_rb, q_rh,
-           q_ch, o_rb, o_rh, o_ch)
-    scal = (ALIBI, stride_ab, stride_ah, qk_scale, sm_scale, cap2)
+    n = gl.program_id(0)
+    off_b = gl.program_id(1) // (H // GROUP)
+    off_hk = gl.program_id(1) % (H // GROUP)
+    if LISTED:
+        row = BMASK + off_b * stride_bb + off_hk * GROUP * stride_bh + n * stride_bq
+        lst = (row, gl.load(row + 1), BM_N)
+    else:
+        lst = (0, 0, 0)
+    m_lo, cnt, a, b = _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M, BLOCK_N, HAS_LOWER,
+                                   HAS_UPPER, LISTED)
+    total = GROUP * cnt
+    walk = (cnt, m_lo, off_hk * GROUP, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, lst)
+    cfg = (ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER,
+           n * BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -527,15 +457,12 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     stats_smem = (gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stats_layout),
                   gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stats_layout))
     kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_full, count=1)
-    mbarrier.init(kv_empty, count=2)  # released by both consumers
-    mbarrier.arrive(kv_empty, count=2)  # free before the first tile
     for i in gl.static_range(2):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # released by both consumers
@@ -547,20 +474,27 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
         mbarrier.arrive(dq_empty.index(i), count=1)
     fence_async_shared()
 
+    kv_row = off_b * kv_rb + off_hk * kv_rh + n * BLOCK_N
+    mbarrier.expect(kv_full, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, off_hk * kv_ch], kv_full, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, off_hk * kv_ch], kv_full, v_smem)
+
     gl.warp_specialize(
-        [(_consume, (geo, count, q_smem, do_smem, k_smem.slice(0, KEYS, dim=0),
+        [(_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(0, KEYS, dim=0),
                      v_smem.slice(0, KEYS, dim=0), k_smem.slice(0, HEAD_DIM // 2, dim=1),
-                     ds_smem, dq_smem, kv_full, kv_empty, full, empty, ds_ready, dq_full,
-                     dq_empty, stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, scal, 0,
-                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S)),
-         (_consume, (geo, count, q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
+                     ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
+                     stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
+                     cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
+                     EARLY_S)),
+         (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
-                     kv_full, kv_empty, full, empty, ds_ready, dq_full, dq_empty, stats_smem,
-                     DK, DV, stride_kb, stride_kt, stride_kh, scal, 1, HAS_LOWER, HAS_UPPER,
-                     HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S)),
-         (_produce, (geo, count, q_desc, do_desc, dq_desc, k_desc, v_desc, q_smem, do_smem,
-                     dq_smem, k_smem, v_smem, kv_full, kv_empty, full, empty, dq_full,
-                     dq_empty, (lse_desc, delta_desc, stats_smem[0], stats_smem[1]),
-                     (kv_rb, kv_rh, kv_ch), DQ_MODE, HAS_LOWER, HAS_UPPER, LISTED))],
+                     kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
+                     stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
+                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
+                     EARLY_S)),
+         (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
+                     dq_full, dq_empty, walk, total,
+                     (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
+                     LISTED))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
