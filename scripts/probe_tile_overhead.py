@@ -6,6 +6,11 @@ time = steps * s + programs * o, per SM (132), where steps are the (64-row query
 The backward runs with its dQ reductions (mode 2) and without them (mode 1: timing only).
 
     python scripts/probe_tile_overhead.py [--windows 128 256 512 1024 2048 4096]
+        [--dense 1024 2048 4096 8192] [--set NAME=0|1]
+
+--dense: no mask at all instead (B * N = 16K, so 2048 programs at every N), which separates
+the programs' own cost from that of their masked steps (a window's walk has four). --set:
+a boolean of kernels.gluon_bwd.OPTIONS.
 """
 import argparse
 
@@ -42,25 +47,38 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--windows", nargs="+", type=int, default=[128, 256, 512, 1024, 2048, 4096])
     p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--dense", nargs="*", type=int, default=[])
+    p.add_argument("--set", action="append", default=[], metavar="NAME=0|1")
     args = p.parse_args()
-    B, H, N, D = 2, 16, args.seqlen, 128
-    q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(4))
+    from flashtriton.kernels import gluon_bwd
+    for item in args.set:
+        name, value = item.split("=")
+        gluon_bwd.OPTIONS[name] = bool(int(value))
+    H, D = 16, 128
     rows = {"fwd": [], "bwd2": [], "bwd1": []}
     print(f"{'W':>5} {'fwd us':>8} {'bwd us':>8} {'no-dQ us':>8} {'bwd steps':>10} "
           f"{'programs':>8}")
-    for W in args.windows:
-        win = (W - 1, 0)
-        out, lse = launch.attention_forward_gluon(q, k, v, causal=True, window_size=win)
-        bsteps, bprog, fsteps, fprog = counts(N, W, B * H)
+    for W in args.dense or args.windows:
+        N = W if args.dense else args.seqlen
+        B = 16384 // N if args.dense else 2
+        q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(4))
+        causal = not args.dense
+        win = (-1, -1) if args.dense else (W - 1, 0)
+        out, lse = launch.attention_forward_gluon(q, k, v, causal=causal, window_size=win)
+        if args.dense:  # every key block sees every query block
+            bsteps, fsteps = N // 64 * N // 128 * B * H, (N // 128) ** 2 * B * H
+            bprog = fprog = N // 128 * B * H
+        else:
+            bsteps, bprog, fsteps, fprog = counts(N, W, B * H)
         times = {}
         for name, fn in (
-                ("fwd", lambda: launch.attention_forward_gluon(q, k, v, causal=True,
+                ("fwd", lambda: launch.attention_forward_gluon(q, k, v, causal=causal,
                                                                window_size=win)),
-                ("bwd2", lambda: launch.attention_backward_gluon(do, q, k, v, out, lse,
-                                                                 causal=True, window_size=win)),
+                ("bwd2", lambda: launch.attention_backward_gluon(
+                    do, q, k, v, out, lse, causal=causal, window_size=win)),
                 ("bwd1", lambda: launch.attention_backward_gluon(
-                    do, q, k, v, out, lse, causal=True, window_size=win, _dq_mode=1))):
+                    do, q, k, v, out, lse, causal=causal, window_size=win, _dq_mode=1))):
             fn()
             fn()
             us = sum(t for n, t in kernel_us(fn).items() if "gluon" in n)
