@@ -179,6 +179,8 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("block mask", dict(mask_mod=causal_mod)),
                     # EARLY_S the other way round (gluon_bwd.options)
                     ("plain early-s", dict(EARLY_S=True)),
-                    ("causal no early-s", dict(causal=True, EARLY_S=False))):
+                    ("causal no early-s", dict(causal=True, EARLY_S=False)),
+                    # the walk in one loop (gluon_bwd.OPTIONS, off)
+                    ("window one-loop", dict(lower=True, upper=True, ONE_LOOP=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

@@ -308,10 +308,12 @@ def _gluon_backward(**opts):
     return lambda q, k, v: _GluonBackward.apply(q, k, v, opts)
 
 
-@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True)], ids=["s0", "s1"])
+@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True)],
+                ids=["s0", "s1", "one"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
-    step's S^T issued before dQ's staging)."""
+    step's S^T issued before dQ's staging), and ONE_LOOP (the walk in one loop, every step
+    masked)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)

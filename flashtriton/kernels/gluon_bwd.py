@@ -186,8 +186,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
     dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor); lse_s and
     delta_s: the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key
     at or left of the diagonal): the keys' part of the bias (common.alibi_part relative to
-    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). Returns dS^T (in the inputs' dtype) and dK,
-    dV (their products still in flight)."""
+    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). Returns
+    dS^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
     zero = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
@@ -219,8 +219,9 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # The kernel's launch constants: the first consumer's 4 warps, and the registers of the
 # consumers and of the producer (setmaxnreg; 4 warps each).
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
-# walk has an upper bound (causal, a window's), as options() says.
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None)
+# walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
+# loop, every step masked, rather than masked, unmasked and masked loops (off until measured).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=False)
 
 
 def options(has_upper: bool) -> dict:
@@ -319,7 +320,8 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb, stride_kt,
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-             LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
+             LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
+             ONE_LOOP: gl.constexpr):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
@@ -347,17 +349,22 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
                 dq_full, dq_empty, stats_smem)
-        for g in range(GROUP):
-            if HAS_UPPER:  # query blocks across the causal / window upper bound
-                dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
-                                    True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+        if ONE_LOOP:  # every step masked: one loop body (OPTIONS)
+            dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
+                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
+                                EARLY_S)
+        else:
+            for g in range(GROUP):
+                if HAS_UPPER:  # query blocks across the causal / window upper bound
+                    dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
+                                        True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                        MASK_MOD, EARLY_S)
+                dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
+                                    False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                                     MASK_MOD, EARLY_S)
-            dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
-                                False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                MASK_MOD, EARLY_S)
-            dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
-                                W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                MASK_MOD, EARLY_S)
+                dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
+                                    W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                    MASK_MOD, EARLY_S)
     rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
     dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
     offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
@@ -410,7 +417,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           EARLY_S: gl.constexpr, num_warps: gl.constexpr):
+                           EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
+                           num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -485,14 +493,14 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S)),
+                     EARLY_S, ONE_LOOP)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
                      stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
                      HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S)),
+                     EARLY_S, ONE_LOOP)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
