@@ -771,7 +771,7 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
     v_desc, _ = _gluon_descriptor(v, [128, D])
     # Each of the kernel's two consumers reduces half the head dim.
     dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2])
-    options = gluon_bwd.options(common["HAS_UPPER"])
+    options = gluon_bwd.options(common["HAS_UPPER"], common["HAS_LOWER"], alibi is not None)
     gluon_bwd._attn_bwd_gluon_kernel[(configs.cdiv(N, 128), B * k.shape[2], 1)](
         q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, 64),
         _gluon_flat_descriptor(delta, 64), dk, dv, alibi, bmask, dk.stride(0), dk.stride(1),

@@ -180,7 +180,8 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # EARLY_S the other way round (gluon_bwd.options)
                     ("plain early-s", dict(EARLY_S=True)),
                     ("causal no early-s", dict(causal=True, EARLY_S=False)),
-                    # the walk in one loop (gluon_bwd.OPTIONS, off)
-                    ("window one-loop", dict(lower=True, upper=True, ONE_LOOP=True))):
+                    # ONE_LOOP the other way round (gluon_bwd.options)
+                    ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
+                    ("causal one loop", dict(causal=True, ONE_LOOP=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

@@ -121,7 +121,8 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
     from flashtriton.kernels import gluon_bwd
     consts = dict(DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
-                  MASK_MOD=mask_mod, **{**gluon_bwd.options(upper or causal), **options})
+                  MASK_MOD=mask_mod,
+                  **{**gluon_bwd.options(upper or causal, lower, bool(alibi)), **options})
     q_desc = _gluon_desc([64, dim], torch.bfloat16, 16 * dim)
     kv_desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
     dq_desc = _gluon_desc([64, dim // 2], torch.float32, 16 * dim)

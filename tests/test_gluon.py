@@ -308,12 +308,12 @@ def _gluon_backward(**opts):
     return lambda q, k, v: _GluonBackward.apply(q, k, v, opts)
 
 
-@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True)],
-                ids=["s0", "s1", "one"])
+@pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
+                        dict(ONE_LOOP=False)], ids=["s0", "s1", "one", "split"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
-    step's S^T issued before dQ's staging), and ONE_LOOP (the walk in one loop, every step
-    masked)."""
+    step's S^T issued before dQ's staging), and ONE_LOOP both ways (the walk in one loop,
+    every step masked, or masked, unmasked and masked loops)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
@@ -496,3 +496,17 @@ def test_gluon_backward_early_s_follows_the_upper_bound(monkeypatch):
     assert gluon_bwd.options(False)["EARLY_S"] is False
     monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", False)
     assert gluon_bwd.options(True)["EARLY_S"] is False
+
+
+def test_gluon_backward_one_loop_follows_the_variant(monkeypatch):
+    """kernels.gluon_bwd.options: ONE_LOOP None (the default) is on for walks with ALiBi or a
+    lower bound (a window's: measured faster there) and off otherwise (plain, causal,
+    softcap, block masks); a set value stays."""
+    from flashtriton.kernels import gluon_bwd
+    assert gluon_bwd.OPTIONS["ONE_LOOP"] is None
+    assert gluon_bwd.options(True, has_lower=True)["ONE_LOOP"] is True
+    assert gluon_bwd.options(True, alibi=True)["ONE_LOOP"] is True
+    assert gluon_bwd.options(True)["ONE_LOOP"] is False
+    assert gluon_bwd.options(False)["ONE_LOOP"] is False
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "ONE_LOOP", False)
+    assert gluon_bwd.options(True, alibi=True)["ONE_LOOP"] is False

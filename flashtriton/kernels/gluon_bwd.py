@@ -220,18 +220,23 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # consumers and of the producer (setmaxnreg; 4 warps each).
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
-# loop, every step masked, rather than masked, unmasked and masked loops (off until measured).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=False)
+# loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
+# a lower bound (a window's), as options() says.
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None)
 
 
-def options(has_upper: bool) -> dict:
-    """The kernel's launch constants for a walk with (has_upper) or without an upper bound:
-    OPTIONS with EARLY_S chosen where it is None. Measured on the H200 (bf16, 8K and 16K,
-    five rounds; docs/perf.md, session 15): causal 373 -> 409 and 401 -> 439 TFLOP/s with it,
-    without a bound 486 -> 463 and 495 -> 472."""
+def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
+    """The kernel's launch constants for a walk with or without an upper bound, a lower bound
+    and ALiBi: OPTIONS with EARLY_S and ONE_LOOP chosen where they are None. Measured on the
+    H200 (bf16, 8K, docs/perf.md): EARLY_S (sessions 15, five rounds at 8K and 16K) causal
+    373 -> 409 and 401 -> 439 TFLOP/s with it, without a bound 486 -> 463 and 495 -> 472;
+    ONE_LOOP (session 17; 3.3K instructions against 6.0K, no spills) ALiBi 450 -> 472 and
+    the causal window 347 -> 354, but softcap 428 -> 393 and the block masks -2-3%."""
     opts = dict(OPTIONS)
     if opts["EARLY_S"] is None:
         opts["EARLY_S"] = bool(has_upper)
+    if opts["ONE_LOOP"] is None:
+        opts["ONE_LOOP"] = bool(has_lower or alibi)
     return opts
 
 
