@@ -745,11 +745,13 @@ def gluon_backward_misfit(dout: Optional[torch.Tensor], q: torch.Tensor, k: torc
     return reason
 
 
-def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2):
+def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
+                    timeline=None):
     """Launch kernels.gluon_bwd on tensors that gluon_backward_misfit passed: the prep kernel
     (the log2 LSE and delta, each head's rows padded to a multiple of 128, and a zeroed fp32
     dQ buffer), the backward, and dQ's copy into q's layout. The variant's window, softcap and
-    ALiBi arguments come from _common (as the forward's)."""
+    ALiBi arguments come from _common (as the forward's). timeline: None, or (timing only) an
+    int64 tensor of 8 per program for gluon_bwd._mark."""
     from .kernels import gluon_bwd
     B, N, H, D = q.shape
     common, _ = _common(q, None, N, N, variant)
@@ -777,7 +779,7 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2)
         _gluon_flat_descriptor(delta, 64), dk, dv, alibi, bmask, dk.stride(0), dk.stride(1),
         dk.stride(2), stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows,
         *do_rows, *kv_rows, common["qk_scale"], variant.softmax_scale, common["cap2"],
-        -common["WIN_LEFT"], common["WIN_RIGHT"], DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
+        -common["WIN_LEFT"], common["WIN_RIGHT"], timeline, DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
         HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
         MASK_MOD=variant.mask_mod, **options)
@@ -792,14 +794,14 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              causal: bool = False, softmax_scale: Optional[float] = None,
                              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[torch.Tensor] = None, block_mask=None,
-                             _dq_mode: int = 2
+                             _dq_mode: int = 2, _timeline: Optional[torch.Tensor] = None
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Gluon backward (kernels.gluon_bwd) alone (tests and benchmarks; attention_backward
     chooses it where it fits): dQ, dK, dV in the layouts of q, k, v from the forward's out and
     natural-log lse (B, H, N); the options as attention_forward_gluon's. dQ is summed in an
     order that varies from run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 1
-    dQ not added (timing only). Raises ValueError where gluon_backward_misfit names a
-    reason."""
+    dQ not added (timing only); _timeline: gluon_bwd._mark's rows (timing only). Raises
+    ValueError where gluon_backward_misfit names a reason."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or dout.shape != q.shape:
         raise ValueError(f"attention_backward_gluon takes (B, N, H, D) dout, q, k, v, got "
                          f"{tuple(dout.shape)}, {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -809,7 +811,7 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     reason = gluon_backward_misfit(dout, q, k, v, variant, _dq_mode)
     if reason is not None:
         raise ValueError(reason)
-    return _gluon_backward(dout, q, k, v, out, lse, variant, _dq_mode)
+    return _gluon_backward(dout, q, k, v, out, lse, variant, _dq_mode, _timeline)
 
 
 # The shortest sequence attention_backward runs on the Gluon backward (where it fits and no

@@ -119,7 +119,7 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
     import torch
 
     from flashtriton.kernels import gluon_bwd
-    consts = dict(DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
+    consts = dict(TL=None, DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
                   MASK_MOD=mask_mod,
                   **{**gluon_bwd.options(upper or causal, lower, bool(alibi)), **options})

@@ -69,6 +69,20 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _mark(TL, slot: gl.constexpr):
+    """Timing only (TL not None; scripts/probe_timeline.py): %globaltimer (ns) now into slot
+    `slot` of the program's row of 8 at TL (slot 1: the SM's %smid instead)."""
+    if TL is not None:
+        if slot == 1:
+            t = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1).to(gl.int64)
+        else:
+            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                          is_pure=False, pack=1)
+        gl.store(TL + (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * 8 + slot, t)
+
+
+@gluon.jit
 def _block_coords(t, walk, BLOCK_M: gl.constexpr, LISTED: gl.constexpr):
     """Step t of a program's walk (cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
     lst): query head h0 + t // cnt and its query block, m_lo + t % cnt or (LISTED; lst = (the
@@ -326,7 +340,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             ONE_LOOP: gl.constexpr):
+             ONE_LOOP: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
@@ -346,6 +360,8 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
     mbarrier.wait(kv_full, 0)
+    if W == 0:
+        _mark(TL, 2)  # K and V have landed
     last = GROUP * cnt - 1
     if cnt > 0:  # (EARLY_S: the first S^T waits for step 0's blocks; a walk may be empty)
         st = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout)
@@ -370,6 +386,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
                 dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
                                     W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                                     MASK_MOD, EARLY_S)
+    _mark(TL, 3 + 2 * W)  # the walk is done
     rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
     dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
     offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
@@ -377,6 +394,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     keep = rows[:, None] < SEQ
     gl.store(DK + offs, (dk * cfg[5]).to(dtype), mask=keep)
     gl.store(DV + offs, dv.to(dtype), mask=keep)
+    _mark(TL, 4 + 3 * W)  # dK and dV stored (issued)
 
 
 @gluon.jit
@@ -395,7 +413,8 @@ def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
 
 @gluon.jit
 def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq_full,
-             dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr):
+             dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr,
+             TL):
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
     2), then step t - 1's dQ reductions; a staging slot is released once its reductions
     have read it (tma.store_wait)."""
@@ -410,6 +429,7 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
                 for w in gl.static_range(2):
                     mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
     tma.store_wait(0)
+    _mark(TL, 6)  # the last reductions have read their staging
 
 
 @gluon.jit
@@ -417,7 +437,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            DV, ALIBI, BMASK, stride_kb, stride_kt, stride_kh,
                            stride_ab, stride_ah, stride_bb, stride_bh, stride_bq, BM_N, H,
                            GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh, kv_ch,
-                           qk_scale, sm_scale, cap2, LOWER, UPPER, DQ_MODE: gl.constexpr,
+                           qk_scale, sm_scale, cap2, LOWER, UPPER, TL, DQ_MODE: gl.constexpr,
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
@@ -429,7 +449,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
     64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
     delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
-    stride_k*) take k's layout. Variants as
+    stride_k*) take k's layout; TL: None, or (timing only) rows of 8 int64 per program
+    (_mark). Variants as
     the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the
     block mask's transposed lists, one row per key block, shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
@@ -441,6 +462,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
 
+    _mark(TL, 0)  # the program starts
+    _mark(TL, 1)
     n = gl.program_id(0)
     off_b = gl.program_id(1) // (H // GROUP)
     off_hk = gl.program_id(1) % (H // GROUP)
@@ -498,16 +521,16 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP)),
+                     EARLY_S, ONE_LOOP, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
                      stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
                      HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP)),
+                     EARLY_S, ONE_LOOP, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
-                     LISTED))],
+                     LISTED, TL))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
