@@ -248,7 +248,7 @@ def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer():
     dq = torch.full((B, H, N, D), float("nan"), device=DEVICE)
     _attn_bwd_prep_kernel[(2, B * H)](out, dout, lse, lse2, delta, dq, *out.stride()[:3],
                                       *dout.stride()[:3], *lse.stride()[:2], H, N, 128,
-                                      HEAD_DIM=D, BLOCK_M=64)
+                                      *_NO_COUNTS, HEAD_DIM=D, BLOCK_M=64)
     expect = (out.double() * dout.double()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(delta[..., :N].double(), expect, rtol=1e-5, atol=1e-5)
     expect = torch.where(lse == -float("inf"), float("inf"), lse * math.log2(math.e))
@@ -256,6 +256,82 @@ def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer():
     assert lse2[0, 1, 5] == float("inf")
     assert bool((lse2[..., N:] == float("inf")).all()) and bool((delta[..., N:] == 0).all())
     assert bool((dq == 0).all())
+
+
+# The prep kernel's arguments for its counts of dQ reductions (CNT, DQO and its 3 strides,
+# KVL and its 3 strides, GROUP, LOWER, UPPER) where it counts none.
+_NO_COUNTS = (None, None, 0, 0, 0, None, 0, 0, 0, 1, 0, 0)
+
+
+def _walk(n, N, lower, upper):
+    """Query blocks (of 64) that key block n (of 128) of the Gluon backward walks: q_range's
+    lo // 64 .. cdiv(hi, 64) - 1 (kernels.common; None: no such bound)."""
+    lo = 0 if upper is None else min(max(128 * n - upper, 0), N) // 64 * 64
+    hi = N if lower is None else min(max(128 * n + 128 - lower, 0), N)
+    return range(lo // 64, max(-(-hi // 64), lo // 64))
+
+
+@pytest.mark.parametrize("N", [70, 256, 333])
+@pytest.mark.parametrize("lower,upper", [(None, None), (None, 0), (-100, 0), (-50, 30),
+                                         (None, 40), (-60, None), (-300, -200)],
+                         ids=["plain", "causal", "window", "two-sided", "right", "left",
+                              "shifted"])
+def test_backward_prep_kernel_counts_each_row_blocks_reductions(N, lower, upper):
+    """The prep kernel's COUNT 1 (the fused dQ conversion, gluon_bwd DQ_MODE 3): for each
+    64-row block, how many key blocks' walks reach it (two binary searches over the walk's
+    ends), against every key block's walk enumerated; and zeros into dQ's rows of the blocks
+    that none reaches (the rest of dQ untouched)."""
+    from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
+    B, H, D = 1, 2, 64
+    pad = -(-N // 128) * 128
+    out, dout = (torch.randn(B, N, H, D, device=DEVICE) for _ in range(2))
+    lse = torch.randn(B, H, N, device=DEVICE)
+    lse2, delta = torch.empty((2, B * H * pad), device=DEVICE)
+    acc = torch.empty(B, H, N, D, device=DEVICE)
+    counts = torch.full((B * H * pad // 64,), -7, dtype=torch.int32, device=DEVICE)
+    dq = torch.full((B, N, H, D), float("nan"), device=DEVICE)
+    _attn_bwd_prep_kernel[(pad // 64, B * H)](
+        out, dout, lse, lse2, delta, acc, *out.stride()[:3], *dout.stride()[:3],
+        *lse.stride()[:2], H, N, pad, counts, dq, *dq.stride()[:3], None, 0, 0, 0, 1,
+        0 if lower is None else lower, 0 if upper is None else upper, HEAD_DIM=D, BLOCK_M=64,
+        COUNT=1, HAS_LOWER=lower is not None, HAS_UPPER=upper is not None)
+    expect = [0] * (pad // 64)
+    for n in range(-(-N // 128)):
+        for m in _walk(n, N, lower, upper):
+            expect[m] += 1
+    assert counts.view(B * H, -1).tolist() == [expect] * (B * H)
+    rows = torch.arange(N, device=DEVICE)
+    none = torch.tensor(expect, device=DEVICE)[rows // 64] == 0
+    assert bool((dq[:, none] == 0).all()) and bool(dq[:, ~none].isnan().all())
+
+
+def test_backward_prep_kernel_counts_a_block_masks_reductions():
+    """COUNT 2: a block mask's partial plus full count of each 128-row query block (the
+    lists of the group's first head: GROUP 2, heads 2 and 3 read head 2's row) for both of
+    its 64-row halves; zeros into dQ's rows where the count is 0."""
+    from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
+    B, H, N, D = 2, 4, 300, 64
+    pad = 384
+    out, dout = (torch.randn(B, N, H, D, device=DEVICE) for _ in range(2))
+    lse = torch.randn(B, H, N, device=DEVICE)
+    lse2, delta = torch.empty((2, B * H * pad), device=DEVICE)
+    acc = torch.empty(B, H, N, D, device=DEVICE)
+    lists = torch.zeros(B, H, 3, 8, dtype=torch.int32, device=DEVICE)
+    lists[..., 0] = torch.randint(0, 3, (B, H, 3), device=DEVICE)  # partial blocks
+    lists[..., 1] = torch.randint(0, 2, (B, H, 3), device=DEVICE)  # full blocks
+    lists[1, 2, 1, :2] = 0  # a query block no key block reaches
+    counts = torch.full((B * H * pad // 64,), -7, dtype=torch.int32, device=DEVICE)
+    dq = torch.full((B, N, H, D), float("nan"), device=DEVICE)
+    _attn_bwd_prep_kernel[(pad // 64, B * H)](
+        out, dout, lse, lse2, delta, acc, *out.stride()[:3], *dout.stride()[:3],
+        *lse.stride()[:2], H, N, pad, counts, dq, *dq.stride()[:3], lists, *lists.stride()[:3],
+        2, 0, 0, HEAD_DIM=D, BLOCK_M=64, COUNT=2)
+    per_block = lists[..., 0] + lists[..., 1]  # (B, H, 128-row query block)
+    first = per_block[:, [0, 0, 2, 2]]  # each head reads its group's first head's lists
+    expect = first.repeat_interleave(2, dim=2)  # both 64-row halves
+    assert torch.equal(counts.view(B, H, pad // 64), expect)
+    none = (expect == 0).repeat_interleave(64, dim=2)[..., :N].transpose(1, 2)  # (B, N, H)
+    assert bool((dq[none] == 0).all()) and bool(dq[~none].isnan().all())
 
 
 @triton.jit
@@ -309,11 +385,13 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False)], ids=["s0", "s1", "one", "split"])
+                        dict(ONE_LOOP=False), dict(FUSED_DQ=True)],
+                ids=["s0", "s1", "one", "split", "fused"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
-    step's S^T issued before dQ's staging), and ONE_LOOP both ways (the walk in one loop,
-    every step masked, or masked, unmasked and masked loops)."""
+    step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
+    step masked, or masked, unmasked and masked loops), and FUSED_DQ (DQ_MODE 3: the last
+    program to add into a row block converts it into dQ)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)

@@ -18,7 +18,10 @@ and stages its dQ half; a producer partition (4 warps, few registers) streams Q 
 their rows' LSE and delta, into a two-slot ring by TMA and adds the staged dQ tiles into an
 fp32 buffer by TMA bulk reductions (`cp.reduce.async.bulk.tensor`, in L2), so the
 tensor-core warps never wait for a reduction (DQ_MODE 2; DQ_MODE 1 keeps the product but
-adds nothing: a timing ablation). The sum's order varies from run to run: the backward is
+adds nothing: a timing ablation). DQ_MODE 3 (OPTIONS["FUSED_DQ"], off until measured) also
+counts each query block's reductions off once they are complete, and the program that adds
+the last one converts the block into dQ, in place of a copy kernel after this one. The sum's
+order varies from run to run: the backward is
 not bitwise repeatable (launch dispatches it unless a deterministic backward is asked for).
 A one-kernel, 8-warp form with the same body ran 0.84-0.92x the Triton backward and was
 removed (docs/perf.md, sessions 13-14).
@@ -235,8 +238,10 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
 # loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
-# a lower bound (a window's), as options() says.
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None)
+# a lower bound (a window's), as options() says. FUSED_DQ: DQ_MODE 3 (the launcher's choice,
+# not a kernel constant; off until measured on the H200).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
+               FUSED_DQ=False)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -246,7 +251,7 @@ def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> di
     373 -> 409 and 401 -> 439 TFLOP/s with it, without a bound 486 -> 463 and 495 -> 472;
     ONE_LOOP (session 17; 3.3K instructions against 6.0K, no spills) ALiBi 450 -> 472 and
     the causal window 347 -> 354, but softcap 428 -> 393 and the block masks -2-3%."""
-    opts = dict(OPTIONS)
+    opts = {k: v for k, v in OPTIONS.items() if k != "FUSED_DQ"}
     if opts["EARLY_S"] is None:
         opts["EARLY_S"] = bool(has_upper)
     if opts["ONE_LOOP"] is None:
@@ -407,17 +412,62 @@ def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
     row = (walk[9] * H + h) * SEQ + m * BLOCK_M
     for w in gl.static_range(2):
         mbarrier.wait(dq_full.index(w * 2 + t % 2), (t // 2) & 1)
-        if DQ_MODE == 2:
+        if DQ_MODE >= 2:
             _tma_reduce_add(dq_desc, [row, w * HALF_D], dq_smem.index(w * 2 + t % 2))
 
 
 @gluon.jit
+def _bulk_wait(N: gl.constexpr):
+    """DQ_MODE 3: wait until at most N bulk async-groups (the TMA reductions, one group each)
+    are pending with their writes complete (tma.store_wait waits only until they have read
+    their shared memory), then order those writes before the thread's later generic accesses
+    (a proxy fence); a barrier of the partition's warps makes that hold for each of them."""
+    if N == 0:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;"
+                                  "\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 2;\n\tfence.proxy.async.global;"
+                                  "\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _finish(t, walk, fin, H, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+            LISTED: gl.constexpr):
+    """DQ_MODE 3, once step t's reductions are complete (_bulk_wait): count them off the query
+    block's contributions (fin = (the fp32 dQ buffer, dQ, the prep kernel's counts, dQ's
+    (b, token, head) strides)); the program that adds the block's last one converts its rows
+    of the buffer into dQ (q's dtype and layout), so no copy kernel runs after this one."""
+    DQACC, DQO, CNT, stride_ob, stride_ot, stride_oh = fin
+    _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
+    bh = walk[9] * H + h
+    left = gl.atomic_add(CNT + bh * (gl.cdiv(SEQ, 128) * (128 // BLOCK_M)) + m, -1,
+                         sem="acq_rel", scope="gpu")
+    if left == 1:  # the block's last contribution: every other one is complete and visible
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
+        for r in range(0, BLOCK_M, 8):
+            rows = m * BLOCK_M + r + gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
+            keep = rows[:, None] < SEQ
+            src = DQACC + (bh.to(gl.int64) * SEQ + rows[:, None]) * HEAD_DIM + cols[None, :]
+            x = gl.load(src, mask=keep, other=0.0, cache_modifier=".cg")
+            dst = (DQO + walk[9].to(gl.int64) * stride_ob + rows[:, None] * stride_ot
+                   + h * stride_oh + cols[None, :])
+            gl.store(dst, x.to(DQO.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
 def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq_full,
-             dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr,
-             TL):
+             dq_empty, walk, total, stats, H, SEQ, fin, DQ_MODE: gl.constexpr,
+             LISTED: gl.constexpr, TL):
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
     2), then step t - 1's dQ reductions; a staging slot is released once its reductions
-    have read it (tma.store_wait)."""
+    have read it (tma.store_wait; DQ_MODE 3: once they are complete, and _finish counts them
+    off)."""
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     for t in range(total + 1):
         if t < total:
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
@@ -425,10 +475,20 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
         if t >= 1:
             _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, DQ_MODE, LISTED)
             if t >= 2:
-                tma.store_wait(2)  # step t - 2's reductions are done: free its staging slots
+                if DQ_MODE == 3:
+                    _bulk_wait(2)
+                else:
+                    tma.store_wait(2)  # step t - 2's reductions are done: free its staging slots
                 for w in gl.static_range(2):
                     mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
-    tma.store_wait(0)
+                if DQ_MODE == 3:
+                    _finish(t - 2, walk, fin, H, SEQ, HEAD_DIM, BLOCK_M, LISTED)
+    if DQ_MODE == 3:
+        _bulk_wait(0)
+        if total >= 1:
+            _finish(total - 1, walk, fin, H, SEQ, HEAD_DIM, BLOCK_M, LISTED)
+    else:
+        tma.store_wait(0)
     _mark(TL, 6)  # the last reductions have read their staging
 
 
@@ -437,7 +497,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            DV, ALIBI, BMASK, stride_kb, stride_kt, stride_kh,
                            stride_ab, stride_ah, stride_bb, stride_bh, stride_bq, BM_N, H,
                            GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh, kv_ch,
-                           qk_scale, sm_scale, cap2, LOWER, UPPER, TL, DQ_MODE: gl.constexpr,
+                           qk_scale, sm_scale, cap2, LOWER, UPPER, TL, DQACC, DQO, CNT,
+                           stride_qob, stride_qot, stride_qoh, DQ_MODE: gl.constexpr,
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
@@ -450,7 +511,9 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
     delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
     stride_k*) take k's layout; TL: None, or (timing only) rows of 8 int64 per program
-    (_mark). Variants as
+    (_mark). DQACC, DQO, CNT, stride_qo*: the fp32 buffer's pointer, dQ (q's dtype, (B, SEQ,
+    H, D) strides) and the prep kernel's count of each 64-row block's reductions (DQ_MODE 3,
+    _finish). Variants as
     the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the
     block mask's transposed lists, one row per key block, shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
@@ -531,6 +594,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      EARLY_S, ONE_LOOP, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
-                     (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
-                     LISTED, TL))],
+                     (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ,
+                     (DQACC, DQO, CNT, stride_qob, stride_qot, stride_qoh), DQ_MODE, LISTED,
+                     TL))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
