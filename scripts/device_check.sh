@@ -13,7 +13,8 @@
 # run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
 # in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD), abvariants (the same
 # for bench_variants; VARIANTS="alibi window" picks variants for both runs), optab (a Gluon
-# kernel option $OPTION off and on: tests, A/Bs, variants).
+# kernel option $OPTION off and on: tests, A/Bs, variants), timeline (scripts/probe_timeline.py:
+# where a Gluon backward program's time goes; $TIMELINE_ARGS).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -76,6 +77,8 @@ for flag in 0 1; do
     flashtriton.bench --commit "$commit-atomic$flag" --providers flashtriton --suites train \
     --dims 64 128 --seqlens 1024 4096 16384 --out "$OUT/atomic$flag" > "$OUT/atomic$flag.log" 2>&1
 done
+has timeline && timeout ${T_TIMELINE:-120} python3 scripts/probe_timeline.py ${TIMELINE_ARGS:-} \
+  2>&1 | grep -v Warn > "$OUT/timeline.log"
 has sweep && timeout ${T_SWEEP:-240} python3 scripts/sweep_decode.py ${SWEEP_ARGS:-} \
   > "$OUT/sweep.log" 2>&1
 # The Gluon kernels: one small call of each first (a barrier mistake hangs rather than fails:
@@ -122,6 +125,7 @@ has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; echo "== cloc
                   grep -m2 '^#' "$OUT/clocks.log"; awk '$1 !~ /^#/ && NF > 3 {n++; if (lo == "" || $NF < lo) lo = $NF;
                   if ($NF > hi) hi = $NF} END {print "last column: min", lo, "max", hi, "over", n, "s"}' "$OUT/clocks.log"; }
 has bwdprobe && { echo "== backward kernels"; cut -c1-300 "$OUT/bwdprobe.log"; }
+has timeline && { echo "== backward timeline"; cat "$OUT/timeline.log"; }
 has optab    && { echo "== gluon $opt"; grep -E "^(FAILED|ERROR)" "$OUT/optab_tests.log" \
                   | cut -c1-300 | head; grep -E "passed|failed" "$OUT/optab_tests.log" | tail -1
                   cat "$OUT/optab_fwd.log" "$OUT/optab_bwd.log" 2>/dev/null; for flag in 1 0; do
