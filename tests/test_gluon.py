@@ -444,6 +444,34 @@ def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, bwd_opt
 
 
 @needs_hopper
+@pytest.mark.parametrize("case", ["causal", "window", "document"])
+def test_gluon_backward_fused_dq_matches_the_copy(case, monkeypatch):
+    """FUSED_DQ at a length where many programs add into each row block at once (8K: 64 key
+    blocks, up to 64 reductions a block; GQA): dQ converted by each block's last program
+    against the copy kernel's, element by element (the same fp32 sums in another order: a
+    bf16 rounding apart; a block converted before its last reduction is off by ~1/64 of
+    it), dK and dV alike, twice."""
+    from flashtriton.block_mask import create_block_mask
+    from flashtriton.kernels import gluon_bwd
+    q, dout = (torch.randn(1, 8192, 4, 128, dtype=torch.bfloat16, device="cuda")
+               for _ in range(2))
+    k, v = (torch.randn(1, 8192, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    opts = {"causal": dict(causal=True), "window": dict(causal=True, window_size=(1023, 0)),
+            "document": dict(block_mask=create_block_mask(_doc_mod, None, None, 8192, 8192,
+                                                          "cuda"))}[case]
+    out, lse = launch.attention_forward_gluon(q, k, v, **opts)
+    runs = []
+    for fused in (False, True, True):
+        monkeypatch.setitem(gluon_bwd.OPTIONS, "FUSED_DQ", fused)
+        runs.append(launch.attention_backward_gluon(dout, q, k, v, out, lse, **opts))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):  # one bf16 ulp (2^-8) apart at most, elementwise
+            a, b = a.float(), b.float()
+            bound = 2.0 ** -7 * torch.maximum(a.abs(), b.abs()) + 1e-4 * a.abs().max()
+            assert bool(((a - b).abs() <= bound).all())
+
+
+@needs_hopper
 @pytest.mark.parametrize("layout", ["heads-major", "packed"])
 def test_gluon_backward_reads_strided_layouts(layout):
     q, k, v = make_qkv(2, 333, 333, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=False)
