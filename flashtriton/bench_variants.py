@@ -126,8 +126,8 @@ def main(argv=None):
                         "(launch.GLUON_ALIBI_ONE_SIDED off)")
     p.add_argument("--gluon-option", "--gluon-bwd-option", dest="gluon_option",
                    action="append", default=[], metavar="NAME=0|1",
-                   help="set a boolean of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
-                        "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0)")
+                   help="set an option of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
+                        "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0, FUSED_DQ=2)")
     args = p.parse_args(argv)
     if args.gluon_option:
         from .kernels import gluon_bwd, gluon_fwd
@@ -136,8 +136,9 @@ def main(argv=None):
             tables = [t for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS) if name in t]
             if not tables:
                 p.error(f"no Gluon kernel option {name!r}")
-            for table in tables:
-                table[name] = bool(int(value))
+            for table in tables:  # an integer option (FUSED_DQ) stays one
+                cur = table[name]
+                table[name] = type(cur)(int(value)) if isinstance(cur, int) else bool(int(value))
     launch.GLUON_VARIANTS = not args.triton_variants
     launch.GLUON_ALIBI_ONE_SIDED = not args.general_alibi
     launch.GLUON_BWD_VARIANTS = not args.triton_bwd_variants

@@ -53,7 +53,9 @@ def main():
     from flashtriton.kernels import gluon_bwd
     for item in args.set:
         name, value = item.split("=")
-        gluon_bwd.OPTIONS[name] = bool(int(value))
+        cur = gluon_bwd.OPTIONS[name]
+        gluon_bwd.OPTIONS[name] = (type(cur)(int(value)) if isinstance(cur, int)
+                                   else bool(int(value)))
     H, D = 16, 128
     rows = {"fwd": [], "bwd2": [], "bwd1": []}
     print(f"{'W':>5} {'fwd us':>8} {'bwd us':>8} {'no-dQ us':>8} {'bwd steps':>10} "

@@ -277,29 +277,31 @@ def _walk(n, N, lower, upper):
                          ids=["plain", "causal", "window", "two-sided", "right", "left",
                               "shifted"])
 def test_backward_prep_kernel_counts_each_row_blocks_reductions(N, lower, upper):
-    """The prep kernel's COUNT 1 (the fused dQ conversion, gluon_bwd DQ_MODE 3): for each
-    64-row block, how many key blocks' walks reach it (two binary searches over the walk's
-    ends), against every key block's walk enumerated; and zeros into dQ's rows of the blocks
-    that none reaches (the rest of dQ untouched)."""
+    """The prep kernel's COUNT 1 (the fused dQ conversion, gluon_bwd DQ_MODE 3 and 4): for
+    each 64-row block, how many key blocks' walks reach it (two binary searches over the
+    walk's ends), against every key block's walk enumerated, then zeros for the backward's
+    arrivals and flags; zeros into dQ's rows of the blocks that none reaches (the rest of dQ
+    untouched); ZERO_ACC False (DQ_MODE 4) leaves the fp32 buffer alone."""
     from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
     B, H, D = 1, 2, 64
     pad = -(-N // 128) * 128
     out, dout = (torch.randn(B, N, H, D, device=DEVICE) for _ in range(2))
     lse = torch.randn(B, H, N, device=DEVICE)
     lse2, delta = torch.empty((2, B * H * pad), device=DEVICE)
-    acc = torch.empty(B, H, N, D, device=DEVICE)
-    counts = torch.full((B * H * pad // 64,), -7, dtype=torch.int32, device=DEVICE)
+    acc = torch.full((B, H, N, D), 3.0, device=DEVICE)
+    counts = torch.full((3, B * H * pad // 64), -7, dtype=torch.int32, device=DEVICE)
     dq = torch.full((B, N, H, D), float("nan"), device=DEVICE)
     _attn_bwd_prep_kernel[(pad // 64, B * H)](
         out, dout, lse, lse2, delta, acc, *out.stride()[:3], *dout.stride()[:3],
         *lse.stride()[:2], H, N, pad, counts, dq, *dq.stride()[:3], None, 0, 0, 0, 1,
         0 if lower is None else lower, 0 if upper is None else upper, HEAD_DIM=D, BLOCK_M=64,
-        COUNT=1, HAS_LOWER=lower is not None, HAS_UPPER=upper is not None)
+        COUNT=1, HAS_LOWER=lower is not None, HAS_UPPER=upper is not None, ZERO_ACC=False)
     expect = [0] * (pad // 64)
     for n in range(-(-N // 128)):
         for m in _walk(n, N, lower, upper):
             expect[m] += 1
-    assert counts.view(B * H, -1).tolist() == [expect] * (B * H)
+    assert counts[0].view(B * H, -1).tolist() == [expect] * (B * H)
+    assert bool((counts[1:] == 0).all()) and bool((acc == 3.0).all())
     rows = torch.arange(N, device=DEVICE)
     none = torch.tensor(expect, device=DEVICE)[rows // 64] == 0
     assert bool((dq[:, none] == 0).all()) and bool(dq[:, ~none].isnan().all())
@@ -320,7 +322,7 @@ def test_backward_prep_kernel_counts_a_block_masks_reductions():
     lists[..., 0] = torch.randint(0, 3, (B, H, 3), device=DEVICE)  # partial blocks
     lists[..., 1] = torch.randint(0, 2, (B, H, 3), device=DEVICE)  # full blocks
     lists[1, 2, 1, :2] = 0  # a query block no key block reaches
-    counts = torch.full((B * H * pad // 64,), -7, dtype=torch.int32, device=DEVICE)
+    counts = torch.full((3, B * H * pad // 64), -7, dtype=torch.int32, device=DEVICE)
     dq = torch.full((B, N, H, D), float("nan"), device=DEVICE)
     _attn_bwd_prep_kernel[(pad // 64, B * H)](
         out, dout, lse, lse2, delta, acc, *out.stride()[:3], *dout.stride()[:3],
@@ -329,7 +331,8 @@ def test_backward_prep_kernel_counts_a_block_masks_reductions():
     per_block = lists[..., 0] + lists[..., 1]  # (B, H, 128-row query block)
     first = per_block[:, [0, 0, 2, 2]]  # each head reads its group's first head's lists
     expect = first.repeat_interleave(2, dim=2)  # both 64-row halves
-    assert torch.equal(counts.view(B, H, pad // 64), expect)
+    assert torch.equal(counts[0].view(B, H, pad // 64), expect)
+    assert bool((counts[1:] == 0).all()) and bool((acc == 0).all())
     none = (expect == 0).repeat_interleave(64, dim=2)[..., :N].transpose(1, 2)  # (B, N, H)
     assert bool((dq[none] == 0).all()) and bool(dq[~none].isnan().all())
 
@@ -385,13 +388,14 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False), dict(FUSED_DQ=True)],
-                ids=["s0", "s1", "one", "split", "fused"])
+                        dict(ONE_LOOP=False), dict(FUSED_DQ=1), dict(FUSED_DQ=2)],
+                ids=["s0", "s1", "one", "split", "fused", "fused2"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
-    step masked, or masked, unmasked and masked loops), and FUSED_DQ (DQ_MODE 3: the last
-    program to add into a row block converts it into dQ)."""
+    step masked, or masked, unmasked and masked loops), and FUSED_DQ 1 and 2 (DQ_MODE 3: the
+    last program to add into a row block converts it into dQ; 4: the first also zeroes
+    it)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
@@ -444,13 +448,15 @@ def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, bwd_opt
 
 
 @needs_hopper
+@pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("case", ["causal", "window", "document"])
-def test_gluon_backward_fused_dq_matches_the_copy(case, monkeypatch):
+def test_gluon_backward_fused_dq_matches_the_copy(case, level, monkeypatch):
     """FUSED_DQ at a length where many programs add into each row block at once (8K: 64 key
     blocks, up to 64 reductions a block; GQA): dQ converted by each block's last program
     against the copy kernel's, element by element (the same fp32 sums in another order: a
     bf16 rounding apart; a block converted before its last reduction is off by ~1/64 of
-    it), dK and dV alike, twice."""
+    it), dK and dV alike, twice; level 2 with the buffer zeroed in the kernel (memory
+    filled with NaN first: a block reduced into before its zeroing would show)."""
     from flashtriton.block_mask import create_block_mask
     from flashtriton.kernels import gluon_bwd
     q, dout = (torch.randn(1, 8192, 4, 128, dtype=torch.bfloat16, device="cuda")
@@ -461,7 +467,9 @@ def test_gluon_backward_fused_dq_matches_the_copy(case, monkeypatch):
                                                           "cuda"))}[case]
     out, lse = launch.attention_forward_gluon(q, k, v, **opts)
     runs = []
-    for fused in (False, True, True):
+    if level == 2:  # freed at once: the next fp32 buffers come from memory full of NaN
+        torch.full((1 << 28,), float("nan"), device="cuda")
+    for fused in (0, level, level):
         monkeypatch.setitem(gluon_bwd.OPTIONS, "FUSED_DQ", fused)
         runs.append(launch.attention_backward_gluon(dout, q, k, v, out, lse, **opts))
     for other in runs[1:]:

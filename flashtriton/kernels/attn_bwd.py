@@ -469,7 +469,8 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
                           stride_qob, stride_qot, stride_qoh, KVL, stride_kvb, stride_kvh,
                           stride_kvq, GROUP, LOWER, UPPER, HEAD_DIM: tl.constexpr,
                           BLOCK_M: tl.constexpr, COUNT: tl.constexpr = 0,
-                          HAS_LOWER: tl.constexpr = False, HAS_UPPER: tl.constexpr = False):
+                          HAS_LOWER: tl.constexpr = False, HAS_UPPER: tl.constexpr = False,
+                          ZERO_ACC: tl.constexpr = True):
     """Program (row block, batch * head): the rows' LSE in the log2 domain (+inf for rows
     that see no key) and delta = rowsum(dO * O), fp32, into LSE2 and DELTA (B * H rows of
     SQ_PAD, a multiple of BLOCK_M: padding rows get +inf and 0, so P = dS = 0 there, and every
@@ -478,9 +479,10 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
     DQ_MODE 3): the number of dQ reductions the row block will receive, one per key block of
     128 that walks it (1: the window / causal walk of LOWER, UPPER; 2: a block mask's lists
     at KVL, (b, head, 128-row query block) strides stride_kv*, each 128-row block's partial
-    then full count; the group's first head's, as the backward reads), into CNT (B * H rows
-    of SQ_PAD // BLOCK_M), and zeros into the rows of dQ (DQO, strides stride_qo*) where none
-    will come."""
+    then full count; the group's first head's, as the backward reads), into CNT (three rows
+    of B * H * SQ_PAD // BLOCK_M: the counts, then zeros for the backward's arrivals and
+    flags), and zeros into the rows of dQ (DQO, strides stride_qo*) where none will come.
+    ZERO_ACC False (DQ_MODE 4): the fp32 buffer is left alone (the backward zeroes it)."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -496,8 +498,9 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
     padded = off_bh.to(tl.int64) * SQ_PAD + rows
     tl.store(LSE2 + padded, _lse2(LSE + off_b * stride_lb + off_h * stride_lh, rows, SQ))
     tl.store(DELTA + padded, delta)
-    tl.store(DQ + (off_bh.to(tl.int64) * SQ + r64) * HEAD_DIM + cols[None, :],
-             tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)
+    if ZERO_ACC:
+        tl.store(DQ + (off_bh.to(tl.int64) * SQ + r64) * HEAD_DIM + cols[None, :],
+                 tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)
     if COUNT:
         m = tl.program_id(0)
         if COUNT == 1:
@@ -506,7 +509,11 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
             row = (KVL + off_b * stride_kvb + (off_h // GROUP) * GROUP * stride_kvh
                    + (m * BLOCK_M // 128) * stride_kvq)
             n = tl.load(row) + tl.load(row + 1)
-        tl.store(CNT + off_bh * (SQ_PAD // BLOCK_M) + m, n)
+        at = off_bh * (SQ_PAD // BLOCK_M) + m
+        total = tl.num_programs(0) * tl.num_programs(1)
+        tl.store(CNT + at, n)
+        tl.store(CNT + total + at, 0)
+        tl.store(CNT + 2 * total + at, 0)
         if n == 0:
             tl.store(DQO + off_b * stride_qob + r64 * stride_qot + off_h * stride_qoh
                      + cols[None, :], tl.zeros([BLOCK_M, HEAD_DIM], DQO.dtype.element_ty),

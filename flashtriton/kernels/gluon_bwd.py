@@ -18,10 +18,11 @@ and stages its dQ half; a producer partition (4 warps, few registers) streams Q 
 their rows' LSE and delta, into a two-slot ring by TMA and adds the staged dQ tiles into an
 fp32 buffer by TMA bulk reductions (`cp.reduce.async.bulk.tensor`, in L2), so the
 tensor-core warps never wait for a reduction (DQ_MODE 2; DQ_MODE 1 keeps the product but
-adds nothing: a timing ablation). DQ_MODE 3 (OPTIONS["FUSED_DQ"], off until measured) also
+adds nothing: a timing ablation). DQ_MODE 3 (OPTIONS["FUSED_DQ"] 1, off until measured) also
 counts each query block's reductions off once they are complete, and the program that adds
-the last one converts the block into dQ, in place of a copy kernel after this one. The sum's
-order varies from run to run: the backward is
+the last one converts the block into dQ, in place of a copy kernel after this one; DQ_MODE 4
+(FUSED_DQ 2) also has the first program to reach a block zero it, in place of the prep
+kernel's zeroing of the whole buffer. The sum's order varies from run to run: the backward is
 not bitwise repeatable (launch dispatches it unless a deterministic backward is asked for).
 A one-kernel, 8-warp form with the same body ran 0.84-0.92x the Triton backward and was
 removed (docs/perf.md, sessions 13-14).
@@ -238,10 +239,10 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
 # loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
-# a lower bound (a window's), as options() says. FUSED_DQ: DQ_MODE 3 (the launcher's choice,
-# not a kernel constant; off until measured on the H200).
+# a lower bound (a window's), as options() says. FUSED_DQ: 1 DQ_MODE 3, 2 DQ_MODE 4 (the
+# launcher's choice, not a kernel constant; off until measured on the H200).
 OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               FUSED_DQ=False)
+               FUSED_DQ=0)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -403,17 +404,55 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
 
 
 @gluon.jit
-def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
+def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, fin, DQ_MODE: gl.constexpr,
             LISTED: gl.constexpr):
     """Step t's dQ: both groups' staged column halves, each by one TMA reduction."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[1]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     row = (walk[9] * H + h) * SEQ + m * BLOCK_M
+    if DQ_MODE == 4:
+        _claim(walk[9] * H + h, m, fin, SEQ, 2 * HALF_D, BLOCK_M)
     for w in gl.static_range(2):
         mbarrier.wait(dq_full.index(w * 2 + t % 2), (t // 2) & 1)
         if DQ_MODE >= 2:
             _tma_reduce_add(dq_desc, [row, w * HALF_D], dq_smem.index(w * 2 + t % 2))
+
+
+@gluon.jit
+def _fences():
+    """Every thread: its generic writes to global memory ordered before later accesses by
+    the async proxy (TMA) and, at GPU scope, before later ones of other threads."""
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tfence.acq_rel.gpu;"
+                              "\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _claim(bh, m, fin, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """DQ_MODE 4, before a program's first reduction into row block m of head bh: the first
+    program to arrive (a counter after the contributions', fin[6] apart) zeroes the block's
+    rows of the fp32 buffer and then raises its flag; the others wait for the flag. The
+    zeroing waits for nothing, so a waiting program always sees it done: no prep kernel
+    writes the buffer's 4 bytes an element, and no memset runs."""
+    DQACC, DQO, CNT, stride_ob, stride_ot, stride_oh, NT = fin
+    i = bh * (gl.cdiv(SEQ, 128) * (128 // BLOCK_M)) + m
+    if gl.atomic_add(CNT + NT + i, 1, sem="acq_rel", scope="gpu") == 0:
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
+        zero = gl.zeros([8, HEAD_DIM], gl.float32, layout=blk)
+        for r in range(0, BLOCK_M, 8):
+            rows = m * BLOCK_M + r + gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
+            gl.store(DQACC + (bh.to(gl.int64) * SEQ + rows[:, None]) * HEAD_DIM + cols[None, :],
+                     zero, mask=rows[:, None] < SEQ)
+        _fences()
+        gl.thread_barrier()
+        gl.atomic_xchg(CNT + 2 * NT + i, 1, sem="release", scope="gpu")
+    else:
+        while gl.atomic_add(CNT + 2 * NT + i, 0, sem="acquire", scope="gpu") == 0:
+            pass
+        _fences()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -440,7 +479,7 @@ def _finish(t, walk, fin, H, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     block's contributions (fin = (the fp32 dQ buffer, dQ, the prep kernel's counts, dQ's
     (b, token, head) strides)); the program that adds the block's last one converts its rows
     of the buffer into dQ (q's dtype and layout), so no copy kernel runs after this one."""
-    DQACC, DQO, CNT, stride_ob, stride_ot, stride_oh = fin
+    DQACC, DQO, CNT, stride_ob, stride_ot, stride_oh, NT = fin
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     bh = walk[9] * H + h
     left = gl.atomic_add(CNT + bh * (gl.cdiv(SEQ, 128) * (128 // BLOCK_M)) + m, -1,
@@ -473,17 +512,17 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
             _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED)
         if t >= 1:
-            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, DQ_MODE, LISTED)
+            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, fin, DQ_MODE, LISTED)
             if t >= 2:
-                if DQ_MODE == 3:
+                if DQ_MODE >= 3:
                     _bulk_wait(2)
                 else:
                     tma.store_wait(2)  # step t - 2's reductions are done: free its staging slots
                 for w in gl.static_range(2):
                     mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
-                if DQ_MODE == 3:
+                if DQ_MODE >= 3:
                     _finish(t - 2, walk, fin, H, SEQ, HEAD_DIM, BLOCK_M, LISTED)
-    if DQ_MODE == 3:
+    if DQ_MODE >= 3:
         _bulk_wait(0)
         if total >= 1:
             _finish(total - 1, walk, fin, H, SEQ, HEAD_DIM, BLOCK_M, LISTED)
@@ -498,7 +537,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            stride_ab, stride_ah, stride_bb, stride_bh, stride_bq, BM_N, H,
                            GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh, kv_ch,
                            qk_scale, sm_scale, cap2, LOWER, UPPER, TL, DQACC, DQO, CNT,
-                           stride_qob, stride_qot, stride_qoh, DQ_MODE: gl.constexpr,
+                           stride_qob, stride_qot, stride_qoh, n_counts,
+                           DQ_MODE: gl.constexpr,
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
@@ -511,9 +551,10 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
     delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
     stride_k*) take k's layout; TL: None, or (timing only) rows of 8 int64 per program
-    (_mark). DQACC, DQO, CNT, stride_qo*: the fp32 buffer's pointer, dQ (q's dtype, (B, SEQ,
-    H, D) strides) and the prep kernel's count of each 64-row block's reductions (DQ_MODE 3,
-    _finish). Variants as
+    (_mark). DQACC, DQO, CNT, stride_qo*, n_counts: the fp32 buffer's pointer, dQ (q's dtype,
+    (B, SEQ, H, D) strides) and the prep kernel's three rows of n_counts int32 (each 64-row
+    block's count of reductions, its arrivals and its flag: DQ_MODE 3 _finish, 4 _claim).
+    Variants as
     the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the
     block mask's transposed lists, one row per key block, shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
@@ -595,6 +636,6 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ,
-                     (DQACC, DQO, CNT, stride_qob, stride_qot, stride_qoh), DQ_MODE, LISTED,
-                     TL))],
+                     (DQACC, DQO, CNT, stride_qob, stride_qot, stride_qoh, n_counts), DQ_MODE,
+                     LISTED, TL))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
