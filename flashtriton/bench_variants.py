@@ -106,6 +106,18 @@ def _flex(name, B, H, N, device):
     return run
 
 
+def set_gluon_option(name: str, value: str) -> bool:
+    """OPTIONS[name] = value in whichever of kernels.gluon_fwd / gluon_bwd has it (both where
+    both do): an integer option (FUSED_DQ) stays one, the rest are booleans. False where
+    neither has it."""
+    from .kernels import gluon_bwd, gluon_fwd
+    tables = [t for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS) if name in t]
+    for table in tables:
+        cur = table[name]
+        table[name] = type(cur)(int(value)) if isinstance(cur, int) else bool(int(value))
+    return bool(tables)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqlen", type=int, default=8192)
@@ -129,16 +141,10 @@ def main(argv=None):
                    help="set an option of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
                         "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0, FUSED_DQ=2)")
     args = p.parse_args(argv)
-    if args.gluon_option:
-        from .kernels import gluon_bwd, gluon_fwd
-        for item in args.gluon_option:
-            name, value = item.split("=")
-            tables = [t for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS) if name in t]
-            if not tables:
-                p.error(f"no Gluon kernel option {name!r}")
-            for table in tables:  # an integer option (FUSED_DQ) stays one
-                cur = table[name]
-                table[name] = type(cur)(int(value)) if isinstance(cur, int) else bool(int(value))
+    for item in args.gluon_option:
+        name, value = item.split("=")
+        if not set_gluon_option(name, value):
+            p.error(f"no Gluon kernel option {name!r}")
     launch.GLUON_VARIANTS = not args.triton_variants
     launch.GLUON_ALIBI_ONE_SIDED = not args.general_alibi
     launch.GLUON_BWD_VARIANTS = not args.triton_bwd_variants

@@ -436,20 +436,16 @@ def _claim(bh, m, fin, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     zeroing waits for nothing, so a waiting program always sees it done: no prep kernel
     writes the buffer's 4 bytes an element, and no memset runs."""
     DQACC, DQO, CNT, stride_ob, stride_ot, stride_oh, NT = fin
-    i = bh * (gl.cdiv(SEQ, 128) * (128 // BLOCK_M)) + m
-    if gl.atomic_add(CNT + NT + i, 1, sem="acq_rel", scope="gpu") == 0:
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
-        zero = gl.zeros([8, HEAD_DIM], gl.float32, layout=blk)
+    at = _count_at(CNT, bh, m, SEQ, BLOCK_M)
+    if gl.atomic_add(at + NT, 1, sem="acq_rel", scope="gpu") == 0:
         for r in range(0, BLOCK_M, 8):
-            rows = m * BLOCK_M + r + gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
-            gl.store(DQACC + (bh.to(gl.int64) * SEQ + rows[:, None]) * HEAD_DIM + cols[None, :],
-                     zero, mask=rows[:, None] < SEQ)
+            rows, cols, dst, keep = _acc_rows(DQACC, bh, m, r, SEQ, HEAD_DIM, BLOCK_M)
+            gl.store(dst, gl.zeros([8, HEAD_DIM], gl.float32, layout=_ACC_ROWS), mask=keep)
         _fences()
         gl.thread_barrier()
-        gl.atomic_xchg(CNT + 2 * NT + i, 1, sem="release", scope="gpu")
+        gl.atomic_xchg(at + 2 * NT, 1, sem="release", scope="gpu")
     else:
-        while gl.atomic_add(CNT + 2 * NT + i, 0, sem="acquire", scope="gpu") == 0:
+        while gl.atomic_add(at + 2 * NT, 0, sem="acquire", scope="gpu") == 0:
             pass
         _fences()
     gl.thread_barrier()
@@ -472,6 +468,27 @@ def _bulk_wait(N: gl.constexpr):
     gl.thread_barrier()
 
 
+# DQ_MODE 3 and 4: 8 rows of 128 fp32 over the producer's 4 warps (_acc_rows).
+_ACC_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _acc_rows(DQACC, bh, m, r, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """DQ_MODE 3 and 4: rows r .. r + 7 of row block m of head bh in the fp32 buffer
+    (_ACC_ROWS): (the rows, the columns, their pointers, rows < SEQ)."""
+    blk: gl.constexpr = _ACC_ROWS
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
+    rows = m * BLOCK_M + r + gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
+    ptrs = DQACC + (bh.to(gl.int64) * SEQ + rows[:, None]) * HEAD_DIM + cols[None, :]
+    return rows, cols, ptrs, rows[:, None] < SEQ
+
+
+@gluon.jit
+def _count_at(CNT, bh, m, SEQ, BLOCK_M: gl.constexpr):
+    """Row block m of head bh in (the first of) the prep kernel's rows of counts."""
+    return CNT + bh * (gl.cdiv(SEQ, 128) * (128 // BLOCK_M)) + m
+
+
 @gluon.jit
 def _finish(t, walk, fin, H, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
             LISTED: gl.constexpr):
@@ -482,15 +499,10 @@ def _finish(t, walk, fin, H, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     DQACC, DQO, CNT, stride_ob, stride_ot, stride_oh, NT = fin
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     bh = walk[9] * H + h
-    left = gl.atomic_add(CNT + bh * (gl.cdiv(SEQ, 128) * (128 // BLOCK_M)) + m, -1,
-                         sem="acq_rel", scope="gpu")
+    left = gl.atomic_add(_count_at(CNT, bh, m, SEQ, BLOCK_M), -1, sem="acq_rel", scope="gpu")
     if left == 1:  # the block's last contribution: every other one is complete and visible
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
         for r in range(0, BLOCK_M, 8):
-            rows = m * BLOCK_M + r + gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
-            keep = rows[:, None] < SEQ
-            src = DQACC + (bh.to(gl.int64) * SEQ + rows[:, None]) * HEAD_DIM + cols[None, :]
+            rows, cols, src, keep = _acc_rows(DQACC, bh, m, r, SEQ, HEAD_DIM, BLOCK_M)
             x = gl.load(src, mask=keep, other=0.0, cache_modifier=".cg")
             dst = (DQO + walk[9].to(gl.int64) * stride_ob + rows[:, None] * stride_ot
                    + h * stride_oh + cols[None, :])
