@@ -4,13 +4,14 @@ run with a timeline (launch.attention_backward_gluon's _timeline; kernels.gluon_
 dK / dV stores, the producer's last reduction; and the SM), then per program the mean of
 each phase, and per SM the gap between one program's end and the next one's start.
 
-    python scripts/probe_timeline.py [--cases window dense causal]
+    python scripts/probe_timeline.py [--cases window dense causal] [--set STAGED_DKDV=1]
 """
 import argparse
 
 import torch
 
 from flashtriton import launch
+from flashtriton.bench_variants import set_gluon_option
 
 CASES = {  # name: (B, N, causal, window_size); H = 16, D = 128, bf16
     "window": (2, 8192, True, (1023, 0)),
@@ -48,7 +49,13 @@ def phases(tl):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=sorted(CASES))
+    p.add_argument("--set", nargs="+", default=[], metavar="NAME=V",
+                   help="Gluon kernel options (bench_variants.set_gluon_option)")
     args = p.parse_args()
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not set_gluon_option(name, value):
+            p.error(f"no Gluon option {name}")
     H, D = 16, 128
     for name in args.cases:
         B, N, causal, win = CASES[name]
