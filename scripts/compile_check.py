@@ -187,8 +187,6 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("causal fused dq", dict(causal=True, dq_mode=3)),
                     ("block mask fused dq", dict(mask_mod=causal_mod, dq_mode=3)),
                     # DQ_MODE 4: each row block also zeroed by its first program (FUSED_DQ 2)
-                    ("window fused dq, zeroed", dict(lower=True, upper=True, dq_mode=4)),
-                    # dK and dV stored through shared memory (STAGED_DKDV)
-                    ("causal staged dk/dv", dict(causal=True, STAGED_DKDV=True))):
+                    ("window fused dq, zeroed", dict(lower=True, upper=True, dq_mode=4))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

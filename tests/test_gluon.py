@@ -388,15 +388,14 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False), dict(FUSED_DQ=1), dict(FUSED_DQ=2),
-                        dict(STAGED_DKDV=True)],
-                ids=["s0", "s1", "one", "split", "fused", "fused2", "staged"])
+                        dict(ONE_LOOP=False), dict(FUSED_DQ=1), dict(FUSED_DQ=2)],
+                ids=["s0", "s1", "one", "split", "fused", "fused2"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
     step masked, or masked, unmasked and masked loops), and FUSED_DQ 1 and 2 (DQ_MODE 3: the
     last program to add into a row block converts it into dQ; 4: the first also zeroes
-    it), and STAGED_DKDV (dK and dV stored through shared memory)."""
+    it)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)

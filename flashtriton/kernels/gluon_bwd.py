@@ -239,11 +239,10 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
 # loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
-# a lower bound (a window's), as options() says. STAGED_DKDV: dK and dV stored through shared
-# memory, whole rows a warp (_consume; off until measured). FUSED_DQ: 1 DQ_MODE 3, 2 DQ_MODE 4 (the
+# a lower bound (a window's), as options() says. FUSED_DQ: 1 DQ_MODE 3, 2 DQ_MODE 4 (the
 # launcher's choice, not a kernel constant; off until measured on the H200).
 OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               STAGED_DKDV=False, FUSED_DQ=0)
+               FUSED_DQ=0)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -341,7 +340,8 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, d
     return dk, dv, st
 
 
-# STAGED_DKDV: a consumer's 64 x 128 tiles of dK and dV, 16 bytes a thread, two rows a warp.
+# A consumer's 64 x 128 tiles of dK and dV as they are stored: 16 bytes a thread, two rows a
+# warp.
 _ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
 
@@ -351,7 +351,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             ONE_LOOP: gl.constexpr, STAGED_DKDV: gl.constexpr, TL):
+             ONE_LOOP: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
@@ -398,35 +398,27 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
                                     W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                                     MASK_MOD, EARLY_S)
     _mark(TL, 3 + 2 * W)  # the walk is done
-    if STAGED_DKDV:
-        # Through shared memory, so that each warp's store writes whole rows: in the products'
-        # layout a store writes 16 bytes of 8 rows. dV goes into this group's rows of V (read
-        # by its own products only); dK into the slot of Q (consumer 0) or dO (consumer 1)
-        # that the last step does not use: both groups are past the step before it (this
-        # group has waited on the last step's ds_ready), and the producer loads no more.
-        free = (GROUP * cnt) % 2
-        if W == 0:
-            dk_s = q_smem.index(free)
-        else:
-            dk_s = do_smem.index(free)
-        dk_s.store((dk * cfg[5]).to(dtype))
-        v_w.store(dv.to(dtype))
-        gl.thread_barrier()  # (this partition's warps)
-        rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, _ROWS))
-        dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _ROWS))
-        offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
-                + dcols[None, :])
-        keep = rows[:, None] < SEQ
-        gl.store(DK + offs, dk_s.load(_ROWS), mask=keep)
-        gl.store(DV + offs, v_w.load(_ROWS), mask=keep)
+    # Through shared memory, so that each warp's store writes whole rows: in the products'
+    # layout a store writes 16 bytes of 8 rows (measured on the H200, session 18: 4-6 us from
+    # the walk's end to the stores' issue, 2 us this way; 2K +4-6%, 8K +2%). dV goes into this group's rows of V (read
+    # by its own products only); dK into the slot of Q (consumer 0) or dO (consumer 1)
+    # that the last step does not use: both groups are past the step before it (this
+    # group has waited on the last step's ds_ready), and the producer loads no more.
+    free = (GROUP * cnt) % 2
+    if W == 0:
+        dk_s = q_smem.index(free)
     else:
-        rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, dkv_layout))
-        dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dkv_layout))
-        offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
-                + dcols[None, :])
-        keep = rows[:, None] < SEQ
-        gl.store(DK + offs, (dk * cfg[5]).to(dtype), mask=keep)
-        gl.store(DV + offs, dv.to(dtype), mask=keep)
+        dk_s = do_smem.index(free)
+    dk_s.store((dk * cfg[5]).to(dtype))
+    v_w.store(dv.to(dtype))
+    gl.thread_barrier()  # (this partition's warps)
+    rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, _ROWS))
+    dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _ROWS))
+    offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
+            + dcols[None, :])
+    keep = rows[:, None] < SEQ
+    gl.store(DK + offs, dk_s.load(_ROWS), mask=keep)
+    gl.store(DV + offs, v_w.load(_ROWS), mask=keep)
     _mark(TL, 4 + 3 * W)  # dK and dV stored (issued)
 
 
@@ -478,9 +470,10 @@ def _claim(bh, m, fin, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     gl.thread_barrier()
 
 
-# DQ_MODE 3 and 4: a step's reductions are counted off (_finish) FINISH_LAG steps after the
-# step whose slot release found them read, so that waiting for their writes to complete does
-# not hold the staging ring (waiting at once, session 18: causal 8K 476 -> 377 TFLOP/s).
+# DQ_MODE 3 and 4: step s's reductions are counted off (_finish) before step
+# s + 2 + FINISH_LAG's are issued, while the consumers work on that step: neither waiting for
+# their writes to complete nor the atomics then hold the staging ring or the next loads
+# (waiting at once, session 18: causal 8K 476 -> 377 TFLOP/s; after the release, 381).
 FINISH_LAG = gl.constexpr(2)
 _WAIT_ALL = gl.constexpr("cp.async.bulk.wait_group 0;")
 _WAIT_LAGGED = gl.constexpr(f"cp.async.bulk.wait_group {2 + 2 * FINISH_LAG.value};")
@@ -550,8 +543,8 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
              LISTED: gl.constexpr, TL):
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
     2), then step t - 1's dQ reductions; a staging slot is released once its reductions
-    have read it (tma.store_wait); DQ_MODE 3 and 4: FINISH_LAG steps later, once they are
-    complete, _finish counts them off."""
+    have read it (tma.store_wait); DQ_MODE 3 and 4: before step t - 1's reductions,
+    _finish counts off step t - 3 - FINISH_LAG's, whose writes are complete by then."""
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     for t in range(total + 1):
@@ -559,19 +552,18 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
             _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED)
         if t >= 1:
+            if DQ_MODE >= 3:  # (while the consumers work on step t - 1)
+                if t >= 3 + FINISH_LAG:
+                    _bulk_wait(False)
+                    _finish(t - 3 - FINISH_LAG, walk, fin, H, SEQ, HEAD_DIM, BLOCK_M, LISTED)
             _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, fin, DQ_MODE, LISTED)
             if t >= 2:
                 tma.store_wait(2)  # step t - 2's reductions have read its staging slots
                 for w in gl.static_range(2):
                     mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
-                if DQ_MODE >= 3:
-                    if t >= 2 + FINISH_LAG:
-                        _bulk_wait(False)
-                        _finish(t - 2 - FINISH_LAG, walk, fin, H, SEQ, HEAD_DIM, BLOCK_M,
-                                LISTED)
     if DQ_MODE >= 3:
         _bulk_wait(True)
-        for t in range(gl.maximum(total - 1 - FINISH_LAG, 0), total):
+        for t in range(gl.maximum(total - 2 - FINISH_LAG, 0), total):
             _finish(t, walk, fin, H, SEQ, HEAD_DIM, BLOCK_M, LISTED)
     else:
         tma.store_wait(0)
@@ -591,7 +583,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
-                           STAGED_DKDV: gl.constexpr, num_warps: gl.constexpr):
+                           num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -672,14 +664,14 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, STAGED_DKDV, TL)),
+                     EARLY_S, ONE_LOOP, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
                      stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
                      HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, STAGED_DKDV, TL)),
+                     EARLY_S, ONE_LOOP, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ,
