@@ -3,6 +3,7 @@ bench_variants' shapes (B=2, H=16, N=8K, D=128, bf16): microseconds a call per k
 the time a call would take at the kernel's share of the TFLOP/s bench_variants reports.
 
     python scripts/profile_variants.py [--variants window document alibi causal] [--flex]
+        [--set FUSED_DQ=1]
 """
 import argparse
 
@@ -19,7 +20,13 @@ def main():
                    default=["causal", "window", "document", "prefix_lm", "alibi"])
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--flex", action="store_true", help="FlexAttention's kernels too")
+    p.add_argument("--set", nargs="+", default=[], metavar="NAME=V",
+                   help="Gluon kernel options (bench_variants.set_gluon_option)")
     args = p.parse_args()
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not bv.set_gluon_option(name, value):
+            p.error(f"no Gluon option {name}")
     N, H, D = args.seqlen, 16, 128
     B = 16384 // N
     for name in args.variants:
