@@ -108,7 +108,7 @@ def _flex(name, B, H, N, device):
 
 def set_gluon_option(name: str, value: str) -> bool:
     """OPTIONS[name] = value in whichever of kernels.gluon_fwd / gluon_bwd has it (both where
-    both do): an integer option (FUSED_DQ) stays one, the rest are booleans. False where
+    both do): an integer option (CONSUMER_REGS) stays one, the rest are booleans. False where
     neither has it."""
     from .kernels import gluon_bwd, gluon_fwd
     tables = [t for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS) if name in t]
@@ -139,7 +139,7 @@ def main(argv=None):
     p.add_argument("--gluon-option", "--gluon-bwd-option", dest="gluon_option",
                    action="append", default=[], metavar="NAME=0|1",
                    help="set an option of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
-                        "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0, FUSED_DQ=2)")
+                        "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0, CONSUMER_REGS=232)")
     args = p.parse_args(argv)
     for item in args.gluon_option:
         name, value = item.split("=")

@@ -749,10 +749,7 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
                     timeline=None):
     """Launch kernels.gluon_bwd on tensors that gluon_backward_misfit passed: the prep kernel
     (the log2 LSE and delta, each head's rows padded to a multiple of 128, and a zeroed fp32
-    dQ buffer), the backward, and dQ's copy into q's layout (gluon_bwd.OPTIONS["FUSED_DQ"] 1:
-    the backward's DQ_MODE 3 converts each row block once its last reduction is in, from the
-    prep kernel's counts, and no copy runs; 2: DQ_MODE 4 also zeroes each block where its
-    first reduction comes, and the prep kernel does not). The variant's window, softcap and
+    dQ buffer), the backward, and dQ's copy into q's layout. The variant's window, softcap and
     ALiBi arguments come from _common (as the forward's). timeline: None, or (timing only) an
     int64 tensor of 8 per program for gluon_bwd._mark."""
     from .kernels import gluon_bwd
@@ -766,18 +763,10 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
     pad = configs.cdiv(N, 128) * 128
     lse2, delta = _empty((2, B * H * pad), torch.float32, q.device)
     lse = lse.contiguous()
-    dq = _empty_like(q)
-    fused = int(gluon_bwd.OPTIONS["FUSED_DQ"]) if dq_mode == 2 and dq.stride(3) == 1 else 0
-    n_counts = B * H * pad // 64
-    counts = _empty((3, n_counts), torch.int32, q.device) if fused else None
-    kvl, *kvl_strides, _ = _block_args(variant.kv_blocks)
     _attn_bwd_prep_kernel[(pad // 64, B * H)](
         out, dout, lse, lse2, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), H, N,
-        pad, counts, dq, dq.stride(0), dq.stride(1), dq.stride(2), kvl, *kvl_strides,
-        H // k.shape[2], -common["WIN_LEFT"], common["WIN_RIGHT"], HEAD_DIM=D, BLOCK_M=64,
-        COUNT=(2 if bmask is not None else 1) if fused else 0, HAS_LOWER=common["HAS_LOWER"],
-        HAS_UPPER=common["HAS_UPPER"], ZERO_ACC=fused != 2, num_warps=4)
+        pad, HEAD_DIM=D, BLOCK_M=64, num_warps=4)
     q_desc, q_rows = _gluon_descriptor(q, [64, D])
     do_desc, do_rows = _gluon_descriptor(dout, [64, D])
     k_desc, kv_rows = _gluon_descriptor(k, [128, D])
@@ -790,14 +779,12 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
         _gluon_flat_descriptor(delta, 64), dk, dv, alibi, bmask, dk.stride(0), dk.stride(1),
         dk.stride(2), stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows,
         *do_rows, *kv_rows, common["qk_scale"], variant.softmax_scale, common["cap2"],
-        -common["WIN_LEFT"], common["WIN_RIGHT"], timeline, dq_acc, dq, counts, dq.stride(0),
-        dq.stride(1), dq.stride(2), n_counts, DQ_MODE=2 + fused if fused else dq_mode,
-        HAS_LOWER=common["HAS_LOWER"],
+        -common["WIN_LEFT"], common["WIN_RIGHT"], timeline, DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
         HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
         MASK_MOD=variant.mask_mod, **options)
-    if not fused:
-        dq.copy_(dq_acc.transpose(1, 2))
+    dq = _empty_like(q)
+    dq.copy_(dq_acc.transpose(1, 2))
     return dq, dk, dv
 
 

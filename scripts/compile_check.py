@@ -182,11 +182,6 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("causal no early-s", dict(causal=True, EARLY_S=False)),
                     # ONE_LOOP the other way round (gluon_bwd.options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
-                    ("causal one loop", dict(causal=True, ONE_LOOP=True)),
-                    # DQ_MODE 3: dQ converted by each row block's last program (FUSED_DQ)
-                    ("causal fused dq", dict(causal=True, dq_mode=3)),
-                    ("block mask fused dq", dict(mask_mod=causal_mod, dq_mode=3)),
-                    # DQ_MODE 4: each row block also zeroed by its first program (FUSED_DQ 2)
-                    ("window fused dq, zeroed", dict(lower=True, upper=True, dq_mode=4))):
+                    ("causal one loop", dict(causal=True, ONE_LOOP=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

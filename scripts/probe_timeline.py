@@ -4,7 +4,7 @@ run with a timeline (launch.attention_backward_gluon's _timeline; kernels.gluon_
 dK / dV stores, the producer's last reduction; and the SM), then per program the mean of
 each phase, and per SM the gap between one program's end and the next one's start.
 
-    python scripts/probe_timeline.py [--cases window dense causal] [--set FUSED_DQ=1]
+    python scripts/probe_timeline.py [--cases window dense causal] [--set ONE_LOOP=1]
 """
 import argparse
 

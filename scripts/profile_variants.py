@@ -3,7 +3,7 @@ bench_variants' shapes (B=2, H=16, N=8K, D=128, bf16): microseconds a call per k
 the time a call would take at the kernel's share of the TFLOP/s bench_variants reports.
 
     python scripts/profile_variants.py [--variants window document alibi causal] [--flex]
-        [--set FUSED_DQ=1]
+        [--set ONE_LOOP=1]
 """
 import argparse
 

@@ -130,7 +130,7 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
     return _gluon_compile(gluon_bwd._attn_bwd_gluon_kernel, consts, dict(
         q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=dq_desc,
         lse_desc=stats_desc, delta_desc=stats_desc, DK="*bf16", DV="*bf16", ALIBI="*fp32", BMASK="*i32",
-        DQACC="*fp32", DQO="*bf16", CNT="*i32", qk_scale="fp32", sm_scale="fp32", cap2="fp32"))
+        qk_scale="fp32", sm_scale="fp32", cap2="fp32"))
 
 
 def softmax_overlaps(sass, exps):

@@ -16,16 +16,14 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
-    """Every buffer the launchers allocate starts as NaN (integers: their least value), so
-    unwritten elements fail."""
+    """Every buffer the launchers allocate starts as NaN, so unwritten elements fail."""
     real_empty_like = launch.output_like
 
     def empty_like(x):
         return real_empty_like(x).fill_(float("nan"))
 
     def empty(shape, dtype, device):
-        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
-        return torch.full(shape, fill, dtype=dtype, device=device)
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     monkeypatch.setattr(launch, "_empty_like", empty_like)
     monkeypatch.setattr(launch, "_empty", empty)

@@ -142,21 +142,22 @@ def test_merge_joins_runs_into_one_report(tmp_path):
 def test_variants_bench_sets_gluon_options(monkeypatch):
     """bench_variants --gluon-option NAME=VALUE sets the option in whichever Gluon kernel's
     OPTIONS has it (HEAVY_FIRST: the forward's, EARLY_S: the backward's; booleans stay
-    booleans, FUSED_DQ's integer levels integers) before it needs the GPU, and rejects a name
+    booleans, integers such as CONSUMER_REGS integers) before it needs the GPU, and rejects a name
     neither has."""
     from flashtriton import bench_variants as bv
     from flashtriton import launch
     from flashtriton.kernels import gluon_bwd, gluon_fwd
     monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", True)
     monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", None)
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "FUSED_DQ", 0)
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "CONSUMER_REGS", 240)
     for name in ("GLUON_VARIANTS", "GLUON_ALIBI_ONE_SIDED", "GLUON_BWD_VARIANTS"):
         monkeypatch.setattr(launch, name, getattr(launch, name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA GPU"):
         bv.main(["--gluon-option", "HEAVY_FIRST=0", "--gluon-option", "EARLY_S=0",
-                 "--gluon-option", "FUSED_DQ=2"])
-    assert gluon_bwd.OPTIONS["FUSED_DQ"] == 2 and type(gluon_bwd.OPTIONS["FUSED_DQ"]) is int
+                 "--gluon-option", "CONSUMER_REGS=232"])
+    regs = gluon_bwd.OPTIONS["CONSUMER_REGS"]
+    assert regs == 232 and type(regs) is int
     assert gluon_fwd.OPTIONS["HEAVY_FIRST"] is False and "HEAVY_FIRST" not in gluon_bwd.OPTIONS
     assert gluon_bwd.OPTIONS["EARLY_S"] is False and "EARLY_S" not in gluon_fwd.OPTIONS
     with pytest.raises(SystemExit) as exc:

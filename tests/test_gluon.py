@@ -248,7 +248,7 @@ def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer():
     dq = torch.full((B, H, N, D), float("nan"), device=DEVICE)
     _attn_bwd_prep_kernel[(2, B * H)](out, dout, lse, lse2, delta, dq, *out.stride()[:3],
                                       *dout.stride()[:3], *lse.stride()[:2], H, N, 128,
-                                      *_NO_COUNTS, HEAD_DIM=D, BLOCK_M=64)
+                                      HEAD_DIM=D, BLOCK_M=64)
     expect = (out.double() * dout.double()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(delta[..., :N].double(), expect, rtol=1e-5, atol=1e-5)
     expect = torch.where(lse == -float("inf"), float("inf"), lse * math.log2(math.e))
@@ -256,85 +256,6 @@ def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer():
     assert lse2[0, 1, 5] == float("inf")
     assert bool((lse2[..., N:] == float("inf")).all()) and bool((delta[..., N:] == 0).all())
     assert bool((dq == 0).all())
-
-
-# The prep kernel's arguments for its counts of dQ reductions (CNT, DQO and its 3 strides,
-# KVL and its 3 strides, GROUP, LOWER, UPPER) where it counts none.
-_NO_COUNTS = (None, None, 0, 0, 0, None, 0, 0, 0, 1, 0, 0)
-
-
-def _walk(n, N, lower, upper):
-    """Query blocks (of 64) that key block n (of 128) of the Gluon backward walks: q_range's
-    lo // 64 .. cdiv(hi, 64) - 1 (kernels.common; None: no such bound)."""
-    lo = 0 if upper is None else min(max(128 * n - upper, 0), N) // 64 * 64
-    hi = N if lower is None else min(max(128 * n + 128 - lower, 0), N)
-    return range(lo // 64, max(-(-hi // 64), lo // 64))
-
-
-@pytest.mark.parametrize("N", [70, 256, 333])
-@pytest.mark.parametrize("lower,upper", [(None, None), (None, 0), (-100, 0), (-50, 30),
-                                         (None, 40), (-60, None), (-300, -200)],
-                         ids=["plain", "causal", "window", "two-sided", "right", "left",
-                              "shifted"])
-def test_backward_prep_kernel_counts_each_row_blocks_reductions(N, lower, upper):
-    """The prep kernel's COUNT 1 (the fused dQ conversion, gluon_bwd DQ_MODE 3 and 4): for
-    each 64-row block, how many key blocks' walks reach it (two binary searches over the
-    walk's ends), against every key block's walk enumerated, then zeros for the backward's
-    arrivals and flags; zeros into dQ's rows of the blocks that none reaches (the rest of dQ
-    untouched); ZERO_ACC False (DQ_MODE 4) leaves the fp32 buffer alone."""
-    from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
-    B, H, D = 1, 2, 64
-    pad = -(-N // 128) * 128
-    out, dout = (torch.randn(B, N, H, D, device=DEVICE) for _ in range(2))
-    lse = torch.randn(B, H, N, device=DEVICE)
-    lse2, delta = torch.empty((2, B * H * pad), device=DEVICE)
-    acc = torch.full((B, H, N, D), 3.0, device=DEVICE)
-    counts = torch.full((3, B * H * pad // 64), -7, dtype=torch.int32, device=DEVICE)
-    dq = torch.full((B, N, H, D), float("nan"), device=DEVICE)
-    _attn_bwd_prep_kernel[(pad // 64, B * H)](
-        out, dout, lse, lse2, delta, acc, *out.stride()[:3], *dout.stride()[:3],
-        *lse.stride()[:2], H, N, pad, counts, dq, *dq.stride()[:3], None, 0, 0, 0, 1,
-        0 if lower is None else lower, 0 if upper is None else upper, HEAD_DIM=D, BLOCK_M=64,
-        COUNT=1, HAS_LOWER=lower is not None, HAS_UPPER=upper is not None, ZERO_ACC=False)
-    expect = [0] * (pad // 64)
-    for n in range(-(-N // 128)):
-        for m in _walk(n, N, lower, upper):
-            expect[m] += 1
-    assert counts[0].view(B * H, -1).tolist() == [expect] * (B * H)
-    assert bool((counts[1:] == 0).all()) and bool((acc == 3.0).all())
-    rows = torch.arange(N, device=DEVICE)
-    none = torch.tensor(expect, device=DEVICE)[rows // 64] == 0
-    assert bool((dq[:, none] == 0).all()) and bool(dq[:, ~none].isnan().all())
-
-
-def test_backward_prep_kernel_counts_a_block_masks_reductions():
-    """COUNT 2: a block mask's partial plus full count of each 128-row query block (the
-    lists of the group's first head: GROUP 2, heads 2 and 3 read head 2's row) for both of
-    its 64-row halves; zeros into dQ's rows where the count is 0."""
-    from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
-    B, H, N, D = 2, 4, 300, 64
-    pad = 384
-    out, dout = (torch.randn(B, N, H, D, device=DEVICE) for _ in range(2))
-    lse = torch.randn(B, H, N, device=DEVICE)
-    lse2, delta = torch.empty((2, B * H * pad), device=DEVICE)
-    acc = torch.empty(B, H, N, D, device=DEVICE)
-    lists = torch.zeros(B, H, 3, 8, dtype=torch.int32, device=DEVICE)
-    lists[..., 0] = torch.randint(0, 3, (B, H, 3), device=DEVICE)  # partial blocks
-    lists[..., 1] = torch.randint(0, 2, (B, H, 3), device=DEVICE)  # full blocks
-    lists[1, 2, 1, :2] = 0  # a query block no key block reaches
-    counts = torch.full((3, B * H * pad // 64), -7, dtype=torch.int32, device=DEVICE)
-    dq = torch.full((B, N, H, D), float("nan"), device=DEVICE)
-    _attn_bwd_prep_kernel[(pad // 64, B * H)](
-        out, dout, lse, lse2, delta, acc, *out.stride()[:3], *dout.stride()[:3],
-        *lse.stride()[:2], H, N, pad, counts, dq, *dq.stride()[:3], lists, *lists.stride()[:3],
-        2, 0, 0, HEAD_DIM=D, BLOCK_M=64, COUNT=2)
-    per_block = lists[..., 0] + lists[..., 1]  # (B, H, 128-row query block)
-    first = per_block[:, [0, 0, 2, 2]]  # each head reads its group's first head's lists
-    expect = first.repeat_interleave(2, dim=2)  # both 64-row halves
-    assert torch.equal(counts[0].view(B, H, pad // 64), expect)
-    assert bool((counts[1:] == 0).all()) and bool((acc == 0).all())
-    none = (expect == 0).repeat_interleave(64, dim=2)[..., :N].transpose(1, 2)  # (B, N, H)
-    assert bool((dq[none] == 0).all()) and bool(dq[~none].isnan().all())
 
 
 @triton.jit
@@ -388,14 +309,11 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False), dict(FUSED_DQ=1), dict(FUSED_DQ=2)],
-                ids=["s0", "s1", "one", "split", "fused", "fused2"])
+                        dict(ONE_LOOP=False)], ids=["s0", "s1", "one", "split"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
-    step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
-    step masked, or masked, unmasked and masked loops), and FUSED_DQ 1 and 2 (DQ_MODE 3: the
-    last program to add into a row block converts it into dQ; 4: the first also zeroes
-    it)."""
+    step's S^T issued before dQ's staging), and ONE_LOOP both ways (the walk in one loop,
+    every step masked, or masked, unmasked and masked loops)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
@@ -445,38 +363,6 @@ def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, bwd_opt
     keep = mask_mod.fn(0, 0, i[:, None], i[None, :])
     check_against_reference(_gluon_backward(block_mask=bm), q, k, v, False,
                             attn_mask=keep[None, None].expand(2, H, N, N))
-
-
-@needs_hopper
-@pytest.mark.parametrize("level", [1, 2])
-@pytest.mark.parametrize("case", ["causal", "window", "document"])
-def test_gluon_backward_fused_dq_matches_the_copy(case, level, monkeypatch):
-    """FUSED_DQ at a length where many programs add into each row block at once (8K: 64 key
-    blocks, up to 64 reductions a block; GQA): dQ converted by each block's last program
-    against the copy kernel's, element by element (the same fp32 sums in another order: a
-    bf16 rounding apart; a block converted before its last reduction is off by ~1/64 of
-    it), dK and dV alike, twice; level 2 with the buffer zeroed in the kernel (memory
-    filled with NaN first: a block reduced into before its zeroing would show)."""
-    from flashtriton.block_mask import create_block_mask
-    from flashtriton.kernels import gluon_bwd
-    q, dout = (torch.randn(1, 8192, 4, 128, dtype=torch.bfloat16, device="cuda")
-               for _ in range(2))
-    k, v = (torch.randn(1, 8192, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    opts = {"causal": dict(causal=True), "window": dict(causal=True, window_size=(1023, 0)),
-            "document": dict(block_mask=create_block_mask(_doc_mod, None, None, 8192, 8192,
-                                                          "cuda"))}[case]
-    out, lse = launch.attention_forward_gluon(q, k, v, **opts)
-    runs = []
-    if level == 2:  # freed at once: the next fp32 buffers come from memory full of NaN
-        torch.full((1 << 28,), float("nan"), device="cuda")
-    for fused in (0, level, level):
-        monkeypatch.setitem(gluon_bwd.OPTIONS, "FUSED_DQ", fused)
-        runs.append(launch.attention_backward_gluon(dout, q, k, v, out, lse, **opts))
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other):  # one bf16 ulp (2^-8) apart at most, elementwise
-            a, b = a.float(), b.float()
-            bound = 2.0 ** -7 * torch.maximum(a.abs(), b.abs()) + 1e-4 * a.abs().max()
-            assert bool(((a - b).abs() <= bound).all())
 
 
 @needs_hopper

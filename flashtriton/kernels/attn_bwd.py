@@ -6,9 +6,8 @@
   _attn_bwd_dkdv_kernel        one program per (key block, batch * kv head);
                                loops over the GROUP query heads sharing the kv
                                head, so dK/dV of GQA/MQA are summed in registers
-  _attn_bwd_prep_kernel        the log2 LSE and delta (padded rows), a zeroed fp32 dQ
-                               buffer and (DQ_MODE 3) each row block's count of dQ
-                               reductions, for the Gluon backward (kernels.gluon_bwd)
+  _attn_bwd_prep_kernel        the log2 LSE and delta (padded rows), and a zeroed fp32 dQ
+                               buffer, for the Gluon backward (kernels.gluon_bwd)
 
 P is rebuilt tile by tile as exp2(s2 - LSE * log2(e)); no N x N buffer exists
 and no atomics are used, so gradients are bitwise repeatable. With softcap,
@@ -435,54 +434,14 @@ def _attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _walks_through(m, SQ, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """How many key blocks of BLOCK_N walk query block m (of BLOCK_M rows) in the Gluon
-    backward (gluon_bwd._walk_bounds: q_range's lo // BLOCK_M .. cdiv(hi, BLOCK_M) - 1). lo
-    and hi grow with the key block, so the blocks whose walk starts at or before m are a
-    prefix [0, a), those whose walk ends at or before m a prefix [0, b): a - b of them (or
-    none), each end found by a binary search."""
-    a_lo = 0
-    a_hi = tl.cdiv(SQ, BLOCK_N)
-    b_lo = 0
-    b_hi = a_hi
-    while a_lo < a_hi:
-        mid = (a_lo + a_hi) // 2
-        lo, _, _, _ = q_range(mid * BLOCK_N, SQ, SQ, LOWER, UPPER, HAS_LOWER, HAS_UPPER, BLOCK_M,
-                              BLOCK_N)
-        starts = lo // BLOCK_M <= m
-        a_lo = tl.where(starts, mid + 1, a_lo)
-        a_hi = tl.where(starts, a_hi, mid)
-    while b_lo < b_hi:
-        mid = (b_lo + b_hi) // 2
-        _, _, _, hi = q_range(mid * BLOCK_N, SQ, SQ, LOWER, UPPER, HAS_LOWER, HAS_UPPER, BLOCK_M,
-                              BLOCK_N)
-        ends = tl.cdiv(hi, BLOCK_M) <= m
-        b_lo = tl.where(ends, mid + 1, b_lo)
-        b_hi = tl.where(ends, b_hi, mid)
-    return tl.maximum(a_lo - b_lo, 0)
-
-
-@triton.jit
 def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_dob,
-                          stride_dot, stride_doh, stride_lb, stride_lh, H, SQ, SQ_PAD, CNT, DQO,
-                          stride_qob, stride_qot, stride_qoh, KVL, stride_kvb, stride_kvh,
-                          stride_kvq, GROUP, LOWER, UPPER, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr, COUNT: tl.constexpr = 0,
-                          HAS_LOWER: tl.constexpr = False, HAS_UPPER: tl.constexpr = False,
-                          ZERO_ACC: tl.constexpr = True):
+                          stride_dot, stride_doh, stride_lb, stride_lh, H, SQ, SQ_PAD,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """Program (row block, batch * head): the rows' LSE in the log2 domain (+inf for rows
     that see no key) and delta = rowsum(dO * O), fp32, into LSE2 and DELTA (B * H rows of
     SQ_PAD, a multiple of BLOCK_M: padding rows get +inf and 0, so P = dS = 0 there, and every
     head's rows start aligned for the Gluon backward's TMA), and zeros into the rows of the
-    fp32 dQ buffer (B, H, SQ, HEAD_DIM). The grid covers SQ_PAD rows. COUNT (the backward's
-    DQ_MODE 3): the number of dQ reductions the row block will receive, one per key block of
-    128 that walks it (1: the window / causal walk of LOWER, UPPER; 2: a block mask's lists
-    at KVL, (b, head, 128-row query block) strides stride_kv*, each 128-row block's partial
-    then full count; the group's first head's, as the backward reads), into CNT (three rows
-    of B * H * SQ_PAD // BLOCK_M: the counts, then zeros for the backward's arrivals and
-    flags), and zeros into the rows of dQ (DQO, strides stride_qo*) where none will come.
-    ZERO_ACC False (DQ_MODE 4): the fp32 buffer is left alone (the backward zeroes it)."""
+    fp32 dQ buffer (B, H, SQ, HEAD_DIM). The grid covers SQ_PAD rows."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -498,23 +457,5 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
     padded = off_bh.to(tl.int64) * SQ_PAD + rows
     tl.store(LSE2 + padded, _lse2(LSE + off_b * stride_lb + off_h * stride_lh, rows, SQ))
     tl.store(DELTA + padded, delta)
-    if ZERO_ACC:
-        tl.store(DQ + (off_bh.to(tl.int64) * SQ + r64) * HEAD_DIM + cols[None, :],
-                 tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)
-    if COUNT:
-        m = tl.program_id(0)
-        if COUNT == 1:
-            n = _walks_through(m, SQ, LOWER, UPPER, HAS_LOWER, HAS_UPPER, BLOCK_M, 128)
-        else:
-            row = (KVL + off_b * stride_kvb + (off_h // GROUP) * GROUP * stride_kvh
-                   + (m * BLOCK_M // 128) * stride_kvq)
-            n = tl.load(row) + tl.load(row + 1)
-        at = off_bh * (SQ_PAD // BLOCK_M) + m
-        total = tl.num_programs(0) * tl.num_programs(1)
-        tl.store(CNT + at, n)
-        tl.store(CNT + total + at, 0)
-        tl.store(CNT + 2 * total + at, 0)
-        if n == 0:
-            tl.store(DQO + off_b * stride_qob + r64 * stride_qot + off_h * stride_qoh
-                     + cols[None, :], tl.zeros([BLOCK_M, HEAD_DIM], DQO.dtype.element_ty),
-                     mask=keep)
+    tl.store(DQ + (off_bh.to(tl.int64) * SQ + r64) * HEAD_DIM + cols[None, :],
+             tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)

@@ -18,11 +18,7 @@ and stages its dQ half; a producer partition (4 warps, few registers) streams Q 
 their rows' LSE and delta, into a two-slot ring by TMA and adds the staged dQ tiles into an
 fp32 buffer by TMA bulk reductions (`cp.reduce.async.bulk.tensor`, in L2), so the
 tensor-core warps never wait for a reduction (DQ_MODE 2; DQ_MODE 1 keeps the product but
-adds nothing: a timing ablation). DQ_MODE 3 (OPTIONS["FUSED_DQ"] 1, off until measured) also
-counts each query block's reductions off once they are complete, and the program that adds
-the last one converts the block into dQ, in place of a copy kernel after this one; DQ_MODE 4
-(FUSED_DQ 2) also has the first program to reach a block zero it, in place of the prep
-kernel's zeroing of the whole buffer. The sum's order varies from run to run: the backward is
+adds nothing: a timing ablation). The sum's order varies from run to run: the backward is
 not bitwise repeatable (launch dispatches it unless a deterministic backward is asked for).
 A one-kernel, 8-warp form with the same body ran 0.84-0.92x the Triton backward and was
 removed (docs/perf.md, sessions 13-14).
@@ -239,10 +235,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
 # loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
-# a lower bound (a window's), as options() says. FUSED_DQ: 1 DQ_MODE 3, 2 DQ_MODE 4 (the
-# launcher's choice, not a kernel constant; off until measured on the H200).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               FUSED_DQ=0)
+# a lower bound (a window's), as options() says.
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -252,7 +246,7 @@ def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> di
     373 -> 409 and 401 -> 439 TFLOP/s with it, without a bound 486 -> 463 and 495 -> 472;
     ONE_LOOP (session 17; 3.3K instructions against 6.0K, no spills) ALiBi 450 -> 472 and
     the causal window 347 -> 354, but softcap 428 -> 393 and the block masks -2-3%."""
-    opts = {k: v for k, v in OPTIONS.items() if k != "FUSED_DQ"}
+    opts = dict(OPTIONS)
     if opts["EARLY_S"] is None:
         opts["EARLY_S"] = bool(has_upper)
     if opts["ONE_LOOP"] is None:
@@ -400,10 +394,11 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     _mark(TL, 3 + 2 * W)  # the walk is done
     # Through shared memory, so that each warp's store writes whole rows: in the products'
     # layout a store writes 16 bytes of 8 rows (measured on the H200, session 18: 4-6 us from
-    # the walk's end to the stores' issue, 2 us this way; 2K +4-6%, 8K +2%). dV goes into this group's rows of V (read
-    # by its own products only); dK into the slot of Q (consumer 0) or dO (consumer 1)
-    # that the last step does not use: both groups are past the step before it (this
-    # group has waited on the last step's ds_ready), and the producer loads no more.
+    # the walk's end to the stores' issue, 2 us this way; 2K +4-6%, 8K +2%). dV goes into
+    # this group's rows of V (read by its own products only); dK into the slot of Q
+    # (consumer 0) or dO (consumer 1) that the last step does not use: both groups are past
+    # the step before it (this group has waited on the last step's ds_ready), and the
+    # producer loads no more.
     free = (GROUP * cnt) % 2
     if W == 0:
         dk_s = q_smem.index(free)
@@ -423,150 +418,37 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
 
 
 @gluon.jit
-def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, fin, DQ_MODE: gl.constexpr,
+def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
             LISTED: gl.constexpr):
     """Step t's dQ: both groups' staged column halves, each by one TMA reduction."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[1]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     row = (walk[9] * H + h) * SEQ + m * BLOCK_M
-    if DQ_MODE == 4:
-        _claim(walk[9] * H + h, m, fin, SEQ, 2 * HALF_D, BLOCK_M)
     for w in gl.static_range(2):
         mbarrier.wait(dq_full.index(w * 2 + t % 2), (t // 2) & 1)
-        if DQ_MODE >= 2:
+        if DQ_MODE == 2:
             _tma_reduce_add(dq_desc, [row, w * HALF_D], dq_smem.index(w * 2 + t % 2))
 
 
 @gluon.jit
-def _fences():
-    """Every thread: its generic writes to global memory ordered before later accesses by
-    the async proxy (TMA) and, at GPU scope, before later ones of other threads."""
-    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tfence.acq_rel.gpu;"
-                              "\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def _claim(bh, m, fin, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """DQ_MODE 4, before a program's first reduction into row block m of head bh: the first
-    program to arrive (a counter after the contributions', fin[6] apart) zeroes the block's
-    rows of the fp32 buffer and then raises its flag; the others wait for the flag. The
-    zeroing waits for nothing, so a waiting program always sees it done: no prep kernel
-    writes the buffer's 4 bytes an element, and no memset runs."""
-    DQACC, DQO, CNT, stride_ob, stride_ot, stride_oh, NT = fin
-    at = _count_at(CNT, bh, m, SEQ, BLOCK_M)
-    if gl.atomic_add(at + NT, 1, sem="acq_rel", scope="gpu") == 0:
-        for r in range(0, BLOCK_M, 8):
-            rows, cols, dst, keep = _acc_rows(DQACC, bh, m, r, SEQ, HEAD_DIM, BLOCK_M)
-            gl.store(dst, gl.zeros([8, HEAD_DIM], gl.float32, layout=_ACC_ROWS), mask=keep)
-        _fences()
-        gl.thread_barrier()
-        gl.atomic_xchg(at + 2 * NT, 1, sem="release", scope="gpu")
-    else:
-        while gl.atomic_add(at + 2 * NT, 0, sem="acquire", scope="gpu") == 0:
-            pass
-        _fences()
-    gl.thread_barrier()
-
-
-# DQ_MODE 3 and 4: step s's reductions are counted off (_finish) before step
-# s + 2 + FINISH_LAG's are issued, while the consumers work on that step: neither waiting for
-# their writes to complete nor the atomics then hold the staging ring or the next loads
-# (waiting at once, session 18: causal 8K 476 -> 377 TFLOP/s; after the release, 381).
-FINISH_LAG = gl.constexpr(2)
-_WAIT_ALL = gl.constexpr("cp.async.bulk.wait_group 0;")
-_WAIT_LAGGED = gl.constexpr(f"cp.async.bulk.wait_group {2 + 2 * FINISH_LAG.value};")
-
-
-@gluon.jit
-def _bulk_wait(ALL: gl.constexpr):
-    """DQ_MODE 3 and 4: wait until every bulk async-group (the TMA reductions, one group
-    each) but the last 2 + 2 FINISH_LAG (ALL: every one) has its writes complete
-    (tma.store_wait waits only until they have read their shared memory), then order those
-    writes before the thread's later generic accesses (a proxy fence); a barrier of the
-    partition's warps makes that hold for each of them."""
-    if ALL:
-        gl.inline_asm_elementwise(_WAIT_ALL + "\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
-                                  "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise(
-            _WAIT_LAGGED + "\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
-            dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()
-
-
-# DQ_MODE 3 and 4: 8 rows of 128 fp32 over the producer's 4 warps (_acc_rows).
-_ACC_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
-
-
-@gluon.jit
-def _acc_rows(DQACC, bh, m, r, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """DQ_MODE 3 and 4: rows r .. r + 7 of row block m of head bh in the fp32 buffer
-    (_ACC_ROWS): (the rows, the columns, their pointers, rows < SEQ)."""
-    blk: gl.constexpr = _ACC_ROWS
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
-    rows = m * BLOCK_M + r + gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
-    ptrs = DQACC + (bh.to(gl.int64) * SEQ + rows[:, None]) * HEAD_DIM + cols[None, :]
-    return rows, cols, ptrs, rows[:, None] < SEQ
-
-
-@gluon.jit
-def _count_at(CNT, bh, m, SEQ, BLOCK_M: gl.constexpr):
-    """Row block m of head bh in (the first of) the prep kernel's rows of counts."""
-    return CNT + bh * (gl.cdiv(SEQ, 128) * (128 // BLOCK_M)) + m
-
-
-@gluon.jit
-def _finish(t, walk, fin, H, SEQ, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-            LISTED: gl.constexpr):
-    """DQ_MODE 3, once step t's reductions are complete (_bulk_wait): count them off the query
-    block's contributions (fin = (the fp32 dQ buffer, dQ, the prep kernel's counts, dQ's
-    (b, token, head) strides)); the program that adds the block's last one converts its rows
-    of the buffer into dQ (q's dtype and layout), so no copy kernel runs after this one."""
-    DQACC, DQO, CNT, stride_ob, stride_ot, stride_oh, NT = fin
-    _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
-    bh = walk[9] * H + h
-    left = gl.atomic_add(_count_at(CNT, bh, m, SEQ, BLOCK_M), -1, sem="acq_rel", scope="gpu")
-    if left == 1:  # the block's last contribution: every other one is complete and visible
-        for r in range(0, BLOCK_M, 8):
-            rows, cols, src, keep = _acc_rows(DQACC, bh, m, r, SEQ, HEAD_DIM, BLOCK_M)
-            x = gl.load(src, mask=keep, other=0.0, cache_modifier=".cg")
-            dst = (DQO + walk[9].to(gl.int64) * stride_ob + rows[:, None] * stride_ot
-                   + h * stride_oh + cols[None, :])
-            gl.store(dst, x.to(DQO.dtype.element_ty), mask=keep)
-
-
-@gluon.jit
 def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq_full,
-             dq_empty, walk, total, stats, H, SEQ, fin, DQ_MODE: gl.constexpr,
-             LISTED: gl.constexpr, TL):
+             dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr,
+             TL):
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
     2), then step t - 1's dQ reductions; a staging slot is released once its reductions
-    have read it (tma.store_wait); DQ_MODE 3 and 4: before step t - 1's reductions,
-    _finish counts off step t - 3 - FINISH_LAG's, whose writes are complete by then."""
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    have read it (tma.store_wait)."""
     for t in range(total + 1):
         if t < total:
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
             _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED)
         if t >= 1:
-            if DQ_MODE >= 3:  # (while the consumers work on step t - 1)
-                if t >= 3 + FINISH_LAG:
-                    _bulk_wait(False)
-                    _finish(t - 3 - FINISH_LAG, walk, fin, H, SEQ, HEAD_DIM, BLOCK_M, LISTED)
-            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, fin, DQ_MODE, LISTED)
+            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, DQ_MODE, LISTED)
             if t >= 2:
-                tma.store_wait(2)  # step t - 2's reductions have read its staging slots
+                tma.store_wait(2)  # step t - 2's reductions are done: free its staging slots
                 for w in gl.static_range(2):
                     mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
-    if DQ_MODE >= 3:
-        _bulk_wait(True)
-        for t in range(gl.maximum(total - 2 - FINISH_LAG, 0), total):
-            _finish(t, walk, fin, H, SEQ, HEAD_DIM, BLOCK_M, LISTED)
-    else:
-        tma.store_wait(0)
+    tma.store_wait(0)
     _mark(TL, 6)  # the last reductions have read their staging
 
 
@@ -575,9 +457,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            DV, ALIBI, BMASK, stride_kb, stride_kt, stride_kh,
                            stride_ab, stride_ah, stride_bb, stride_bh, stride_bq, BM_N, H,
                            GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh, kv_ch,
-                           qk_scale, sm_scale, cap2, LOWER, UPPER, TL, DQACC, DQO, CNT,
-                           stride_qob, stride_qot, stride_qoh, n_counts,
-                           DQ_MODE: gl.constexpr,
+                           qk_scale, sm_scale, cap2, LOWER, UPPER, TL, DQ_MODE: gl.constexpr,
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
@@ -590,10 +470,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
     delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
     stride_k*) take k's layout; TL: None, or (timing only) rows of 8 int64 per program
-    (_mark). DQACC, DQO, CNT, stride_qo*, n_counts: the fp32 buffer's pointer, dQ (q's dtype,
-    (B, SEQ, H, D) strides) and the prep kernel's three rows of n_counts int32 (each 64-row
-    block's count of reductions, its arrivals and its flag: DQ_MODE 3 _finish, 4 _claim).
-    Variants as
+    (_mark). Variants as
     the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the
     block mask's transposed lists, one row per key block, shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
@@ -674,7 +551,6 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      EARLY_S, ONE_LOOP, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
-                     (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ,
-                     (DQACC, DQO, CNT, stride_qob, stride_qot, stride_qoh, n_counts), DQ_MODE,
+                     (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
                      LISTED, TL))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
