@@ -163,3 +163,20 @@ def test_variants_bench_sets_gluon_options(monkeypatch):
     with pytest.raises(SystemExit) as exc:
         bv.main(["--gluon-option", "NO_SUCH=1"])
     assert exc.value.code == 2
+
+
+def test_variants_bench_reports_the_median_of_its_rounds():
+    """bench_variants measures each provider --rounds times in turn: every figure is the
+    median over the rounds, and each round's milliseconds are kept beside it."""
+    from flashtriton.bench_variants import _median_run
+    runs = [dict(fwd_ms=3.0, bwd_ms=9.0, peak_extra_MiB=5.0),
+            dict(fwd_ms=1.0, bwd_ms=7.0, peak_extra_MiB=5.0),
+            dict(fwd_ms=2.0, bwd_ms=20.0, peak_extra_MiB=6.0)]
+    row = _median_run(runs)
+    assert (row["fwd_ms"], row["bwd_ms"], row["peak_extra_MiB"]) == (2.0, 9.0, 5.0)
+    assert row["bwd_ms_rounds"] == [9.0, 7.0, 20.0] and "peak_extra_MiB_rounds" not in row
+    assert _median_run(runs[:2])["fwd_ms"] == 2.0
+    from flashtriton import bench_variants
+    with pytest.raises(SystemExit) as exc:  # argparse's error, before it looks for a GPU
+        bench_variants.main(["--rounds", "0"])
+    assert exc.value.code == 2
