@@ -159,7 +159,9 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi causal", dict(alibi=True, causal=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
-                    ("block mask", dict(mask_mod=causal_mod))):
+                    ("block mask", dict(mask_mod=causal_mod)),
+                    # O through shared memory (gluon_fwd.OPTIONS STAGED_O)
+                    ("causal staged O", dict(causal=True, STAGED_O=True))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
 # The Gluon backward (kernels.gluon_bwd): dQ added by TMA bulk reductions (two UTMAREDG a

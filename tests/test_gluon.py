@@ -83,11 +83,19 @@ def test_gluon_misfit_names_what_it_does_not_take():
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
 
 
+@pytest.fixture(params=[False, True], ids=["o0", "o1"])
+def fwd_options(request, monkeypatch):
+    """The Gluon forward's forms (kernels.gluon_fwd.OPTIONS): STAGED_O both ways (O stored from
+    the products' layout, or through shared memory a row a warp)."""
+    from flashtriton.kernels import gluon_fwd
+    monkeypatch.setitem(gluon_fwd.OPTIONS, "STAGED_O", request.param)
+
+
 @needs_hopper
 @pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
+def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype, fwd_options):
     q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda", requires_grad=False)
     check_against_reference(
         lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal), q, k, v, causal,
@@ -113,7 +121,7 @@ def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatc
 
 @needs_hopper
 @pytest.mark.parametrize("layout", ["heads-major", "packed"])
-def test_gluon_forward_reads_strided_layouts(layout):
+def test_gluon_forward_reads_strided_layouts(layout, fwd_options):
     q, k, v = make_qkv(2, 333, 333, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=False)
     q, k, v = (_heads_major(x) for x in (q, k, v)) if layout == "heads-major" else _packed(q, k, v)
     for causal in (False, True):

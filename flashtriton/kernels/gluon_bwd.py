@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .common import LOG2E, alibi_part, q_range, scores
+from .gluon_fwd import store_rows
 
 
 @builtin
@@ -334,11 +335,6 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, d
     return dk, dv, st
 
 
-# A consumer's 64 x 128 tiles of dK and dV as they are stored: 16 bytes a thread, two rows a
-# warp.
-_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
-
-
 @gluon.jit
 def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_full, full,
              empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb, stride_kt,
@@ -392,13 +388,10 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
                                     W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                                     MASK_MOD, EARLY_S)
     _mark(TL, 3 + 2 * W)  # the walk is done
-    # Through shared memory, so that each warp's store writes whole rows: in the products'
-    # layout a store writes 16 bytes of 8 rows (measured on the H200, session 18: 4-6 us from
-    # the walk's end to the stores' issue, 2 us this way; 2K +4-6%, 8K +2%). dV goes into
-    # this group's rows of V (read by its own products only); dK into the slot of Q
-    # (consumer 0) or dO (consumer 1) that the last step does not use: both groups are past
-    # the step before it (this group has waited on the last step's ds_ready), and the
-    # producer loads no more.
+    # Through shared memory (store_rows): dV into this group's rows of V (read by its own
+    # products only), dK into the slot of Q (consumer 0) or dO (consumer 1) that the last
+    # step does not use: both groups are past the step before it (this group has waited on
+    # the last step's ds_ready), and the producer loads no more.
     free = (GROUP * cnt) % 2
     if W == 0:
         dk_s = q_smem.index(free)
@@ -407,13 +400,9 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     dk_s.store((dk * cfg[5]).to(dtype))
     v_w.store(dv.to(dtype))
     gl.thread_barrier()  # (this partition's warps)
-    rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, _ROWS))
-    dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _ROWS))
-    offs = (walk[9] * stride_kb + off_hk * stride_kh + rows[:, None] * stride_kt
-            + dcols[None, :])
-    keep = rows[:, None] < SEQ
-    gl.store(DK + offs, dk_s.load(_ROWS), mask=keep)
-    gl.store(DV + offs, v_w.load(_ROWS), mask=keep)
+    base = walk[9] * stride_kb + off_hk * stride_kh
+    store_rows(dk_s, DK + base, key0, stride_kt, SEQ)
+    store_rows(v_w, DV + base, key0, stride_kt, SEQ)
     _mark(TL, 4 + 3 * W)  # dK and dV stored (issued)
 
 

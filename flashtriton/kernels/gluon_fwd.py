@@ -148,13 +148,29 @@ def _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL: gl.constexp
 
 
 @gluon.jit
+def store_rows(tile, base, row0, stride_t, SEQ):
+    """A ROWS x D tile of shared memory into global rows row0 .. row0 + ROWS - 1 from base
+    (row r at base + r * stride_t, its D columns contiguous), rows < SEQ only; 4 warps, 16
+    bytes a thread, so a warp's store writes whole rows (the products' layout writes 16 bytes
+    of each of 8 rows a store: measured in the backward's dK / dV on the H200, session 18,
+    4-6 us a program against 2 us this way)."""
+    ROWS: gl.constexpr = tile.shape[0]
+    D: gl.constexpr = tile.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [4, 1], [1, 0])
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    gl.store(base + rows[:, None] * stride_t + cols[None, :], tile.load(layout),
+             mask=rows[:, None] < SEQ)
+
+
+@gluon.jit
 def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
             row_start, off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
             blocks, SEQ, qk_scale, var, lst, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, WARPS: gl.constexpr, IS_CAUSAL: gl.constexpr,
             NUM_STAGES: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
             HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-            MASK_MOD: gl.constexpr):
+            MASK_MOD: gl.constexpr, STAGED_O: gl.constexpr):
     """A consumer partition: ROWS query rows from row_start (q_smem holds them) over the ring's
     key blocks 0 .. n_blocks - 1 (blocks: (n_blocks, full_lo, full_hi); ring block j holds
     the keys from _first_key(j), var = (kv0, LOWER, UPPER, cap2, slope2, b, h, the query
@@ -217,11 +233,16 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     # O = acc / l; LSE (natural log) = (m + log2 l) * ln 2; rows that saw no key: O 0, -inf.
     l_o = gl.convert_layout(l_i, alpha_layout)
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    o_rows = row_start + gl.arange(0, ROWS, layout=alpha_layout)
-    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh + o_rows[:, None] * stride_ot
-              + o_cols[None, :])
-    gl.store(o_ptrs, out.to(q_smem.dtype), mask=o_rows[:, None] < SEQ)
+    if STAGED_O:  # through this group's rows of Q (its last S has read them): whole rows
+        q_smem.store(out.to(q_smem.dtype))
+        gl.thread_barrier()  # (this partition's warps)
+        store_rows(q_smem, O + off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ)
+    else:
+        o_rows = row_start + gl.arange(0, ROWS, layout=alpha_layout)
+        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (O + off_b * stride_ob + off_h * stride_oh + o_rows[:, None] * stride_ot
+                  + o_cols[None, :])
+        gl.store(o_ptrs, out.to(q_smem.dtype), mask=o_rows[:, None] < SEQ)
     lse2 = m_i + gl.log2(l_i)
     if HAS_ALIBI == 2:  # the rows' part of one-sided ALiBi (see _softmax)
         lse2 = lse2 - alibi_part(rows, var[7], var[4])
@@ -252,8 +273,10 @@ def _bounds(start_m, SEQ, var, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 # registers of the second consumer and of the producer (setmaxnreg; 4 warps each).
 # HEAVY_FIRST: under a causal bound (no lower one) the programs of a head take its query
 # blocks last first, so the blocks that see the most keys start first and the grid's tail
-# holds the light ones (as the Triton kernels' common.heavy_first).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True)
+# holds the light ones (as the Triton kernels' common.heavy_first). STAGED_O: O stored through
+# shared memory, whole rows a warp (store_rows; off until measured on the H200).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True,
+               STAGED_O=False)
 
 
 @gluon.jit
@@ -284,7 +307,8 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
-                           HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
+                           HEAVY_FIRST: gl.constexpr, STAGED_O: gl.constexpr,
+                           num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
     (B, H, N, D) memory: rb H * N, rh N, ch 0). num_warps (4) is the first consumer's
@@ -350,12 +374,12 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
                     k_empty, v_empty, O, LSE, start_m * BLOCK_M, off_b, off_h, stride_ob,
                     stride_ot, stride_oh, stride_lb, stride_lh, blocks, SEQ, qk_scale, var,
                     lst, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES, HAS_LOWER,
-                    HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
+                    HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, STAGED_O)),
          (_attend, (q_smem.slice(HALF, HALF, dim=0), k_smem, v_smem, q_full, k_full, v_full,
                     k_empty, v_empty, O, LSE, start_m * BLOCK_M + HALF, off_b, off_h,
                     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, blocks, SEQ,
                     qk_scale, var, lst, HALF, BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, STAGED_O)),
          (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
                      k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
                      off_h * q_ch, row0, col, blocks[0], kv0, lst, NUM_STAGES, LISTED))],
