@@ -400,9 +400,9 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     dk_s.store((dk * cfg[5]).to(dtype))
     v_w.store(dv.to(dtype))
     gl.thread_barrier()  # (this partition's warps)
-    base = walk[9] * stride_kb + off_hk * stride_kh
-    store_rows(dk_s, DK + base, key0, stride_kt, SEQ)
-    store_rows(v_w, DV + base, key0, stride_kt, SEQ)
+    off = walk[9] * stride_kb + off_hk * stride_kh
+    store_rows(dk_s, DK, off, key0, stride_kt, SEQ)
+    store_rows(v_w, DV, off, key0, stride_kt, SEQ)
     _mark(TL, 4 + 3 * W)  # dK and dV stored (issued)
 
 

@@ -148,9 +148,9 @@ def _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL: gl.constexp
 
 
 @gluon.jit
-def store_rows(tile, base, row0, stride_t, SEQ):
-    """A ROWS x D tile of shared memory into global rows row0 .. row0 + ROWS - 1 from base
-    (row r at base + r * stride_t, its D columns contiguous), rows < SEQ only; 4 warps, 16
+def store_rows(tile, ptr, off, row0, stride_t, SEQ):
+    """A ROWS x D tile of shared memory into global rows row0 .. row0 + ROWS - 1 (row r at
+    ptr + off + r * stride_t, its D columns contiguous), rows < SEQ only; 4 warps, 16
     bytes a thread, so a warp's store writes whole rows (the products' layout writes 16 bytes
     of each of 8 rows a store: measured in the backward's dK / dV on the H200, session 18,
     4-6 us a program against 2 us this way)."""
@@ -159,7 +159,7 @@ def store_rows(tile, base, row0, stride_t, SEQ):
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [4, 1], [1, 0])
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    gl.store(base + rows[:, None] * stride_t + cols[None, :], tile.load(layout),
+    gl.store(ptr + (off + rows[:, None] * stride_t + cols[None, :]), tile.load(layout),
              mask=rows[:, None] < SEQ)
 
 
@@ -236,7 +236,7 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     if STAGED_O:  # through this group's rows of Q (its last S has read them): whole rows
         q_smem.store(out.to(q_smem.dtype))
         gl.thread_barrier()  # (this partition's warps)
-        store_rows(q_smem, O + off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ)
+        store_rows(q_smem, O, off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ)
     else:
         o_rows = row_start + gl.arange(0, ROWS, layout=alpha_layout)
         o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
