@@ -751,7 +751,7 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
     (the log2 LSE and delta, each head's rows padded to a multiple of 128, and a zeroed fp32
     dQ buffer), the backward, and dQ's copy into q's layout. The variant's window, softcap and
     ALiBi arguments come from _common (as the forward's). timeline: None, or (timing only) an
-    int64 tensor of 8 per program for gluon_bwd._mark."""
+    int64 tensor of gluon_bwd.TL_ROW per program (gluon_bwd._mark, _mark_step)."""
     from .kernels import gluon_bwd
     B, N, H, D = q.shape
     common, _ = _common(q, None, N, N, variant)
@@ -779,7 +779,8 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
         _gluon_flat_descriptor(delta, 64), dk, dv, alibi, bmask, dk.stride(0), dk.stride(1),
         dk.stride(2), stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows,
         *do_rows, *kv_rows, common["qk_scale"], variant.softmax_scale, common["cap2"],
-        -common["WIN_LEFT"], common["WIN_RIGHT"], timeline, DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
+        -common["WIN_LEFT"], common["WIN_RIGHT"], timeline, DQ_MODE=dq_mode,
+        HAS_LOWER=common["HAS_LOWER"],
         HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
         HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
         MASK_MOD=variant.mask_mod, **options)
@@ -800,12 +801,19 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     chooses it where it fits): dQ, dK, dV in the layouts of q, k, v from the forward's out and
     natural-log lse (B, H, N); the options as attention_forward_gluon's. dQ is summed in an
     order that varies from run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 1
-    dQ not added (timing only); _timeline: gluon_bwd._mark's rows (timing only). Raises
-    ValueError where gluon_backward_misfit names a reason."""
+    dQ not added (timing only); _timeline: gluon_bwd._mark's rows (timing only; programs x
+    gluon_bwd.TL_ROW int64). Raises ValueError where gluon_backward_misfit names a reason."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or dout.shape != q.shape:
         raise ValueError(f"attention_backward_gluon takes (B, N, H, D) dout, q, k, v, got "
                          f"{tuple(dout.shape)}, {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
+    if _timeline is not None:
+        from .kernels import gluon_bwd
+        rows = (configs.cdiv(q.shape[1], 128) * q.shape[0] * k.shape[2], gluon_bwd.TL_ROW.value)
+        if (tuple(_timeline.shape) != rows or _timeline.dtype != torch.int64
+                or not _timeline.is_contiguous()):
+            raise ValueError(f"_timeline must be a contiguous int64 tensor of shape {rows}, got "
+                             f"{_timeline.dtype} {tuple(_timeline.shape)}")
     variant = _gluon_variant(q, causal, softmax_scale, window_size, softcap, alibi_slopes,
                              block_mask)
     reason = gluon_backward_misfit(dout, q, k, v, variant, _dq_mode)

@@ -184,6 +184,8 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("causal no early-s", dict(causal=True, EARLY_S=False)),
                     # ONE_LOOP the other way round (gluon_bwd.options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
-                    ("causal one loop", dict(causal=True, ONE_LOOP=True))):
+                    ("causal one loop", dict(causal=True, ONE_LOOP=True)),
+                    # the timing-only marks (scripts/probe_timeline.py)
+                    ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

@@ -2,7 +2,10 @@
 run with a timeline (launch.attention_backward_gluon's _timeline; kernels.gluon_bwd._mark:
 %globaltimer at the program's start, K and V's arrival, each consumer's end of walk and of
 dK / dV stores, the producer's last reduction; and the SM), then per program the mean of
-each phase, and per SM the gap between one program's end and the next one's start.
+each phase, and per SM the gap between one program's end and the next one's start. Then
+the steps (gluon_bwd._mark_step: %clock64 at 8 points of each consumer's first TL_STEPS
+steps): the mean SM cycles of each part of a step, over the steps that are neither a walk's
+first nor its last.
 
     python scripts/probe_timeline.py [--cases window dense causal] [--set ONE_LOOP=1]
 """
@@ -12,6 +15,7 @@ import torch
 
 from flashtriton import launch
 from flashtriton.bench_variants import set_gluon_option
+from flashtriton.kernels import gluon_bwd
 
 CASES = {  # name: (B, N, causal, window_size); H = 16, D = 128, bf16
     "window": (2, 8192, True, (1023, 0)),
@@ -46,6 +50,39 @@ def phases(tl):
     return {k: float(v) / 1e3 for k, v in us.items()}, float(span) / 1e3, float(busy) / 1e3
 
 
+# The parts of a step, between _mark_step's marks k - 1 and k (k = 1 .. 7), then the whole.
+STEP_PARTS = ["start -> dS^T formed, dK issued", "-> both groups' dS^T stored (ds_ready)",
+              "-> the step's products complete", "-> next Q / dO landed, next S^T issued",
+              "-> dQ staging slot free", "-> dQ staged", "-> next S^T complete"]
+
+
+def step_parts(tl):
+    """Mean SM cycles of each part of a step for consumers 0 and 1 (steps 1 .. TL_STEPS - 2
+    that the walk continues past), the number of consumer 0's steps counted, and the SM
+    cycles per ns
+    (the median over programs whose walks fit in TL_STEPS: their steps' cycles against the
+    walk's %globaltimer ns)."""
+    steps = gluon_bwd.TL_STEPS.value
+    marks = tl[:, 8:].view(-1, steps, 2, 8).double()  # program, step, consumer, mark
+    seen = marks[..., 0] != 0
+    out, counted = [], 0
+    for w in range(2):
+        m = marks[:, 1:-1, w]
+        ok = seen[:, 1:-1, w] & seen[:, 2:, w]
+        parts = (m[..., 1:] - m[..., :-1])[ok]
+        whole = (marks[:, 2:, w, 0] - m[..., 0])[ok]
+        out.append(torch.cat([parts, whole[:, None]], 1).mean(0))
+        if w == 0:
+            counted = int(ok.sum())
+    n = seen[:, :, 0].sum(1)
+    fits = (n > 1) & (n < steps)
+    rows = torch.arange(tl.shape[0])[fits]
+    cyc = marks[rows, n[fits] - 1, 0, 7] - marks[rows, 0, 0, 0]
+    ns = (tl[fits, 3] - tl[fits, 2]).double()
+    rate = float((cyc / ns).median()) if fits.any() else float("nan")
+    return out, counted, rate
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=sorted(CASES))
@@ -62,7 +99,8 @@ def main():
         q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
                        for _ in range(4))
         out, lse = launch.attention_forward_gluon(q, k, v, causal=causal, window_size=win)
-        tl = torch.zeros(-(-N // 128) * B * H, 8, dtype=torch.int64, device="cuda")
+        tl = torch.zeros(-(-N // 128) * B * H, gluon_bwd.TL_ROW.value, dtype=torch.int64,
+                         device="cuda")
         for _ in range(3):
             launch.attention_backward_gluon(do, q, k, v, out, lse, causal=causal,
                                             window_size=win, _timeline=tl)
@@ -72,6 +110,11 @@ def main():
               f"kernel span {span:.1f} us, busy per SM {busy:.1f} us")
         for k_, v_ in us.items():
             print(f"   {k_:42s} {v_:8.2f} us")
+        parts, counted, rate = step_parts(tl.cpu())
+        print(f"   a step's parts, SM cycles (consumer 0 / 1; {counted} steps; "
+              f"{rate:.2f} cycles a ns)")
+        for i, part in enumerate(STEP_PARTS + ["the step"]):
+            print(f"   {part:42s} {parts[0][i]:8.0f} {parts[1][i]:8.0f}")
 
 
 if __name__ == "__main__":

@@ -111,15 +111,15 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
 
 
 def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False,
-                      softcap=False, alibi=False, mask_mod=None, **options):
+                      softcap=False, alibi=False, mask_mod=None, timeline=False, **options):
     """The Gluon backward (kernels.gluon_bwd) for sm_90, bf16, its descriptors typed as
     launch._gluon_backward makes them (64-row query blocks, 128-row key blocks, dQ halves);
     causal is the upper bound (as launch._common gives it); alibi 1 / True the general form,
-    2 one-sided."""
+    2 one-sided; timeline: with the timing-only marks (TL an int64 pointer)."""
     import torch
 
     from flashtriton.kernels import gluon_bwd
-    consts = dict(TL=None, DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
+    consts = dict(DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
                   MASK_MOD=mask_mod,
                   **{**gluon_bwd.options(upper or causal, lower, bool(alibi)), **options})
@@ -127,10 +127,15 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
     kv_desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
     dq_desc = _gluon_desc([64, dim // 2], torch.float32, 16 * dim)
     stats_desc = _gluon_desc([64], torch.float32, 16)  # the rows' LSE and delta
-    return _gluon_compile(gluon_bwd._attn_bwd_gluon_kernel, consts, dict(
-        q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, dq_desc=dq_desc,
-        lse_desc=stats_desc, delta_desc=stats_desc, DK="*bf16", DV="*bf16", ALIBI="*fp32", BMASK="*i32",
-        qk_scale="fp32", sm_scale="fp32", cap2="fp32"))
+    types = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
+                 dq_desc=dq_desc, lse_desc=stats_desc, delta_desc=stats_desc, DK="*bf16",
+                 DV="*bf16", ALIBI="*fp32", BMASK="*i32", qk_scale="fp32", sm_scale="fp32",
+                 cap2="fp32")
+    if timeline:
+        types["TL"] = "*i64"
+    else:
+        consts["TL"] = None
+    return _gluon_compile(gluon_bwd._attn_bwd_gluon_kernel, consts, types)
 
 
 def softmax_overlaps(sass, exps):

@@ -8,6 +8,8 @@ runs; the layout and eligibility rules and the backward's Triton prep kernel run
 
 import math
 
+import os
+
 import pytest
 import torch
 import triton
@@ -397,6 +399,43 @@ def test_gluon_backward_rejects_what_it_does_not_take():
     with pytest.raises(ValueError, match="head dims"):
         launch.attention_backward_gluon(out[..., :64], q[..., :64], k[..., :64], v[..., :64],
                                         out, lse)
+
+
+def test_gluon_backward_timeline_rows_and_step_parts():
+    """attention_backward_gluon's _timeline (timing only) must be programs x TL_ROW int64 (a
+    ValueError otherwise, before the kernel's other checks), and probe_timeline.step_parts
+    reads a consumer's step marks: the mean cycles of each part over the steps that are
+    neither a walk's first nor its last, and the SM's cycles a ns."""
+    import importlib.util
+    from flashtriton.kernels import gluon_bwd
+    q = torch.zeros(2, 300, 4, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 300, 2, 128, dtype=torch.bfloat16)
+    row = gluon_bwd.TL_ROW.value
+    for bad in (torch.zeros(12, 8, dtype=torch.int64), torch.zeros(13, row, dtype=torch.int64),
+                torch.zeros(12, row, dtype=torch.int32), torch.zeros(row, 12).long().t()):
+        with pytest.raises(ValueError, match="_timeline must be"):
+            launch.attention_backward_gluon(q, q, k, k, q, None, _timeline=bad)
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "probe_timeline.py")
+    spec = importlib.util.spec_from_file_location("probe_timeline", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    steps = gluon_bwd.TL_STEPS.value
+    tl = torch.zeros(2, row, dtype=torch.int64)
+    tl[:, 2], tl[:, 3] = 1000, 1000 + 5 * 100  # K / V landed, walk done (ns)
+    for p_, walk in enumerate((5, steps + 3)):  # the second walk is longer than TL_STEPS
+        for t in range(min(walk, steps)):
+            for w in range(2):
+                base = 8 + (t * 2 + w) * 8
+                # step t starts at 200 t; its parts take 1, 2, .., 7 cycles (+ w)
+                tl[p_, base:base + 8] = 200 * t + 10 + torch.arange(8) * (torch.arange(8) + 1
+                                                                           ) // 2 * (1 + w)
+    parts, counted, rate = probe.step_parts(tl)
+    assert counted == 3 + steps - 2  # steps 1-3 of the first walk, 1 .. steps - 2 of the other
+    for w in range(2):
+        assert parts[w][:7].tolist() == [(i + 1) * (1 + w) for i in range(7)]
+        assert parts[w][7] == 200
+    # the first walk: 5 steps from cycle 10 to step 4's mark 7 (800 + 10 + 28) over 500 ns
+    assert rate == pytest.approx((4 * 200 + 28) / 500)
 
 
 @needs_hopper

@@ -69,10 +69,21 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
                                               coord, src.handle)
 
 
+# Timing only (TL, scripts/probe_timeline.py): a program's row at TL holds 8 marks (_mark),
+# then 8 of each consumer in each of its first TL_STEPS steps (_mark_step).
+TL_STEPS = gl.constexpr(32)
+TL_ROW = gl.constexpr(8 + 16 * TL_STEPS.value)
+
+
+@gluon.jit
+def _tl_row(TL):
+    return TL + (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * TL_ROW
+
+
 @gluon.jit
 def _mark(TL, slot: gl.constexpr):
     """Timing only (TL not None; scripts/probe_timeline.py): %globaltimer (ns) now into slot
-    `slot` of the program's row of 8 at TL (slot 1: the SM's %smid instead)."""
+    `slot` of the program's row at TL (slot 1: the SM's %smid instead)."""
     if TL is not None:
         if slot == 1:
             t = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
@@ -80,7 +91,17 @@ def _mark(TL, slot: gl.constexpr):
         else:
             t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
                                           is_pure=False, pack=1)
-        gl.store(TL + (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * 8 + slot, t)
+        gl.store(_tl_row(TL) + slot, t)
+
+
+@gluon.jit
+def _mark_step(TL, t, W: gl.constexpr, k: gl.constexpr):
+    """Timing only: the SM's %clock64 now into mark k of consumer W's step t (t < TL_STEPS)."""
+    if TL is not None:
+        if t < TL_STEPS:
+            c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
+                                          is_pure=False, pack=1)
+            gl.store(_tl_row(TL) + 8 + (t * 2 + W) * 8 + k, c)
 
 
 @gluon.jit
@@ -260,7 +281,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
           ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
+          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
     """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
@@ -278,6 +299,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM // 2, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
+    _mark_step(TL, t, W, 0)  # (timing only: marks 0-7 of the step)
     off_b = walk[9]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     slot = t % 2
@@ -296,6 +318,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
                                  (LOWER, UPPER, cap2, slope2, off_b, h, anchor), st_layout,
                                  a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                  MASK_MOD, EARLY_S)
+    _mark_step(TL, t, W, 1)  # dS^T formed, dK's product issued
     # This group's rows of dS^T; dQ's product needs the other group's too.
     ds_s = ds_smem.index(slot)
     ds_s.slice(W * KEYS, KEYS, dim=0).store(dst)
@@ -303,20 +326,26 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     gl.thread_barrier()  # (this partition's warps)
     mbarrier.arrive(ds_ready.index(slot), count=1)
     mbarrier.wait(ds_ready.index(slot), phase)
+    _mark_step(TL, t, W, 2)  # both groups' dS^T stored
     dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_cols, dq, use_acc=False, is_async=True)
     dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
+    _mark_step(TL, t, W, 3)  # the step's products complete
     mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
     if EARLY_S:
         st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
+    _mark_step(TL, t, W, 4)  # (EARLY_S) the next step's Q and dO landed, its S^T issued
     # Stage this group's dQ columns for the producer's reduction.
     mbarrier.wait(dq_empty.index(W * 2 + slot), phase)
+    _mark_step(TL, t, W, 5)  # the staging slot free
     dq_w.index(W * 2 + slot).store(dq * sm_scale)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(W * 2 + slot), count=1)
+    _mark_step(TL, t, W, 6)  # dQ staged
     if EARLY_S:  # (no product in flight across the loop's branch: ptxas would serialize)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+    _mark_step(TL, t, W, 7)  # (EARLY_S) the next step's S^T complete
     return dk, dv, st
 
 
@@ -325,13 +354,13 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, d
            empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr):
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
     """_step over steps lo .. hi - 1, masked or not."""
     for t in range(lo, hi):
         dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w,
                            full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
                            cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                           MASK_MOD, EARLY_S)
+                           MASK_MOD, EARLY_S, TL)
     return dk, dv, st
 
 
@@ -374,19 +403,19 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         if ONE_LOOP:  # every step masked: one loop body (OPTIONS)
             dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                                EARLY_S)
+                                EARLY_S, TL)
         else:
             for g in range(GROUP):
                 if HAS_UPPER:  # query blocks across the causal / window upper bound
                     dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
                                         True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                        MASK_MOD, EARLY_S)
+                                        MASK_MOD, EARLY_S, TL)
                 dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                     False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S)
+                                    MASK_MOD, EARLY_S, TL)
                 dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
                                     W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S)
+                                    MASK_MOD, EARLY_S, TL)
     _mark(TL, 3 + 2 * W)  # the walk is done
     # Through shared memory (store_rows): dV into this group's rows of V (read by its own
     # products only), dK into the slot of Q (consumer 0) or dO (consumer 1) that the last
@@ -458,10 +487,10 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
     64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
     delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
-    stride_k*) take k's layout; TL: None, or (timing only) rows of 8 int64 per program
-    (_mark). Variants as
-    the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the
-    block mask's transposed lists, one row per key block, shared by the group's query heads).
+    stride_k*) take k's layout; TL: None, or (timing only) rows of TL_ROW int64 per program
+    (_mark, _mark_step). Variants as the module docstring (qk_scale, cap2, LOWER, UPPER,
+    ALIBI as the forward's; BMASK: the block mask's transposed lists, one row per key block,
+    shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
     warps."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
