@@ -185,6 +185,9 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # ONE_LOOP the other way round (gluon_bwd.options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
                     ("causal one loop", dict(causal=True, ONE_LOOP=True)),
+                    # dQ's product by one group a step, in turn (ALT_DQ)
+                    ("window alt dq", dict(lower=True, upper=True, ALT_DQ=True)),
+                    ("causal alt dq", dict(causal=True, ALT_DQ=True)),
                     # the timing-only marks (scripts/probe_timeline.py)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)

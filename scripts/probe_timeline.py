@@ -51,27 +51,32 @@ def phases(tl):
 
 
 # The parts of a step, between _mark_step's marks k - 1 and k (k = 1 .. 7), then the whole.
+# (With ALT_DQ, parts 2-6 of a group's own dQ steps are: the other's dS^T in, the first half's
+# product, its staging, the second half's product, its staging; in its other steps, 0.)
 STEP_PARTS = ["start -> dS^T formed, dK issued", "-> both groups' dS^T stored (ds_ready)",
               "-> the step's products complete", "-> next Q / dO landed, next S^T issued",
               "-> dQ staging slot free", "-> dQ staged", "-> next S^T complete"]
 
 
 def step_parts(tl):
-    """Mean SM cycles of each part of a step for consumers 0 and 1 (steps 1 .. TL_STEPS - 2
-    that the walk continues past), the number of consumer 0's steps counted, and the SM
-    cycles per ns
-    (the median over programs whose walks fit in TL_STEPS: their steps' cycles against the
-    walk's %globaltimer ns)."""
+    """Mean SM cycles of each part of a step (STEP_PARTS, then the whole) in four columns:
+    consumer 0's even and odd steps, consumer 1's even and odd (steps 1 .. TL_STEPS - 2 that
+    the walk continues past); the number of consumer 0's steps counted; and the SM cycles
+    per ns (the median over programs whose walks fit in TL_STEPS: their steps' cycles
+    against the walk's %globaltimer ns)."""
     steps = gluon_bwd.TL_STEPS.value
     marks = tl[:, 8:].view(-1, steps, 2, 8).double()  # program, step, consumer, mark
     seen = marks[..., 0] != 0
+    parity = torch.arange(1, steps - 1) % 2
     out, counted = [], 0
     for w in range(2):
         m = marks[:, 1:-1, w]
         ok = seen[:, 1:-1, w] & seen[:, 2:, w]
-        parts = (m[..., 1:] - m[..., :-1])[ok]
-        whole = (marks[:, 2:, w, 0] - m[..., 0])[ok]
-        out.append(torch.cat([parts, whole[:, None]], 1).mean(0))
+        rows = torch.cat([m[..., 1:] - m[..., :-1], (marks[:, 2:, w, 0] - m[..., 0])[..., None]],
+                         -1)
+        for odd in (0, 1):
+            pick = ok & (parity == odd)
+            out.append(rows[pick].mean(0))
         if w == 0:
             counted = int(ok.sum())
     n = seen[:, :, 0].sum(1)
@@ -111,10 +116,10 @@ def main():
         for k_, v_ in us.items():
             print(f"   {k_:42s} {v_:8.2f} us")
         parts, counted, rate = step_parts(tl.cpu())
-        print(f"   a step's parts, SM cycles (consumer 0 / 1; {counted} steps; "
-              f"{rate:.2f} cycles a ns)")
+        print(f"   a step's parts, SM cycles (consumer 0 even / odd steps, consumer 1 even / "
+              f"odd; {counted} steps of consumer 0; {rate:.2f} cycles a ns)")
         for i, part in enumerate(STEP_PARTS + ["the step"]):
-            print(f"   {part:42s} {parts[0][i]:8.0f} {parts[1][i]:8.0f}")
+            print(f"   {part:42s} " + " ".join(f"{float(c[i]):8.0f}" for c in parts))
 
 
 if __name__ == "__main__":

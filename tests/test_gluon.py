@@ -319,11 +319,13 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False)], ids=["s0", "s1", "one", "split"])
+                        dict(ONE_LOOP=False), dict(ALT_DQ=True)],
+                ids=["s0", "s1", "one", "split", "alt"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
-    step's S^T issued before dQ's staging), and ONE_LOOP both ways (the walk in one loop,
-    every step masked, or masked, unmasked and masked loops)."""
+    step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
+    step masked, or masked, unmasked and masked loops), and ALT_DQ (each step's dQ product
+    by one group in turn, the other's EARLY_S and ONE_LOOP as options() chooses them)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
@@ -429,11 +431,17 @@ def test_gluon_backward_timeline_rows_and_step_parts():
                 # step t starts at 200 t; its parts take 1, 2, .., 7 cycles (+ w)
                 tl[p_, base:base + 8] = 200 * t + 10 + torch.arange(8) * (torch.arange(8) + 1
                                                                            ) // 2 * (1 + w)
+    tl[:, 8 + (3 * 2 + 1) * 8 + 7] += 40  # consumer 1's step 3: its last part 40 cycles more
     parts, counted, rate = probe.step_parts(tl)
     assert counted == 3 + steps - 2  # steps 1-3 of the first walk, 1 .. steps - 2 of the other
     for w in range(2):
-        assert parts[w][:7].tolist() == [(i + 1) * (1 + w) for i in range(7)]
-        assert parts[w][7] == 200
+        for odd in range(2):
+            col = parts[2 * w + odd]
+            # odd steps counted: 1 and 3 of the first walk, 1 .. steps - 3 of the second
+            longer = 2 * 40 / (2 + (steps - 2) // 2) if (w, odd) == (1, 1) else 0
+            assert col[:6].tolist() == [(i + 1) * (1 + w) for i in range(6)]
+            assert float(col[6]) == pytest.approx(7 * (1 + w) + longer)
+            assert col[7] == 200
     # the first walk: 5 steps from cycle 10 to step 4's mark 7 (800 + 10 + 28) over 500 ns
     assert rate == pytest.approx((4 * 200 + 28) / 500)
 

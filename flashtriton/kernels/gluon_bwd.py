@@ -257,8 +257,11 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
 # loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
-# a lower bound (a window's), as options() says.
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None)
+# a lower bound (a window's), as options() says. ALT_DQ: each step's dQ product (both column
+# halves) by one group in turn, so that the groups need not meet every step (_step; off until
+# measured on the H200).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
+               ALT_DQ=False)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -277,17 +280,29 @@ def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> di
 
 
 @gluon.jit
-def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty,
+def _stage_dq(dq, dq_w, dq_empty, dq_full, i, phase):
+    """Stage dQ columns (64 x D / 2 fp32) in slot i of dq_w for the producer's reduction."""
+    mbarrier.wait(dq_empty.index(i), phase)
+    dq_w.index(i).store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(i), count=1)
+
+
+@gluon.jit
+def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, full, empty,
           ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
+          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, ALT_DQ: gl.constexpr, TL):
     """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
     again, discarded) before it stages dQ, so that the product runs during the staging;
     else the step issues its own. The rows' LSE and delta come from the slot's shared tiles
-    (stats_smem, loaded by the producer with Q and dO)."""
+    (stats_smem, loaded by the producer with Q and dO). dQ's product: each group its column
+    half over both groups' dS^T (they meet at ds_ready every step); ALT_DQ: both halves by
+    group t % 2, the other one going on without waiting."""
     ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -325,24 +340,57 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     fence_async_shared()
     gl.thread_barrier()  # (this partition's warps)
     mbarrier.arrive(ds_ready.index(slot), count=1)
-    mbarrier.wait(ds_ready.index(slot), phase)
-    _mark_step(TL, t, W, 2)  # both groups' dS^T stored
-    dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
-    dq = warpgroup_mma(ds_s.permute((1, 0)), k_cols, dq, use_acc=False, is_async=True)
-    dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
-    _mark_step(TL, t, W, 3)  # the step's products complete
-    mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
-    if EARLY_S:
-        st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
-    _mark_step(TL, t, W, 4)  # (EARLY_S) the next step's Q and dO landed, its S^T issued
-    # Stage this group's dQ columns for the producer's reduction.
-    mbarrier.wait(dq_empty.index(W * 2 + slot), phase)
-    _mark_step(TL, t, W, 5)  # the staging slot free
-    dq_w.index(W * 2 + slot).store(dq * sm_scale)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(dq_full.index(W * 2 + slot), count=1)
-    _mark_step(TL, t, W, 6)  # dQ staged
+    if ALT_DQ:
+        # (no product in flight across the branch: ptxas would serialize them all)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        # (timing marks 2-6 here: the other group's dS^T in, the first half's product
+        # complete, staged, the second's complete, staged; at once in the other group's step)
+        if t % 2 == W:  # this group's step for dQ: both column halves, once both dS^T are in
+            mbarrier.wait(ds_ready.index(slot), phase)
+            _mark_step(TL, t, W, 2)
+            dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
+            dq = warpgroup_mma(ds_s.permute((1, 0)), k_all.slice(0, HEAD_DIM // 2, dim=1), dq,
+                               use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            _mark_step(TL, t, W, 3)
+            dq1 = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
+            dq1 = warpgroup_mma(ds_s.permute((1, 0)),
+                                k_all.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), dq1,
+                                use_acc=False, is_async=True)
+            _stage_dq(dq * sm_scale, dq_w, dq_empty, dq_full, slot, phase)
+            _mark_step(TL, t, W, 4)
+            dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1, ))
+            _mark_step(TL, t, W, 5)
+            mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
+            _stage_dq(dq1 * sm_scale, dq_w, dq_empty, dq_full, 2 + slot, phase)
+            _mark_step(TL, t, W, 6)
+        else:
+            mbarrier.arrive(empty.index(slot), count=1)  # Q and dO of this slot: read
+            for k in gl.static_range(2, 7):
+                _mark_step(TL, t, W, k)
+        if EARLY_S:
+            st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
+    else:
+        mbarrier.wait(ds_ready.index(slot), phase)
+        _mark_step(TL, t, W, 2)  # both groups' dS^T stored
+        dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
+        dq = warpgroup_mma(ds_s.permute((1, 0)), k_all.slice(W * (HEAD_DIM // 2),
+                                                             HEAD_DIM // 2, dim=1),
+                           dq, use_acc=False, is_async=True)
+        dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
+        _mark_step(TL, t, W, 3)  # the step's products complete
+        mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
+        if EARLY_S:
+            st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
+        _mark_step(TL, t, W, 4)  # (EARLY_S) the next step's Q and dO landed, its S^T issued
+        # Stage this group's dQ columns for the producer's reduction.
+        mbarrier.wait(dq_empty.index(W * 2 + slot), phase)
+        _mark_step(TL, t, W, 5)  # the staging slot free
+        dq_w.index(W * 2 + slot).store(dq * sm_scale)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full.index(W * 2 + slot), count=1)
+        _mark_step(TL, t, W, 6)  # dQ staged
     if EARLY_S:  # (no product in flight across the loop's branch: ptxas would serialize)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
     _mark_step(TL, t, W, 7)  # (EARLY_S) the next step's S^T complete
@@ -350,27 +398,27 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
 
 
 @gluon.jit
-def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full,
+def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, full,
            empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, ALT_DQ: gl.constexpr, TL):
     """_step over steps lo .. hi - 1, masked or not."""
     for t in range(lo, hi):
-        dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w,
+        dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w,
                            full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
                            cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                           MASK_MOD, EARLY_S, TL)
+                           MASK_MOD, EARLY_S, ALT_DQ, TL)
     return dk, dv, st
 
 
 @gluon.jit
-def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_full, full,
+def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, kv_full, full,
              empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb, stride_kt,
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             ONE_LOOP: gl.constexpr, TL):
+             ONE_LOOP: gl.constexpr, ALT_DQ: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
@@ -398,24 +446,24 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         if EARLY_S:
             st = _issue_s(0, q_smem, k_w, full, st_layout)
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-        ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
+        ring = (walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, full, empty, ds_ready,
                 dq_full, dq_empty, stats_smem)
         if ONE_LOOP:  # every step masked: one loop body (OPTIONS)
             dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                                EARLY_S, TL)
+                                EARLY_S, ALT_DQ, TL)
         else:
             for g in range(GROUP):
                 if HAS_UPPER:  # query blocks across the causal / window upper bound
                     dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
                                         True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                        MASK_MOD, EARLY_S, TL)
+                                        MASK_MOD, EARLY_S, ALT_DQ, TL)
                 dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                     False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, TL)
+                                    MASK_MOD, EARLY_S, ALT_DQ, TL)
                 dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
                                     W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, TL)
+                                    MASK_MOD, EARLY_S, ALT_DQ, TL)
     _mark(TL, 3 + 2 * W)  # the walk is done
     # Through shared memory (store_rows): dV into this group's rows of V (read by its own
     # products only), dK into the slot of Q (consumer 0) or dO (consumer 1) that the last
@@ -480,7 +528,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
+                           EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr, ALT_DQ: gl.constexpr,
                            num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
@@ -555,18 +603,16 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
 
     gl.warp_specialize(
         [(_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(0, KEYS, dim=0),
-                     v_smem.slice(0, KEYS, dim=0), k_smem.slice(0, HEAD_DIM // 2, dim=1),
-                     ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
-                     stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
-                     cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, TL)),
+                     v_smem.slice(0, KEYS, dim=0), k_smem, ds_smem, dq_smem, kv_full, full,
+                     empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb,
+                     stride_kt, stride_kh, n * BLOCK_N, off_hk, cfg, 0, HAS_LOWER, HAS_UPPER,
+                     HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP, ALT_DQ, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
-                     v_smem.slice(KEYS, KEYS, dim=0),
-                     k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
-                     kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
-                     stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
-                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, TL)),
+                     v_smem.slice(KEYS, KEYS, dim=0), k_smem, ds_smem, dq_smem, kv_full, full,
+                     empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb,
+                     stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1, HAS_LOWER,
+                     HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP,
+                     ALT_DQ, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
