@@ -14,6 +14,7 @@ only), flashtriton's Triton backward (deterministic=True) and cuDNN's, each row'
     python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
     python scripts/bench_gluon.py --backward --ab EARLY_S [--rounds 5]   # an OPTIONS A/B
     python scripts/bench_gluon.py --ab HEAVY_FIRST [--rounds 5]   # the forward's OPTIONS
+    python scripts/bench_gluon.py --ab TILES=1,2   # an integer option: two values
     timeout 200 python scripts/bench_gluon.py --smoke   # first: one small call per variant
                                                        # (a barrier mistake hangs, not fails)
 """
@@ -67,9 +68,9 @@ def main():
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--gqa", action="store_true", help="8 KV heads")
     p.add_argument("--backward", action="store_true", help="the backward instead")
-    p.add_argument("--ab", metavar="NAME",
-                   help="gluon_fwd.OPTIONS[NAME] (--backward: gluon_bwd's) off and on, "
-                   "round-robin")
+    p.add_argument("--ab", metavar="NAME[=A,B]",
+                   help="gluon_fwd.OPTIONS[NAME] (--backward: gluon_bwd's) off and on (or A "
+                   "and B, e.g. TILES=1,2), round-robin")
     p.add_argument("--rounds", type=int, default=5, help="--ab's rounds")
     p.add_argument("--smoke", action="store_true",
                    help="one small call per variant against SDPA, printed as it finishes")
@@ -187,16 +188,32 @@ def round_robin(fns, flops, rounds):
     return " ".join(f"{c:>14}" for c in cells)
 
 
+def ab_settings(ab: str, table: dict):
+    """--ab NAME[=A,B]: the two settings {NAME: A} and {NAME: B} (default 0 and 1), booleans
+    where the option is one (or None: chosen by the kernel's options()), integers else."""
+    name, _, values = ab.partition("=")
+    if name not in table:
+        raise SystemExit(f"--ab: no option {name}")
+    vals = [int(x) for x in values.split(",")] if values else [0, 1]
+    if len(vals) != 2:
+        raise SystemExit("--ab NAME=A,B takes two values")
+    cur = table[name]
+    cast = int if isinstance(cur, int) and not isinstance(cur, bool) else bool
+    return [{name: cast(x)} for x in vals]
+
+
 def forward_ab(args):
-    """--ab NAME: the Gluon forward with the boolean gluon_fwd.OPTIONS[NAME] off and on, and
-    cuDNN's, round-robin (round_robin)."""
-    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {args.ab + '=0':>14} "
-          f"{args.ab + '=1':>14} {'cudnn':>14}  max|x-cudnn| (=0, =1)")
+    """--ab NAME[=A,B]: the Gluon forward with gluon_fwd.OPTIONS[NAME] off and on (A and B),
+    and cuDNN's, round-robin (round_robin)."""
+    settings = ab_settings(args.ab, gluon_fwd.OPTIONS)
+    a, b = (f"{k}={int(v)}" for st in settings for k, v in st.items())
+    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {a:>14} {b:>14} {'cudnn':>14}  "
+          f"max|x-cudnn| (each)")
     for D, N, H, HKV, q, k, v in shapes(args):
         for causal in (False, True):
             flops = 4 * q.shape[0] * H * N * N * D / (2 if causal else 1)
             fwd = lambda: attention_forward_gluon(q, k, v, causal)[0]  # noqa: E731
-            fns = [with_options(fwd, gluon_fwd.OPTIONS, **{args.ab: bool(e)}) for e in (0, 1)]
+            fns = [with_options(fwd, gluon_fwd.OPTIONS, **st) for st in settings]
             cudnn = cudnn_forward(q, k, v, causal)
             ref = cudnn().transpose(1, 2).float()
             errs = " ".join(f"{float((fn().float() - ref).abs().max()):.1e}" for fn in fns)
@@ -205,10 +222,12 @@ def forward_ab(args):
 
 
 def backward_ab(args):
-    """--backward --ab NAME: the Gluon backward (w2) with the boolean gluon_bwd.OPTIONS[NAME]
-    off and on, and cuDNN's, round-robin (round_robin)."""
-    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {args.ab + '=0':>14} "
-          f"{args.ab + '=1':>14} {'cudnn':>14}  max|x-cudnn| dq/dk/dv (=0, =1)")
+    """--backward --ab NAME[=A,B]: the Gluon backward (w2) with gluon_bwd.OPTIONS[NAME] off and
+    on (A and B), and cuDNN's, round-robin (round_robin)."""
+    settings = ab_settings(args.ab, gluon_bwd.OPTIONS)
+    a, b = (f"{k}={int(v)}" for st in settings for k, v in st.items())
+    print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {a:>14} {b:>14} {'cudnn':>14}  "
+          f"max|x-cudnn| dq/dk/dv (each)")
     for D, N, H, HKV, q, k, v in shapes(args):
         dout = torch.randn_like(q)
         leaves = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
@@ -219,7 +238,7 @@ def backward_ab(args):
                                                          enable_gqa=HKV != H)
             out, lse = attention_forward_gluon(q, k, v, causal)
             w2 = lambda: attention_backward_gluon(dout, q, k, v, out, lse, causal)  # noqa: E731
-            fns = [with_options(w2, gluon_bwd.OPTIONS, **{args.ab: bool(e)}) for e in (0, 1)]
+            fns = [with_options(w2, gluon_bwd.OPTIONS, **st) for st in settings]
             fns.append(lambda: torch.autograd.grad(ref_out, leaves, dout.transpose(1, 2),
                                                    retain_graph=True))
             ref = [g.transpose(1, 2).float() for g in fns[2]()]

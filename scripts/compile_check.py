@@ -161,7 +161,12 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
                     ("block mask", dict(mask_mod=causal_mod)),
                     # O through shared memory (gluon_fwd.OPTIONS STAGED_O)
-                    ("causal staged O", dict(causal=True, STAGED_O=True))):
+                    ("causal staged O", dict(causal=True, STAGED_O=True)),
+                    # two query blocks a program (TILES)
+                    ("causal two tiles", dict(causal=True, TILES=2)),
+                    ("window two tiles", dict(lower=True, upper=True, TILES=2)),
+                    ("block mask two tiles, staged O", dict(mask_mod=causal_mod, TILES=2,
+                                                            STAGED_O=True))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
 # The Gluon backward (kernels.gluon_bwd): dQ added by TMA bulk reductions (two UTMAREDG a

@@ -13,8 +13,9 @@
 # run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
 # in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD), abvariants (the same
 # for bench_variants; VARIANTS="alibi window" picks variants for both runs), optab (a Gluon
-# kernel option $OPTION off and on: tests, A/Bs, variants), timeline (scripts/probe_timeline.py:
-# where a Gluon backward program's time goes; $TIMELINE_ARGS).
+# kernel option $OPTION off and on, or at the two values of $AB_VALUES such as 1,2: tests,
+# A/Bs, variants), timeline (scripts/probe_timeline.py: where a Gluon backward program's time
+# goes, and its steps'; $TIMELINE_ARGS).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -94,19 +95,21 @@ if has gluon; then
       --seqlens 2048 8192 16384 > "$OUT/gluon_backward.log" 2>&1
   fi
 fi
-# A boolean option of the Gluon kernels ($OPTION, e.g. EARLY_S; gluon_fwd.OPTIONS and / or
-# gluon_bwd.OPTIONS) off and on: tests/test_gluon.py (its fixtures run both forms), bench_gluon's
-# round-robin A/B of the kernel(s) that have it, and bench_variants with it on, then off.
-has optab && opt=${OPTION:?set OPTION for optab}
+# An option of the Gluon kernels ($OPTION, e.g. EARLY_S; gluon_fwd.OPTIONS and / or
+# gluon_bwd.OPTIONS) off and on (or $AB_VALUES, e.g. 1,2 for TILES): tests/test_gluon.py (its
+# fixtures run both forms), bench_gluon's round-robin A/B of the kernel(s) that have it, and
+# bench_variants with the second value, then the first.
+has optab && opt=${OPTION:?set OPTION for optab} && vals=${AB_VALUES:-0,1}
+ab_flags="1 0"; [ -n "${AB_VALUES:-}" ] && ab_flags="${AB_VALUES#*,} ${AB_VALUES%,*}"
 has optab && FLASHTRITON_AUTOTUNE=0 timeout ${T_OPTAB_TESTS:-240} python3 -m pytest \
   tests/test_gluon.py -n 16 -q -p no:cacheprovider -rf --tb=short > "$OUT/optab_tests.log" 2>&1
 has optab && python3 -c "from flashtriton.kernels import gluon_fwd; exit('$opt' not in \
-  gluon_fwd.OPTIONS)" && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --ab $opt \
+  gluon_fwd.OPTIONS)" && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --ab $opt=$vals \
   --dims 128 --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_fwd.log" 2>&1
 has optab && python3 -c "from flashtriton.kernels import gluon_bwd; exit('$opt' not in \
   gluon_bwd.OPTIONS)" && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --backward \
-  --ab $opt --dims 128 --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_bwd.log" 2>&1
-for flag in 1 0; do
+  --ab $opt=$vals --dims 128 --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_bwd.log" 2>&1
+for flag in $ab_flags; do
   has optab && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit \
     "$commit" --out "$OUT/optab_variants$flag" --gluon-option $opt=$flag \
     > "$OUT/optab_variants$flag.log" 2>&1
@@ -128,7 +131,7 @@ has bwdprobe && { echo "== backward kernels"; cut -c1-300 "$OUT/bwdprobe.log"; }
 has timeline && { echo "== backward timeline"; cat "$OUT/timeline.log"; }
 has optab    && { echo "== gluon $opt"; grep -E "^(FAILED|ERROR)" "$OUT/optab_tests.log" \
                   | cut -c1-300 | head; grep -E "passed|failed" "$OUT/optab_tests.log" | tail -1
-                  cat "$OUT/optab_fwd.log" "$OUT/optab_bwd.log" 2>/dev/null; for flag in 1 0; do
+                  cat "$OUT/optab_fwd.log" "$OUT/optab_bwd.log" 2>/dev/null; for flag in $ab_flags; do
                   echo "-- bench_variants, $opt=$flag"; cat \
                   "$OUT/optab_variants$flag/variants.md" 2>/dev/null || tail -5 \
                   "$OUT/optab_variants$flag.log"; done; }

@@ -85,12 +85,15 @@ def test_gluon_misfit_names_what_it_does_not_take():
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
 
 
-@pytest.fixture(params=[False, True], ids=["o0", "o1"])
+@pytest.fixture(params=[dict(STAGED_O=False), dict(STAGED_O=True), dict(TILES=2),
+                        dict(TILES=2, STAGED_O=True)], ids=["o0", "o1", "t2", "t2o1"])
 def fwd_options(request, monkeypatch):
     """The Gluon forward's forms (kernels.gluon_fwd.OPTIONS): STAGED_O both ways (O stored from
-    the products' layout, or through shared memory a row a warp)."""
+    the products' layout, or through shared memory a row a warp), and TILES 2 (two query
+    blocks a program, the second's key blocks after the first's in the ring)."""
     from flashtriton.kernels import gluon_fwd
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "STAGED_O", request.param)
+    for name, value in request.param.items():
+        monkeypatch.setitem(gluon_fwd.OPTIONS, name, value)
 
 
 @needs_hopper
@@ -109,7 +112,7 @@ def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype, fwd_opt
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, 50)),
                                            (True, (100, 0))],
                          ids=["causal", "upper-bound", "causal-window"])
-def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatch):
+def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatch, fwd_options):
     """gluon_fwd.OPTIONS["HEAVY_FIRST"] both ways (a walk with an upper bound and no lower one
     takes each head's query blocks last first; a window with both bounds keeps the order)
     against the float64 reference: ragged, GQA, several heads."""
@@ -146,7 +149,7 @@ VARIANTS = [(False, (100, -1), 0.0, None), (False, (-1, 37), 0.0, None),
 @pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
 @pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 64)])
 def test_gluon_forward_variants_match_reference(B, N, H, HKV, D, causal, window, softcap,
-                                                alibi):
+                                                alibi, fwd_options):
     """kernels.gluon_fwd's windows, softcap and ALiBi (launch.attention_forward_gluon)
     against the float64 reference."""
     q, k, v = make_qkv(B, N, N, H, HKV, D, torch.bfloat16, "cuda", requires_grad=False)
@@ -283,7 +286,7 @@ def _prefix_mod(b, h, q_idx, kv_idx):
 @needs_hopper
 @pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
 @pytest.mark.parametrize("N", [1024, 1000])
-def test_gluon_forward_block_masks_match_reference(mask_mod, N):
+def test_gluon_forward_block_masks_match_reference(mask_mod, N, fwd_options):
     """kernels.gluon_fwd over a block mask's lists (full blocks unmasked but at a ragged end,
     mask_mod on the partial ones) against the float64 reference of the same mask."""
     from flashtriton.block_mask import create_block_mask
