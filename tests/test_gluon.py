@@ -449,6 +449,28 @@ def test_gluon_backward_timeline_rows_and_step_parts():
     assert rate == pytest.approx((4 * 200 + 28) / 500)
 
 
+def test_bench_gluon_ab_settings():
+    """bench_gluon --ab NAME[=A,B]: a boolean option (or one left None for options() to
+    choose) off and on, an integer option at A and B (TILES=1,2), and an error for an unknown
+    name or a third value."""
+    import importlib.util
+    from flashtriton.kernels import gluon_bwd, gluon_fwd
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gluon.py")
+    spec = importlib.util.spec_from_file_location("bench_gluon", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.ab_settings("TILES=1,2", gluon_fwd.OPTIONS) == [{"TILES": 1}, {"TILES": 2}]
+    assert all(type(st["TILES"]) is int for st in bench.ab_settings("TILES=1,2",
+                                                                     gluon_fwd.OPTIONS))
+    assert bench.ab_settings("EARLY_S", gluon_bwd.OPTIONS) == [{"EARLY_S": False},
+                                                               {"EARLY_S": True}]
+    assert bench.ab_settings("ALT_DQ=1,0", gluon_bwd.OPTIONS) == [{"ALT_DQ": True},
+                                                                  {"ALT_DQ": False}]
+    for bad in ("NO_SUCH", "TILES=1,2,3"):
+        with pytest.raises(SystemExit):
+            bench.ab_settings(bad, gluon_fwd.OPTIONS)
+
+
 @needs_hopper
 def test_attention_backward_runs_gluon_where_it_fits(monkeypatch):
     """flash_attention's backward at D=128 on Hopper runs the warp-specialized Gluon backward
