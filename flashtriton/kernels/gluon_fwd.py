@@ -267,7 +267,8 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
             STAGED_O: gl.constexpr, TILES: gl.constexpr):
     """A consumer partition (4 warps): rows W * ROWS .. of the program's query block (tile0 =
     _tile's (blocks, lst, var)); TILES 2: of its query blocks where[0] and (where it exists)
-    the next, by _tile(*where), the second's key blocks after the first's in the ring."""
+    the next, each by _tile(where, i), the second's key blocks after the first's in the
+    ring."""
     if TILES == 1:
         blocks, lst, var = tile0
         _attend_tile(q_smem.index(0).slice(W * ROWS, ROWS, dim=0), k_smem, v_smem,
