@@ -13,9 +13,9 @@
 # run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
 # in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD), abvariants (the same
 # for bench_variants; VARIANTS="alibi window" picks variants for both runs), optab (a Gluon
-# kernel option $OPTION off and on, or at the two values of $AB_VALUES such as 1,2: tests,
-# A/Bs, variants), timeline (scripts/probe_timeline.py: where a Gluon backward program's time
-# goes, and its steps'; $TIMELINE_ARGS).
+# kernel options $OPTION, each off and on or NAME=A,B at two values: tests, A/Bs, variants),
+# timeline (scripts/probe_timeline.py: where a Gluon backward program's time goes, and its
+# steps'; $TIMELINE_ARGS).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -95,25 +95,43 @@ if has gluon; then
       --seqlens 2048 8192 16384 > "$OUT/gluon_backward.log" 2>&1
   fi
 fi
-# An option of the Gluon kernels ($OPTION, e.g. EARLY_S; gluon_fwd.OPTIONS and / or
-# gluon_bwd.OPTIONS) off and on (or $AB_VALUES, e.g. 1,2 for TILES): tests/test_gluon.py (its
-# fixtures run both forms), bench_gluon's round-robin A/B of the kernel(s) that have it, and
-# bench_variants with the second value, then the first.
-has optab && opt=${OPTION:?set OPTION for optab} && vals=${AB_VALUES:-0,1}
-ab_flags="1 0"; [ -n "${AB_VALUES:-}" ] && ab_flags="${AB_VALUES#*,} ${AB_VALUES%,*}"
-has optab && FLASHTRITON_AUTOTUNE=0 timeout ${T_OPTAB_TESTS:-240} python3 -m pytest \
-  tests/test_gluon.py -n 16 -q -p no:cacheprovider -rf --tb=short > "$OUT/optab_tests.log" 2>&1
-has optab && python3 -c "from flashtriton.kernels import gluon_fwd; exit('$opt' not in \
-  gluon_fwd.OPTIONS)" && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --ab $opt=$vals \
-  --dims 128 --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_fwd.log" 2>&1
-has optab && python3 -c "from flashtriton.kernels import gluon_bwd; exit('$opt' not in \
-  gluon_bwd.OPTIONS)" && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --backward \
-  --ab $opt=$vals --dims 128 --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_bwd.log" 2>&1
-for flag in $ab_flags; do
-  has optab && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit \
-    "$commit" --out "$OUT/optab_variants$flag" --gluon-option $opt=$flag \
-    > "$OUT/optab_variants$flag.log" 2>&1
-done
+# Options of the Gluon kernels ($OPTION: one or more of NAME or NAME=A,B, e.g. "ALT_DQ
+# TILES=1,2"; gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS), each off and on or at A and B:
+# tests/test_gluon.py once (its fixtures run every form; OPTAB_TESTS=0 skips it), then per
+# option bench_gluon's round-robin A/B of the kernel(s) that have it and bench_variants
+# ($VARIANT_ROUNDS rounds, 3; $VARIANTS, all five) at B, then A.
+has optab && : "${OPTION:?set OPTION for optab}"
+has optab && [ "${OPTAB_TESTS:-1}" != 0 ] && FLASHTRITON_AUTOTUNE=0 timeout ${T_OPTAB_TESTS:-240} \
+  python3 -m pytest tests/test_gluon.py -n 16 -q -p no:cacheprovider -rf --tb=short \
+  > "$OUT/optab_tests.log" 2>&1
+optab_one() {  # $1: NAME or NAME=A,B
+  local opt=${1%%=*} vals=0,1 flag
+  [[ $1 == *=* ]] && vals=${1#*=}
+  python3 -c "from flashtriton.kernels import gluon_fwd; exit('$opt' not in gluon_fwd.OPTIONS)" \
+    && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --ab $opt=$vals --dims 128 \
+    --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_fwd_$opt.log" 2>&1
+  python3 -c "from flashtriton.kernels import gluon_bwd; exit('$opt' not in gluon_bwd.OPTIONS)" \
+    && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --backward --ab $opt=$vals \
+    --dims 128 --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_bwd_$opt.log" 2>&1
+  for flag in ${vals#*,} ${vals%,*}; do
+    timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit "$commit" \
+      --out "$OUT/optab_variants_$opt$flag" --gluon-option $opt=$flag \
+      --rounds ${VARIANT_ROUNDS:-3} ${VARIANTS:+--variants $VARIANTS} \
+      > "$OUT/optab_variants_$opt$flag.log" 2>&1
+  done
+}
+optab_report() {
+  local opt=${1%%=*} vals=0,1 flag
+  [[ $1 == *=* ]] && vals=${1#*=}
+  echo "== gluon $1"
+  cat "$OUT/optab_fwd_$opt.log" "$OUT/optab_bwd_$opt.log" 2>/dev/null
+  for flag in ${vals#*,} ${vals%,*}; do
+    echo "-- bench_variants, $opt=$flag"
+    cat "$OUT/optab_variants_$opt$flag/variants.md" 2>/dev/null \
+      || tail -5 "$OUT/optab_variants_$opt$flag.log"
+  done
+}
+if has optab; then for o in $OPTION; do optab_one "$o"; done; fi
 has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
 has host && timeout ${T_DECODE:-90} python3 scripts/sweep_decode.py > "$OUT/decode_sweep.log" 2>&1
 has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cut -c1-300;
@@ -129,12 +147,9 @@ has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; echo "== cloc
                   if ($NF > hi) hi = $NF} END {print "last column: min", lo, "max", hi, "over", n, "s"}' "$OUT/clocks.log"; }
 has bwdprobe && { echo "== backward kernels"; cut -c1-300 "$OUT/bwdprobe.log"; }
 has timeline && { echo "== backward timeline"; cat "$OUT/timeline.log"; }
-has optab    && { echo "== gluon $opt"; grep -E "^(FAILED|ERROR)" "$OUT/optab_tests.log" \
-                  | cut -c1-300 | head; grep -E "passed|failed" "$OUT/optab_tests.log" | tail -1
-                  cat "$OUT/optab_fwd.log" "$OUT/optab_bwd.log" 2>/dev/null; for flag in $ab_flags; do
-                  echo "-- bench_variants, $opt=$flag"; cat \
-                  "$OUT/optab_variants$flag/variants.md" 2>/dev/null || tail -5 \
-                  "$OUT/optab_variants$flag.log"; done; }
+has optab    && { echo "== gluon tests"; grep -E "^(FAILED|ERROR)" "$OUT/optab_tests.log" \
+                  2>/dev/null | cut -c1-300 | head; grep -E "passed|failed" "$OUT/optab_tests.log" \
+                  2>/dev/null | tail -1; for o in $OPTION; do optab_report "$o"; done; }
 has sweep    && { echo "== decode splits (graph GB/s)"; cat "$OUT/sweep.log"; }
 has decode   && { echo "== decode"; cat "$OUT/decode/results.md" 2>/dev/null || tail -5 "$OUT/decode_bench.log"; }
 has atomic   && { echo "== atomic-dQ tests"; grep -E "^(FAILED|ERROR)" "$OUT/atomic_tests.log" | cut -c1-300 | head;
