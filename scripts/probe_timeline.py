@@ -12,6 +12,7 @@ first nor its last.
 import argparse
 
 import torch
+import triton
 
 from flashtriton import launch
 from flashtriton.bench_variants import set_gluon_option
@@ -111,8 +112,12 @@ def main():
                                             window_size=win, _timeline=tl)
         torch.cuda.synchronize()
         us, span, busy = phases(tl.cpu())
+        calls = [triton.testing.do_bench(lambda: launch.attention_backward_gluon(
+            do, q, k, v, out, lse, causal=causal, window_size=win, _timeline=t), warmup=10,
+            rep=50) * 1e3 for t in (None, torch.zeros_like(tl))]
         print(f"== {name}: B={B} N={N} causal={causal} window={win}, {tl.shape[0]} programs; "
-              f"kernel span {span:.1f} us, busy per SM {busy:.1f} us")
+              f"kernel span {span:.1f} us, busy per SM {busy:.1f} us; the backward's call "
+              f"{calls[0]:.1f} us, with the marks {calls[1]:.1f}")
         for k_, v_ in us.items():
             print(f"   {k_:42s} {v_:8.2f} us")
         parts, counted, rate = step_parts(tl.cpu())
