@@ -108,16 +108,26 @@ def _flex(name, B, H, N, device):
     return run
 
 
-def set_gluon_option(name: str, value: str) -> bool:
-    """OPTIONS[name] = value in whichever of kernels.gluon_fwd / gluon_bwd has it (both where
-    both do): an integer option (CONSUMER_REGS) stays one, the rest are booleans. False where
-    neither has it."""
+def option_value(current, value):
+    """A Gluon kernel option's new value (text or int) typed as its current one: integer
+    options (CONSUMER_REGS, TILES) stay integers, the rest (booleans, or None: chosen by the
+    kernel's options()) become booleans."""
+    if isinstance(current, int) and not isinstance(current, bool):
+        return int(value)
+    return bool(int(value))
+
+
+def set_gluon_options(items) -> None:
+    """Each NAME=VALUE of items into whichever of kernels.gluon_fwd / gluon_bwd.OPTIONS has
+    NAME (both where both do), typed by option_value. ValueError for a NAME neither has."""
     from .kernels import gluon_bwd, gluon_fwd
-    tables = [t for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS) if name in t]
-    for table in tables:
-        cur = table[name]
-        table[name] = type(cur)(int(value)) if isinstance(cur, int) else bool(int(value))
-    return bool(tables)
+    for item in items:
+        name, _, value = item.partition("=")
+        tables = [t for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS) if name in t]
+        if not tables:
+            raise ValueError(f"no Gluon kernel option {name!r}")
+        for table in tables:
+            table[name] = option_value(table[name], value)
 
 
 def _median_run(runs: list) -> dict:
@@ -158,10 +168,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    for item in args.gluon_option:
-        name, value = item.split("=")
-        if not set_gluon_option(name, value):
-            p.error(f"no Gluon kernel option {name!r}")
+    try:
+        set_gluon_options(args.gluon_option)
+    except ValueError as e:
+        p.error(str(e))
     launch.GLUON_VARIANTS = not args.triton_variants
     launch.GLUON_ALIBI_ONE_SIDED = not args.general_alibi
     launch.GLUON_BWD_VARIANTS = not args.triton_bwd_variants

@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtriton import _env, flash_attention
 from flashtriton.bench import per_call_us
+from flashtriton.bench_variants import option_value
 from flashtriton.kernels import gluon_bwd, gluon_fwd
 from flashtriton.launch import attention_backward_gluon, attention_forward_gluon
 
@@ -197,9 +198,7 @@ def ab_settings(ab: str, table: dict):
     vals = [int(x) for x in values.split(",")] if values else [0, 1]
     if len(vals) != 2:
         raise SystemExit("--ab NAME=A,B takes two values")
-    cur = table[name]
-    cast = int if isinstance(cur, int) and not isinstance(cur, bool) else bool
-    return [{name: cast(x)} for x in vals]
+    return [{name: option_value(table[name], x)} for x in vals]
 
 
 def forward_ab(args):

@@ -10,14 +10,14 @@ The backward runs with its dQ reductions (mode 2) and without them (mode 1: timi
 
 --dense: no mask at all instead (B * N = 16K, so 2048 programs at every N), which separates
 the programs' own cost from that of their masked steps (a window's walk has four). --set:
-an option of the Gluon kernels (bench_variants.set_gluon_option).
+an option of the Gluon kernels (bench_variants.set_gluon_options).
 """
 import argparse
 
 import torch
 
 from flashtriton import launch
-from flashtriton.bench_variants import set_gluon_option
+from flashtriton.bench_variants import set_gluon_options
 from probe_backward_kernels import kernel_us
 
 SMS = 132
@@ -51,9 +51,10 @@ def main():
     p.add_argument("--dense", nargs="*", type=int, default=[])
     p.add_argument("--set", action="append", default=[], metavar="NAME=0|1")
     args = p.parse_args()
-    for item in args.set:
-        if not set_gluon_option(*item.split("=")):
-            p.error(f"no Gluon kernel option {item!r}")
+    try:
+        set_gluon_options(args.set)
+    except ValueError as e:
+        p.error(str(e))
     H, D = 16, 128
     rows = {"fwd": [], "bwd2": [], "bwd1": []}
     print(f"{'W':>5} {'fwd us':>8} {'bwd us':>8} {'no-dQ us':>8} {'bwd steps':>10} "

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from flashtriton import launch
-from flashtriton.bench_variants import set_gluon_option
+from flashtriton.bench_variants import set_gluon_options
 from flashtriton.kernels import gluon_bwd
 
 CASES = {  # name: (B, N, causal, window_size); H = 16, D = 128, bf16
@@ -93,12 +93,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=sorted(CASES))
     p.add_argument("--set", nargs="+", default=[], metavar="NAME=V",
-                   help="Gluon kernel options (bench_variants.set_gluon_option)")
+                   help="Gluon kernel options (bench_variants.set_gluon_options)")
     args = p.parse_args()
-    for item in args.set:
-        name, _, value = item.partition("=")
-        if not set_gluon_option(name, value):
-            p.error(f"no Gluon option {name}")
+    try:
+        set_gluon_options(args.set)
+    except ValueError as e:
+        p.error(str(e))
     H, D = 16, 128
     for name in args.cases:
         B, N, causal, win = CASES[name]

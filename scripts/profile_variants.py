@@ -21,12 +21,12 @@ def main():
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--flex", action="store_true", help="FlexAttention's kernels too")
     p.add_argument("--set", nargs="+", default=[], metavar="NAME=V",
-                   help="Gluon kernel options (bench_variants.set_gluon_option)")
+                   help="Gluon kernel options (bench_variants.set_gluon_options)")
     args = p.parse_args()
-    for item in args.set:
-        name, _, value = item.partition("=")
-        if not bv.set_gluon_option(name, value):
-            p.error(f"no Gluon option {name}")
+    try:
+        bv.set_gluon_options(args.set)
+    except ValueError as e:
+        p.error(str(e))
     N, H, D = args.seqlen, 16, 128
     B = 16384 // N
     for name in args.variants:

@@ -39,6 +39,13 @@ DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_
 SKELETON = re.compile(r"(HGMMA|WARPGROUP\.(?:ARRIVE|DEPBAR)|MUFU\.EX2|BAR\.SYNC|BRA|DEPBAR)")
 
 
+def _aligned(fn, sig):
+    """What Triton's launcher derives from typical arguments: 16-byte aligned pointers and
+    strides divisible by 16, as compile attributes of fn's arguments under signature sig."""
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+            if sig[n].startswith("*") or n.startswith("stride")}
+
+
 def source_for(fn, consts, pointers):
     """An ASTSource of ``fn``: the constexprs of ``consts`` that it takes, the pointer types of
     ``pointers``, fp32 for the float arguments, i32 for the rest, and what Triton's launcher
@@ -49,10 +56,8 @@ def source_for(fn, consts, pointers):
     consts = {k: v for k, v in consts.items() if k in fn.arg_names and k not in runtime}
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOATS else "i32")
            for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or n.startswith("stride")}
     return ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                     attrs=attrs)
+                     attrs=_aligned(fn, sig))
 
 
 def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **overrides):
@@ -85,10 +90,9 @@ def _gluon_compile(fn, consts, types):
     2 bytes each)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or n.startswith("stride")}
     source = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                                 for k, v in consts.items()}, attrs=attrs)
+                                                 for k, v in consts.items()},
+                            attrs=_aligned(fn, sig))
     return triton.compile(source, target=TARGET, options={"num_warps": consts["num_warps"]})
 
 

@@ -280,13 +280,16 @@ def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> di
 
 
 @gluon.jit
-def _stage_dq(dq, dq_w, dq_empty, dq_full, i, phase):
-    """Stage dQ columns (64 x D / 2 fp32) in slot i of dq_w for the producer's reduction."""
+def _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, i, phase, TL, t, W: gl.constexpr):
+    """Stage dQ columns (64 x D / 2 fp32, times sm_scale) in slot i of dq_w for the producer's
+    reduction (TL: marks 5 and 6 of consumer W's step t)."""
     mbarrier.wait(dq_empty.index(i), phase)
-    dq_w.index(i).store(dq)
+    _mark_step(TL, t, W, 5)  # the staging slot free
+    dq_w.index(i).store(dq * sm_scale)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(i), count=1)
+    _mark_step(TL, t, W, 6)  # dQ staged
 
 
 @gluon.jit
@@ -357,12 +360,12 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
             dq1 = warpgroup_mma(ds_s.permute((1, 0)),
                                 k_all.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), dq1,
                                 use_acc=False, is_async=True)
-            _stage_dq(dq * sm_scale, dq_w, dq_empty, dq_full, slot, phase)
+            _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, slot, phase, None, t, W)
             _mark_step(TL, t, W, 4)
             dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1, ))
             _mark_step(TL, t, W, 5)
             mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
-            _stage_dq(dq1 * sm_scale, dq_w, dq_empty, dq_full, 2 + slot, phase)
+            _stage_dq(dq1, sm_scale, dq_w, dq_empty, dq_full, 2 + slot, phase, None, t, W)
             _mark_step(TL, t, W, 6)
         else:
             mbarrier.arrive(empty.index(slot), count=1)  # Q and dO of this slot: read
@@ -384,13 +387,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
             st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
         _mark_step(TL, t, W, 4)  # (EARLY_S) the next step's Q and dO landed, its S^T issued
         # Stage this group's dQ columns for the producer's reduction.
-        mbarrier.wait(dq_empty.index(W * 2 + slot), phase)
-        _mark_step(TL, t, W, 5)  # the staging slot free
-        dq_w.index(W * 2 + slot).store(dq * sm_scale)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(dq_full.index(W * 2 + slot), count=1)
-        _mark_step(TL, t, W, 6)  # dQ staged
+        _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, W * 2 + slot, phase, TL, t, W)
     if EARLY_S:  # (no product in flight across the loop's branch: ptxas would serialize)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
     _mark_step(TL, t, W, 7)  # (EARLY_S) the next step's S^T complete
