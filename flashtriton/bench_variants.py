@@ -110,7 +110,7 @@ def _flex(name, B, H, N, device):
 
 def option_value(current, value):
     """A Gluon kernel option's new value (text or int) typed as its current one: integer
-    options (CONSUMER_REGS, TILES) stay integers, the rest (booleans, or None: chosen by the
+    options (CONSUMER_REGS) stay integers, the rest (booleans, or None: chosen by the
     kernel's options()) become booleans."""
     if isinstance(current, int) and not isinstance(current, bool):
         return int(value)

@@ -663,7 +663,7 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
                   HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
                   HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=_gluon_alibi(common, alibi),
                   LISTED=bmask is not None, MASK_MOD=variant.mask_mod, **gluon_fwd.OPTIONS)
-    grid = (configs.cdiv(N, 128 * gluon_fwd.OPTIONS["TILES"]), B * H, 1)
+    grid = (configs.cdiv(N, 128), B * H, 1)
     kernel = gluon_fwd._attn_fwd_gluon_kernel
     compiled = kernel[grid](*descs, out, lse, alibi, bmask, *args, **consts)
     tail = (*args, *[consts[n] for n in kernel.arg_names[7 + len(args):]])

@@ -14,7 +14,7 @@ only), flashtriton's Triton backward (deterministic=True) and cuDNN's, each row'
     python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
     python scripts/bench_gluon.py --backward --ab EARLY_S [--rounds 5]   # an OPTIONS A/B
     python scripts/bench_gluon.py --ab HEAVY_FIRST [--rounds 5]   # the forward's OPTIONS
-    python scripts/bench_gluon.py --ab TILES=1,2   # an integer option: two values
+    python scripts/bench_gluon.py --ab CONSUMER_REGS=232,240   # an integer option: two values
     timeout 200 python scripts/bench_gluon.py --smoke   # first: one small call per variant
                                                        # (a barrier mistake hangs, not fails)
 """
@@ -71,7 +71,7 @@ def main():
     p.add_argument("--backward", action="store_true", help="the backward instead")
     p.add_argument("--ab", metavar="NAME[=A,B]",
                    help="gluon_fwd.OPTIONS[NAME] (--backward: gluon_bwd's) off and on (or A "
-                   "and B, e.g. TILES=1,2), round-robin")
+                   "and B, e.g. CONSUMER_REGS=232,240), round-robin")
     p.add_argument("--rounds", type=int, default=5, help="--ab's rounds")
     p.add_argument("--smoke", action="store_true",
                    help="one small call per variant against SDPA, printed as it finishes")

@@ -159,14 +159,7 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi causal", dict(alibi=True, causal=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
-                    ("block mask", dict(mask_mod=causal_mod)),
-                    # O through shared memory (gluon_fwd.OPTIONS STAGED_O)
-                    ("causal staged O", dict(causal=True, STAGED_O=True)),
-                    # two query blocks a program (TILES)
-                    ("causal two tiles", dict(causal=True, TILES=2)),
-                    ("window two tiles", dict(lower=True, upper=True, TILES=2)),
-                    ("block mask two tiles, staged O", dict(mask_mod=causal_mod, TILES=2,
-                                                            STAGED_O=True))):
+                    ("block mask", dict(mask_mod=causal_mod))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
 # The Gluon backward (kernels.gluon_bwd): dQ added by TMA bulk reductions (two UTMAREDG a
@@ -190,9 +183,9 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # ONE_LOOP the other way round (gluon_bwd.options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
                     ("causal one loop", dict(causal=True, ONE_LOOP=True)),
-                    # dQ's product by one group a step, in turn (ALT_DQ)
-                    ("window alt dq", dict(lower=True, upper=True, ALT_DQ=True)),
-                    ("causal alt dq", dict(causal=True, ALT_DQ=True)),
+                    # the producer's requests a step ahead of its reductions (EARLY_LOAD)
+                    ("window early load", dict(lower=True, upper=True, EARLY_LOAD=True)),
+                    ("plain early load", dict(EARLY_LOAD=True)),
                     # the timing-only marks (scripts/probe_timeline.py)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)

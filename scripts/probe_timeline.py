@@ -52,8 +52,6 @@ def phases(tl):
 
 
 # The parts of a step, between _mark_step's marks k - 1 and k (k = 1 .. 7), then the whole.
-# (With ALT_DQ, parts 2-6 of a group's own dQ steps are: the other's dS^T in, the first half's
-# product, its staging, the second half's product, its staging; in its other steps, 0.)
 STEP_PARTS = ["start -> dS^T formed, dK issued", "-> both groups' dS^T stored (ds_ready)",
               "-> the step's products complete", "-> next Q / dO landed, next S^T issued",
               "-> dQ staging slot free", "-> dQ staged", "-> next S^T complete"]

@@ -85,22 +85,11 @@ def test_gluon_misfit_names_what_it_does_not_take():
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
 
 
-@pytest.fixture(params=[dict(STAGED_O=False), dict(STAGED_O=True), dict(TILES=2),
-                        dict(TILES=2, STAGED_O=True)], ids=["o0", "o1", "t2", "t2o1"])
-def fwd_options(request, monkeypatch):
-    """The Gluon forward's forms (kernels.gluon_fwd.OPTIONS): STAGED_O both ways (O stored from
-    the products' layout, or through shared memory a row a warp), and TILES 2 (two query
-    blocks a program, the second's key blocks after the first's in the ring)."""
-    from flashtriton.kernels import gluon_fwd
-    for name, value in request.param.items():
-        monkeypatch.setitem(gluon_fwd.OPTIONS, name, value)
-
-
 @needs_hopper
 @pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype, fwd_options):
+def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
     q, k, v = make_qkv(B, N, N, H, HKV, D, dtype, "cuda", requires_grad=False)
     check_against_reference(
         lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal), q, k, v, causal,
@@ -112,7 +101,7 @@ def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype, fwd_opt
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, 50)),
                                            (True, (100, 0))],
                          ids=["causal", "upper-bound", "causal-window"])
-def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatch, fwd_options):
+def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatch):
     """gluon_fwd.OPTIONS["HEAVY_FIRST"] both ways (a walk with an upper bound and no lower one
     takes each head's query blocks last first; a window with both bounds keeps the order)
     against the float64 reference: ragged, GQA, several heads."""
@@ -126,7 +115,7 @@ def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatc
 
 @needs_hopper
 @pytest.mark.parametrize("layout", ["heads-major", "packed"])
-def test_gluon_forward_reads_strided_layouts(layout, fwd_options):
+def test_gluon_forward_reads_strided_layouts(layout):
     q, k, v = make_qkv(2, 333, 333, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=False)
     q, k, v = (_heads_major(x) for x in (q, k, v)) if layout == "heads-major" else _packed(q, k, v)
     for causal in (False, True):
@@ -149,7 +138,7 @@ VARIANTS = [(False, (100, -1), 0.0, None), (False, (-1, 37), 0.0, None),
 @pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
 @pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 64)])
 def test_gluon_forward_variants_match_reference(B, N, H, HKV, D, causal, window, softcap,
-                                                alibi, fwd_options):
+                                                alibi):
     """kernels.gluon_fwd's windows, softcap and ALiBi (launch.attention_forward_gluon)
     against the float64 reference."""
     q, k, v = make_qkv(B, N, N, H, HKV, D, torch.bfloat16, "cuda", requires_grad=False)
@@ -286,7 +275,7 @@ def _prefix_mod(b, h, q_idx, kv_idx):
 @needs_hopper
 @pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
 @pytest.mark.parametrize("N", [1024, 1000])
-def test_gluon_forward_block_masks_match_reference(mask_mod, N, fwd_options):
+def test_gluon_forward_block_masks_match_reference(mask_mod, N):
     """kernels.gluon_fwd over a block mask's lists (full blocks unmasked but at a ragged end,
     mask_mod on the partial ones) against the float64 reference of the same mask."""
     from flashtriton.block_mask import create_block_mask
@@ -322,13 +311,14 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False), dict(ALT_DQ=True)],
-                ids=["s0", "s1", "one", "split", "alt"])
+                        dict(ONE_LOOP=False), dict(EARLY_LOAD=True),
+                        dict(EARLY_LOAD=True, EARLY_S=False)],
+                ids=["s0", "s1", "one", "split", "load", "load_s0"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
-    step masked, or masked, unmasked and masked loops), and ALT_DQ (each step's dQ product
-    by one group in turn, the other's EARLY_S and ONE_LOOP as options() chooses them)."""
+    step masked, or masked, unmasked and masked loops), and EARLY_LOAD (the producer's
+    requests one step ahead of its reductions) with EARLY_S as options() chooses it and off."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
@@ -451,22 +441,22 @@ def test_gluon_backward_timeline_rows_and_step_parts():
 
 def test_bench_gluon_ab_settings():
     """bench_gluon --ab NAME[=A,B]: a boolean option (or one left None for options() to
-    choose) off and on, an integer option at A and B (TILES=1,2), and an error for an unknown
-    name or a third value."""
+    choose) off and on, an integer option at A and B (CONSUMER_REGS=232,240), and an error for
+    an unknown name or a third value."""
     import importlib.util
     from flashtriton.kernels import gluon_bwd, gluon_fwd
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gluon.py")
     spec = importlib.util.spec_from_file_location("bench_gluon", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.ab_settings("TILES=1,2", gluon_fwd.OPTIONS) == [{"TILES": 1}, {"TILES": 2}]
-    assert all(type(st["TILES"]) is int for st in bench.ab_settings("TILES=1,2",
-                                                                     gluon_fwd.OPTIONS))
+    regs = bench.ab_settings("CONSUMER_REGS=232,240", gluon_fwd.OPTIONS)
+    assert regs == [{"CONSUMER_REGS": 232}, {"CONSUMER_REGS": 240}]
+    assert all(type(st["CONSUMER_REGS"]) is int for st in regs)
     assert bench.ab_settings("EARLY_S", gluon_bwd.OPTIONS) == [{"EARLY_S": False},
                                                                {"EARLY_S": True}]
-    assert bench.ab_settings("ALT_DQ=1,0", gluon_bwd.OPTIONS) == [{"ALT_DQ": True},
-                                                                  {"ALT_DQ": False}]
-    for bad in ("NO_SUCH", "TILES=1,2,3"):
+    assert bench.ab_settings("EARLY_LOAD=1,0", gluon_bwd.OPTIONS) == [{"EARLY_LOAD": True},
+                                                                      {"EARLY_LOAD": False}]
+    for bad in ("NO_SUCH", "CONSUMER_REGS=1,2,3"):
         with pytest.raises(SystemExit):
             bench.ab_settings(bad, gluon_fwd.OPTIONS)
 

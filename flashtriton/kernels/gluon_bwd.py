@@ -257,11 +257,11 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
 # loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
-# a lower bound (a window's), as options() says. ALT_DQ: each step's dQ product (both column
-# halves) by one group in turn, so that the groups need not meet every step (_step; off until
-# measured on the H200).
+# a lower bound (a window's), as options() says. EARLY_LOAD: the producer requests a step's Q
+# and dO once its slot is released, not after the step before has staged its dQ (_produce;
+# off until measured on the H200).
 OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               ALT_DQ=False)
+               EARLY_LOAD=False)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -297,15 +297,14 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
           ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, ALT_DQ: gl.constexpr, TL):
+          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
     """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
     again, discarded) before it stages dQ, so that the product runs during the staging;
     else the step issues its own. The rows' LSE and delta come from the slot's shared tiles
     (stats_smem, loaded by the producer with Q and dO). dQ's product: each group its column
-    half over both groups' dS^T (they meet at ds_ready every step); ALT_DQ: both halves by
-    group t % 2, the other one going on without waiting."""
+    half over both groups' dS^T (they meet at ds_ready every step)."""
     ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -343,51 +342,20 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
     fence_async_shared()
     gl.thread_barrier()  # (this partition's warps)
     mbarrier.arrive(ds_ready.index(slot), count=1)
-    if ALT_DQ:
-        # (no product in flight across the branch: ptxas would serialize them all)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        # (timing marks 2-6 here: the other group's dS^T in, the first half's product
-        # complete, staged, the second's complete, staged; at once in the other group's step)
-        if t % 2 == W:  # this group's step for dQ: both column halves, once both dS^T are in
-            mbarrier.wait(ds_ready.index(slot), phase)
-            _mark_step(TL, t, W, 2)
-            dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
-            dq = warpgroup_mma(ds_s.permute((1, 0)), k_all.slice(0, HEAD_DIM // 2, dim=1), dq,
-                               use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-            _mark_step(TL, t, W, 3)
-            dq1 = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
-            dq1 = warpgroup_mma(ds_s.permute((1, 0)),
-                                k_all.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), dq1,
-                                use_acc=False, is_async=True)
-            _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, slot, phase, None, t, W)
-            _mark_step(TL, t, W, 4)
-            dq1 = warpgroup_mma_wait(num_outstanding=0, deps=(dq1, ))
-            _mark_step(TL, t, W, 5)
-            mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
-            _stage_dq(dq1, sm_scale, dq_w, dq_empty, dq_full, 2 + slot, phase, None, t, W)
-            _mark_step(TL, t, W, 6)
-        else:
-            mbarrier.arrive(empty.index(slot), count=1)  # Q and dO of this slot: read
-            for k in gl.static_range(2, 7):
-                _mark_step(TL, t, W, k)
-        if EARLY_S:
-            st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
-    else:
-        mbarrier.wait(ds_ready.index(slot), phase)
-        _mark_step(TL, t, W, 2)  # both groups' dS^T stored
-        dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
-        dq = warpgroup_mma(ds_s.permute((1, 0)), k_all.slice(W * (HEAD_DIM // 2),
-                                                             HEAD_DIM // 2, dim=1),
-                           dq, use_acc=False, is_async=True)
-        dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
-        _mark_step(TL, t, W, 3)  # the step's products complete
-        mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
-        if EARLY_S:
-            st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
-        _mark_step(TL, t, W, 4)  # (EARLY_S) the next step's Q and dO landed, its S^T issued
-        # Stage this group's dQ columns for the producer's reduction.
-        _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, W * 2 + slot, phase, TL, t, W)
+    mbarrier.wait(ds_ready.index(slot), phase)
+    _mark_step(TL, t, W, 2)  # both groups' dS^T stored
+    dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
+    dq = warpgroup_mma(ds_s.permute((1, 0)), k_all.slice(W * (HEAD_DIM // 2),
+                                                         HEAD_DIM // 2, dim=1),
+                       dq, use_acc=False, is_async=True)
+    dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
+    _mark_step(TL, t, W, 3)  # the step's products complete
+    mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
+    if EARLY_S:
+        st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
+    _mark_step(TL, t, W, 4)  # (EARLY_S) the next step's Q and dO landed, its S^T issued
+    # Stage this group's dQ columns for the producer's reduction.
+    _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, W * 2 + slot, phase, TL, t, W)
     if EARLY_S:  # (no product in flight across the loop's branch: ptxas would serialize)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
     _mark_step(TL, t, W, 7)  # (EARLY_S) the next step's S^T complete
@@ -399,13 +367,13 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq
            empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, ALT_DQ: gl.constexpr, TL):
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
     """_step over steps lo .. hi - 1, masked or not."""
     for t in range(lo, hi):
         dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w,
                            full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
                            cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                           MASK_MOD, EARLY_S, ALT_DQ, TL)
+                           MASK_MOD, EARLY_S, TL)
     return dk, dv, st
 
 
@@ -415,7 +383,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, kv_f
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             ONE_LOOP: gl.constexpr, ALT_DQ: gl.constexpr, TL):
+             ONE_LOOP: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
@@ -448,19 +416,19 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, kv_f
         if ONE_LOOP:  # every step masked: one loop body (OPTIONS)
             dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                                EARLY_S, ALT_DQ, TL)
+                                EARLY_S, TL)
         else:
             for g in range(GROUP):
                 if HAS_UPPER:  # query blocks across the causal / window upper bound
                     dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
                                         True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                        MASK_MOD, EARLY_S, ALT_DQ, TL)
+                                        MASK_MOD, EARLY_S, TL)
                 dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                     False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, ALT_DQ, TL)
+                                    MASK_MOD, EARLY_S, TL)
                 dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
                                     W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, ALT_DQ, TL)
+                                    MASK_MOD, EARLY_S, TL)
     _mark(TL, 3 + 2 * W)  # the walk is done
     # Through shared memory (store_rows): dV into this group's rows of V (read by its own
     # products only), dK into the slot of Q (consumer 0) or dO (consumer 1) that the last
@@ -497,20 +465,23 @@ def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
 @gluon.jit
 def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq_full,
              dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr,
-             TL):
+             EARLY_LOAD: gl.constexpr, TL):
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
-    2), then step t - 1's dQ reductions; a staging slot is released once its reductions
-    have read it (tma.store_wait)."""
-    for t in range(total + 1):
+    2), and the dQ reductions of step t - 1 (or, EARLY_LOAD, t - 2: then the request of step
+    t + 1 need not wait for step t - 1's staging, which ends that step, but only for its
+    release, after its products); a staging slot is released once its reductions have read
+    it (tma.store_wait)."""
+    LAG: gl.constexpr = 2 if EARLY_LOAD else 1
+    for t in range(total + LAG):
         if t < total:
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
             _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED)
-        if t >= 1:
-            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, DQ_MODE, LISTED)
-            if t >= 2:
-                tma.store_wait(2)  # step t - 2's reductions are done: free its staging slots
+        if t >= LAG:
+            _reduce(dq_desc, dq_smem, dq_full, t - LAG, walk, H, SEQ, DQ_MODE, LISTED)
+            if t >= LAG + 1:
+                tma.store_wait(2)  # step t - LAG - 1's reductions are done: free its slots
                 for w in gl.static_range(2):
-                    mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
+                    mbarrier.arrive(dq_empty.index(w * 2 + (t - LAG + 1) % 2), count=1)
     tma.store_wait(0)
     _mark(TL, 6)  # the last reductions have read their staging
 
@@ -525,8 +496,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr, ALT_DQ: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
+                           EARLY_LOAD: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -603,15 +574,15 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      v_smem.slice(0, KEYS, dim=0), k_smem, ds_smem, dq_smem, kv_full, full,
                      empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb,
                      stride_kt, stride_kh, n * BLOCK_N, off_hk, cfg, 0, HAS_LOWER, HAS_UPPER,
-                     HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP, ALT_DQ, TL)),
+                     HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0), k_smem, ds_smem, dq_smem, kv_full, full,
                      empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb,
                      stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1, HAS_LOWER,
                      HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP,
-                     ALT_DQ, TL)),
+                     TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
-                     LISTED, TL))],
+                     LISTED, EARLY_LOAD, TL))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])

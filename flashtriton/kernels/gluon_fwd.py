@@ -89,7 +89,7 @@ def _release(empty, j, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _step(j, rb, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m_i, l_i,
+def _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m_i, l_i,
           rows, offs_n, s_zero, SEQ, qk_scale, var, lst, p_layout: gl.constexpr,
           alpha_layout: gl.constexpr, IS_CAUSAL: gl.constexpr, MASK: gl.constexpr,
           NUM_STAGES: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
@@ -98,23 +98,21 @@ def _step(j, rb, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, ac
     """Key block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued in that order, then the
     softmax of S_j while P V runs, then O rescaled. No branch from the first issue to the
     last wait (a branch between an asynchronous wgmma and its wait makes ptxas wait at the
-    join). offs_n: 0 .. BLOCK_N - 1; the block's keys start at _first_key; it is the ring's
-    block rb + j (rb: the blocks of the program's earlier query blocks, TILES)."""
-    r = rb + j
-    _wait(k_full, r, NUM_STAGES)
-    s = warpgroup_mma(q_smem, k_smem.index(r % NUM_STAGES).permute((1, 0)), s_zero,
+    join). offs_n: 0 .. BLOCK_N - 1; the block's keys start at _first_key."""
+    _wait(k_full, j, NUM_STAGES)
+    s = warpgroup_mma(q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
-    _wait(v_full, r - 1, NUM_STAGES)
+    _wait(v_full, j - 1, NUM_STAGES)
     acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout),
-                        v_smem.index((r - 1) % NUM_STAGES), acc, is_async=True)
+                        v_smem.index((j - 1) % NUM_STAGES), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j, the older group
-    _release(k_empty, r, NUM_STAGES)
+    _release(k_empty, j, NUM_STAGES)
     cols = _first_key(j, var[0], lst, s.shape[1], LISTED) + offs_n
     p, m_new, l_i, alpha = _softmax(s, m_i, l_i, rows, cols, SEQ, qk_scale, var, IS_CAUSAL,
                                     MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                     MASK_MOD)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _release(v_empty, r - 1, NUM_STAGES)
+    _release(v_empty, j - 1, NUM_STAGES)
     acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None]
     return p, acc, m_new, l_i
 
@@ -166,21 +164,20 @@ def store_rows(tile, ptr, off, row0, stride_t, SEQ):
 
 
 @gluon.jit
-def _attend_tile(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
-                 row_start, off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb,
-                 stride_lh, blocks, SEQ, qk_scale, var, lst, rb, ROWS: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LOWER: gl.constexpr,
-                 HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                 LISTED: gl.constexpr, MASK_MOD: gl.constexpr, STAGED_O: gl.constexpr,
-                 RELEASE_LAST: gl.constexpr):
-    """ROWS query rows from row_start (q_smem holds them) over key blocks 0 .. n_blocks - 1,
-    the ring's blocks rb .. rb + n_blocks - 1 (blocks: (n_blocks, full_lo, full_hi); block j
-    holds the keys from _first_key(j), var = (kv0, LOWER, UPPER, cap2, slope2, b, h, the
-    query block's first row)); blocks before full_lo (a window's lower edge) and from full_hi
-    on (the causal diagonal, a window's upper edge, the ragged end, a block mask's partial
-    blocks) are masked. WARPS warps; stores O and the LSE. RELEASE_LAST: the last block's
-    V slot is released too (a later query block's blocks follow in the ring)."""
+def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE, off_b,
+            off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile, SEQ, qk_scale,
+            W: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+            HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr):
+    """A consumer partition (4 warps): rows W * ROWS .. W * ROWS + ROWS - 1 of the program's
+    query block (q_smem holds it) over key blocks 0 .. n_blocks - 1 (tile = _tile's (blocks,
+    lst, var): blocks = (n_blocks, full_lo, full_hi); block j holds the keys from
+    _first_key(j), var = (kv0, LOWER, UPPER, cap2, slope2, b, h, the query block's first
+    row)); blocks before full_lo (a window's lower edge) and from full_hi on (the causal
+    diagonal, a window's upper edge, the ragged end, a block mask's partial blocks) are
+    masked. Stores O and the LSE."""
+    WARPS: gl.constexpr = 4
     # S and O in the wgmma accumulator layout: 16-row atoms, warps stacked along the rows.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
@@ -188,7 +185,10 @@ def _attend_tile(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empt
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     alpha_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    blocks, lst, var = tile
     n_blocks, full_lo, full_hi = blocks
+    q_smem = q_smem.slice(W * ROWS, ROWS, dim=0)
+    row_start = var[7] + W * ROWS
     rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -198,11 +198,11 @@ def _attend_tile(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empt
 
     mbarrier.wait(q_full, 0)
     # Block 0: S_0 and its softmax (nothing to overlap with yet).
-    _wait(k_full, rb, NUM_STAGES)
-    s = warpgroup_mma(q_smem, k_smem.index(rb % NUM_STAGES).permute((1, 0)), s_zero,
-                      use_acc=False, is_async=True)
+    _wait(k_full, 0, NUM_STAGES)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    _release(k_empty, rb, NUM_STAGES)
+    _release(k_empty, 0, NUM_STAGES)
     p, m_i, l_i, _ = _softmax(s, m_i, l_i, rows, _first_key(0, var[0], lst, BLOCK_N, LISTED)
                               + offs_n, SEQ, qk_scale, var, IS_CAUSAL, True, HAS_LOWER,
                               HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_MOD)  # (masked: once)
@@ -211,45 +211,37 @@ def _attend_tile(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empt
     if HAS_LOWER:
         lo_end = gl.maximum(full_lo, 1)
         for j in range(1, lo_end):
-            p, acc, m_i, l_i = _step(j, rb, q_smem, k_smem, v_smem, k_full, v_full, k_empty,
+            p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty,
                                      v_empty, p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ,
                                      qk_scale, var, lst, p_layout, alpha_layout, IS_CAUSAL,
                                      True, NUM_STAGES, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
                                      HAS_ALIBI, LISTED, MASK_MOD)
     for j in range(lo_end, gl.maximum(full_hi, lo_end)):
-        p, acc, m_i, l_i = _step(j, rb, q_smem, k_smem, v_smem, k_full, v_full, k_empty,
+        p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty,
                                  v_empty, p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale,
                                  var, lst, p_layout, alpha_layout, IS_CAUSAL, False,
                                  NUM_STAGES, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                  LISTED, MASK_MOD)
     for j in range(gl.maximum(full_hi, lo_end), n_blocks):
-        p, acc, m_i, l_i = _step(j, rb, q_smem, k_smem, v_smem, k_full, v_full, k_empty,
+        p, acc, m_i, l_i = _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty,
                                  v_empty, p, acc, m_i, l_i, rows, offs_n, s_zero, SEQ, qk_scale,
                                  var, lst, p_layout, alpha_layout, IS_CAUSAL, True,
                                  NUM_STAGES, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                  LISTED, MASK_MOD)
     # The last block's P V.
-    last = rb + n_blocks - 1
-    _wait(v_full, last, NUM_STAGES)
+    _wait(v_full, n_blocks - 1, NUM_STAGES)
     acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout),
-                        v_smem.index(last % NUM_STAGES), acc, is_async=True)
+                        v_smem.index((n_blocks - 1) % NUM_STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    if RELEASE_LAST:
-        _release(v_empty, last, NUM_STAGES)
 
     # O = acc / l; LSE (natural log) = (m + log2 l) * ln 2; rows that saw no key: O 0, -inf.
     l_o = gl.convert_layout(l_i, alpha_layout)
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    if STAGED_O:  # through this group's rows of Q (its last S has read them): whole rows
-        q_smem.store(out.to(q_smem.dtype))
-        gl.thread_barrier()  # (this partition's warps)
-        store_rows(q_smem, O, off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ)
-    else:
-        o_rows = row_start + gl.arange(0, ROWS, layout=alpha_layout)
-        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = (O + off_b * stride_ob + off_h * stride_oh + o_rows[:, None] * stride_ot
-                  + o_cols[None, :])
-        gl.store(o_ptrs, out.to(q_smem.dtype), mask=o_rows[:, None] < SEQ)
+    # Through this group's rows of Q (its last S has read them), whole rows a warp
+    # (store_rows; from the products' layout: 541 -> 575 TFLOP/s at 2K, window +5%, session 19).
+    q_smem.store(out.to(q_smem.dtype))
+    gl.thread_barrier()  # (this partition's warps)
+    store_rows(q_smem, O, off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ)
     lse2 = m_i + gl.log2(l_i)
     if HAS_ALIBI == 2:  # the rows' part of one-sided ALiBi (see _softmax)
         lse2 = lse2 - alibi_part(rows, var[7], var[4])
@@ -258,54 +250,12 @@ def _attend_tile(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empt
 
 
 @gluon.jit
-def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE, off_b,
-            off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile0, where, SEQ,
-            qk_scale, W: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-            HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
-            STAGED_O: gl.constexpr, TILES: gl.constexpr):
-    """A consumer partition (4 warps): rows W * ROWS .. of the program's query block (tile0 =
-    _tile's (blocks, lst, var)); TILES 2: of its query blocks where[0] and (where it exists)
-    the next, each by _tile(where, i), the second's key blocks after the first's in the
-    ring."""
-    if TILES == 1:
-        blocks, lst, var = tile0
-        _attend_tile(q_smem.index(0).slice(W * ROWS, ROWS, dim=0), k_smem, v_smem,
-                     q_full.index(0), k_full, v_full, k_empty, v_empty, O, LSE,
-                     var[7] + W * ROWS, off_b, off_h, stride_ob, stride_ot, stride_oh,
-                     stride_lb, stride_lh, blocks, SEQ, qk_scale, var, lst, 0, ROWS, BLOCK_N,
-                     HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                     HAS_ALIBI, LISTED, MASK_MOD, STAGED_O, False)
-    else:
-        BLOCK_M: gl.constexpr = 2 * ROWS
-        rb = 0
-        for i in range(_tiles_here(where[0], SEQ, BLOCK_M, TILES)):
-            blocks, lst, var = _tile(where, i, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_LOWER,
-                                     HAS_UPPER, LISTED)
-            _attend_tile(q_smem.index(i).slice(W * ROWS, ROWS, dim=0), k_smem, v_smem,
-                         q_full.index(i), k_full, v_full, k_empty, v_empty, O, LSE,
-                         var[7] + W * ROWS, off_b, off_h, stride_ob, stride_ot, stride_oh,
-                         stride_lb, stride_lh, blocks, SEQ, qk_scale, var, lst, rb, ROWS,
-                         BLOCK_N, HEAD_DIM, 4, IS_CAUSAL, NUM_STAGES, HAS_LOWER, HAS_UPPER,
-                         HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, STAGED_O, True)
-            rb += blocks[0]
-
-
-@gluon.jit
-def _tiles_here(start_m, SEQ, BLOCK_M: gl.constexpr, TILES: gl.constexpr):
-    """How many of query blocks start_m .. start_m + TILES - 1 exist."""
-    return gl.minimum(gl.cdiv(SEQ, BLOCK_M) - start_m, TILES)
-
-
-@gluon.jit
-def _tile(where, i, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+def _tile(where, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
           HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, LISTED: gl.constexpr):
-    """Query block where[0] + i's walk, (blocks, lst, var) as _attend_tile takes them; where =
-    (the program's first query block, b, h, BMASK, stride_bb, stride_bh, stride_bq, BM_N,
-    SEQ, LOWER, UPPER, cap2, slope2)."""
-    start_m = where[0] + i
-    off_b, off_h, BMASK, stride_bb, stride_bh, stride_bq, BM_N = where[1:8]
+    """The query block's walk, (blocks, lst, var) as _attend takes them; where = (the query
+    block, b, h, BMASK, stride_bb, stride_bh, stride_bq, BM_N, SEQ, LOWER, UPPER, cap2,
+    slope2)."""
+    start_m, off_b, off_h, BMASK, stride_bb, stride_bh, stride_bq, BM_N = where[:8]
     SEQ, LOWER, UPPER, cap2, slope2 = where[8:]
     if LISTED:  # full blocks (unmasked unless SEQ is ragged), then partial ones; at least
         # one block (a query block with none: its first partial slot, all masked by MASK_MOD)
@@ -345,59 +295,27 @@ def _bounds(start_m, SEQ, var, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 # registers of the second consumer and of the producer (setmaxnreg; 4 warps each).
 # HEAVY_FIRST: under a causal bound (no lower one) the programs of a head take its query
 # blocks last first, so the blocks that see the most keys start first and the grid's tail
-# holds the light ones (as the Triton kernels' common.heavy_first). STAGED_O: O stored through
-# shared memory, whole rows a warp (store_rows). TILES: query blocks a program (1 or 2: the
-# second's Q loads during the first's walk and its K / V follow in the ring). Both off until
-# measured on the H200.
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True,
-               STAGED_O=False, TILES=1)
-
-
-@gluon.jit
-def _produce_blocks(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, row0, col,
-                    n_blocks, kv0, lst, rb, NUM_STAGES: gl.constexpr, LISTED: gl.constexpr):
-    """K and V of key blocks 0 .. n_blocks - 1 into the ring's blocks rb .. (block j from row
-    row0 + _first_key(j)), each slot once both consumers have released it (the empty
-    barriers start released)."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    for j in range(n_blocks):
-        row = row0 + _first_key(j, kv0, lst, BLOCK_N, LISTED)
-        _wait(k_empty, rb + j, NUM_STAGES)
-        _load(k_desc, k_full, k_smem, row, col, rb + j, NUM_STAGES)
-        _wait(v_empty, rb + j, NUM_STAGES)
-        _load(v_desc, v_full, v_smem, row, col, rb + j, NUM_STAGES)
+# holds the light ones (as the Triton kernels' common.heavy_first).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True)
 
 
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty,
-             v_empty, q_row, q_col, row0, col, tile0, where, NUM_STAGES: gl.constexpr,
-             IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
-             LISTED: gl.constexpr, TILES: gl.constexpr):
-    """The producer partition: Q of the program's query block (TILES 2: of each of its query
-    blocks, at once), then K and V block by block into the ring, the second query block's
-    after the first's."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+             v_empty, q_row, q_col, row0, col, tile, NUM_STAGES: gl.constexpr,
+             LISTED: gl.constexpr):
+    """The producer partition: Q of the program's query block, then K and V of its key blocks
+    0 .. n_blocks - 1 (block j from row row0 + _first_key(j)) into the ring, each slot once
+    both consumers have released it (the empty barriers start released)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    if TILES == 1:
-        mbarrier.expect(q_full.index(0), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_full.index(0),
-                                        q_smem.index(0))
-        blocks, lst, var = tile0
-        _produce_blocks(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, row0,
-                        col, blocks[0], var[0], lst, 0, NUM_STAGES, LISTED)
-    else:
-        n = _tiles_here(where[0], where[8], BLOCK_M, TILES)
-        for i in range(n):
-            mbarrier.expect(q_full.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + i * BLOCK_M, q_col],
-                                            q_full.index(i), q_smem.index(i))
-        rb = 0
-        for i in range(n):
-            blocks, lst, var = _tile(where, i, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_LOWER,
-                                     HAS_UPPER, LISTED)
-            _produce_blocks(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
-                            row0, col, blocks[0], var[0], lst, rb, NUM_STAGES, LISTED)
-            rb += blocks[0]
+    mbarrier.expect(q_full, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_full, q_smem)
+    blocks, lst, var = tile
+    for j in range(blocks[0]):
+        row = row0 + _first_key(j, var[0], lst, BLOCK_N, LISTED)
+        _wait(k_empty, j, NUM_STAGES)
+        _load(k_desc, k_full, k_smem, row, col, j, NUM_STAGES)
+        _wait(v_empty, j, NUM_STAGES)
+        _load(v_desc, v_full, v_smem, row, col, j, NUM_STAGES)
 
 
 @gluon.jit
@@ -410,8 +328,7 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
-                           HEAVY_FIRST: gl.constexpr, STAGED_O: gl.constexpr,
-                           TILES: gl.constexpr, num_warps: gl.constexpr):
+                           HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
     (B, H, N, D) memory: rb H * N, rh N, ch 0). num_warps (4) is the first consumer's
@@ -423,8 +340,7 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     form, 2 the one-sided one where every visible key is at or left of the diagonal, as
     _softmax says); LISTED: a block mask of 128-blocks (flashtriton.block_mask: BMASK's row
     of this query block lists its full then partial key blocks; MASK_MOD(b, h, i, j) on the
-    partial ones). A program takes TILES query blocks (the grid's first axis: cdiv(SEQ,
-    BLOCK_M * TILES))."""
+    partial ones)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -433,7 +349,6 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     start_m = gl.program_id(0)
     if HEAVY_FIRST and (IS_CAUSAL or (HAS_UPPER and not HAS_LOWER)):  # (OPTIONS)
         start_m = gl.num_programs(0) - 1 - start_m
-    start_m = start_m * TILES
     off_b = gl.program_id(1) // H
     off_h = gl.program_id(1) % H
     off_hk = off_h // GROUP  # K and V: the query head's KV head (GQA)
@@ -443,21 +358,18 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
         slope2 = gl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
     where = (start_m, off_b, off_h, BMASK, stride_bb, stride_bh, stride_bq, BM_N, SEQ, LOWER,
              UPPER, cap2, slope2)
-    tile0 = _tile(where, 0, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_LOWER, HAS_UPPER, LISTED)
-    if TILES == 1:  # (the partitions take tile0 only)
-        where = 0
+    tile = _tile(where, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_LOWER, HAS_UPPER, LISTED)
     row0 = off_b * kv_rb + off_hk * kv_rh
 
-    q_smem = gl.allocate_shared_memory(dtype, [TILES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_full = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(TILES):
-        mbarrier.init(q_full.index(i), count=1)
+    mbarrier.init(q_full, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
@@ -469,17 +381,14 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
 
     gl.warp_specialize(
         [(_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
-                    off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile0,
-                    where, SEQ, qk_scale, 0, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, STAGED_O,
-                    TILES)),
+                    off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
+                    SEQ, qk_scale, 0, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
          (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
-                    off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile0,
-                    where, SEQ, qk_scale, 1, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, STAGED_O,
-                    TILES)),
+                    off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
+                    SEQ, qk_scale, 1, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
          (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
                      k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
-                     off_h * q_ch, row0, col, tile0, where, NUM_STAGES, IS_CAUSAL, HAS_LOWER,
-                     HAS_UPPER, LISTED, TILES))],
+                     off_h * q_ch, row0, col, tile, NUM_STAGES, LISTED))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
