@@ -183,9 +183,6 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # ONE_LOOP the other way round (gluon_bwd.options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
                     ("causal one loop", dict(causal=True, ONE_LOOP=True)),
-                    # the producer's requests a step ahead of its reductions (EARLY_LOAD)
-                    ("window early load", dict(lower=True, upper=True, EARLY_LOAD=True)),
-                    ("plain early load", dict(EARLY_LOAD=True)),
                     # the timing-only marks (scripts/probe_timeline.py)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)

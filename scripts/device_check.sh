@@ -95,7 +95,7 @@ if has gluon; then
       --seqlens 2048 8192 16384 > "$OUT/gluon_backward.log" 2>&1
   fi
 fi
-# Options of the Gluon kernels ($OPTION: one or more of NAME or NAME=A,B, e.g. "EARLY_LOAD
+# Options of the Gluon kernels ($OPTION: one or more of NAME or NAME=A,B, e.g. "EARLY_S
 # CONSUMER_REGS=232,240"; gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS), each off and on or at A and B:
 # tests/test_gluon.py once (its fixtures run every form; OPTAB_TESTS=0 skips it), then per
 # option bench_gluon's round-robin A/B of the kernel(s) that have it and bench_variants

@@ -311,14 +311,12 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False), dict(EARLY_LOAD=True),
-                        dict(EARLY_LOAD=True, EARLY_S=False)],
-                ids=["s0", "s1", "one", "split", "load", "load_s0"])
+                        dict(ONE_LOOP=False)],
+                ids=["s0", "s1", "one", "split"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
-    step masked, or masked, unmasked and masked loops), and EARLY_LOAD (the producer's
-    requests one step ahead of its reductions) with EARLY_S as options() chooses it and off."""
+    step masked, or masked, unmasked and masked loops)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
@@ -454,8 +452,8 @@ def test_bench_gluon_ab_settings():
     assert all(type(st["CONSUMER_REGS"]) is int for st in regs)
     assert bench.ab_settings("EARLY_S", gluon_bwd.OPTIONS) == [{"EARLY_S": False},
                                                                {"EARLY_S": True}]
-    assert bench.ab_settings("EARLY_LOAD=1,0", gluon_bwd.OPTIONS) == [{"EARLY_LOAD": True},
-                                                                      {"EARLY_LOAD": False}]
+    assert bench.ab_settings("ONE_LOOP=1,0", gluon_bwd.OPTIONS) == [{"ONE_LOOP": True},
+                                                                    {"ONE_LOOP": False}]
     for bad in ("NO_SUCH", "CONSUMER_REGS=1,2,3"):
         with pytest.raises(SystemExit):
             bench.ab_settings(bad, gluon_fwd.OPTIONS)

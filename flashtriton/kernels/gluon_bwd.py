@@ -257,11 +257,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
 # loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
-# a lower bound (a window's), as options() says. EARLY_LOAD: the producer requests a step's Q
-# and dO once its slot is released, not after the step before has staged its dQ (_produce;
-# off until measured on the H200).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               EARLY_LOAD=False)
+# a lower bound (a window's), as options() says.
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -302,8 +299,10 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
     again, discarded) before it stages dQ, so that the product runs during the staging;
-    else the step issues its own. The rows' LSE and delta come from the slot's shared tiles
-    (stats_smem, loaded by the producer with Q and dO). dQ's product: each group its column
+    else the step issues its own. (Issued before the wait for the step's own products,
+    ptxas serializes the products for want of registers: session 19.) The rows' LSE and
+    delta come from the slot's shared tiles (stats_smem, loaded by the producer with Q and
+    dO). dQ's product: each group its column
     half over both groups' dS^T (they meet at ds_ready every step)."""
     ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -465,23 +464,21 @@ def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
 @gluon.jit
 def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq_full,
              dq_empty, walk, total, stats, H, SEQ, DQ_MODE: gl.constexpr, LISTED: gl.constexpr,
-             EARLY_LOAD: gl.constexpr, TL):
+             TL):
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
-    2), and the dQ reductions of step t - 1 (or, EARLY_LOAD, t - 2: then the request of step
-    t + 1 need not wait for step t - 1's staging, which ends that step, but only for its
-    release, after its products); a staging slot is released once its reductions have read
-    it (tma.store_wait)."""
-    LAG: gl.constexpr = 2 if EARLY_LOAD else 1
-    for t in range(total + LAG):
+    2), then step t - 1's dQ reductions; a staging slot is released once its reductions
+    have read it (tma.store_wait). (Requesting step t + 1 before step t - 1's reductions
+    did not pay: docs/perf.md, session 19.)"""
+    for t in range(total + 1):
         if t < total:
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
             _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED)
-        if t >= LAG:
-            _reduce(dq_desc, dq_smem, dq_full, t - LAG, walk, H, SEQ, DQ_MODE, LISTED)
-            if t >= LAG + 1:
-                tma.store_wait(2)  # step t - LAG - 1's reductions are done: free its slots
+        if t >= 1:
+            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, DQ_MODE, LISTED)
+            if t >= 2:
+                tma.store_wait(2)  # step t - 2's reductions are done: free its staging slots
                 for w in gl.static_range(2):
-                    mbarrier.arrive(dq_empty.index(w * 2 + (t - LAG + 1) % 2), count=1)
+                    mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
     tma.store_wait(0)
     _mark(TL, 6)  # the last reductions have read their staging
 
@@ -497,7 +494,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
-                           EARLY_LOAD: gl.constexpr, num_warps: gl.constexpr):
+                           num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -584,5 +581,5 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
-                     LISTED, EARLY_LOAD, TL))],
+                     LISTED, TL))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
