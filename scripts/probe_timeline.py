@@ -3,8 +3,8 @@ run with a timeline (launch.attention_backward_gluon's _timeline; kernels.gluon_
 %globaltimer at the program's start, K and V's arrival, each consumer's end of walk and of
 dK / dV stores, the producer's last reduction; and the SM), then per program the mean of
 each phase, and per SM the gap between one program's end and the next one's start. Then
-the steps (gluon_bwd._mark_step: %clock64 at 8 points of each consumer's first TL_STEPS
-steps): the mean SM cycles of each part of a step, over the steps that are neither a walk's
+the steps (gluon_bwd._mark_step: %clock64 at TL_MARKS points of each consumer's first
+TL_STEPS steps): the mean SM cycles of each part of a step, over the steps that are neither a walk's
 first nor its last.
 
     python scripts/probe_timeline.py [--cases window dense causal] [--set ONE_LOOP=1]
@@ -51,10 +51,12 @@ def phases(tl):
     return {k: float(v) / 1e3 for k, v in us.items()}, float(span) / 1e3, float(busy) / 1e3
 
 
-# The parts of a step, between _mark_step's marks k - 1 and k (k = 1 .. 7), then the whole.
+# The parts of a step, between _mark_step's marks k - 1 and k (k = 1 .. TL_MARKS - 1), then
+# the whole. (Without EARLY_S the next S^T is the next step's own: parts 5, 6 and 9 are ~0.)
 STEP_PARTS = ["start -> dS^T formed, dK issued", "-> both groups' dS^T stored (ds_ready)",
-              "-> the step's products complete", "-> next Q / dO landed, next S^T issued",
-              "-> dQ staging slot free", "-> dQ staged", "-> next S^T complete"]
+              "-> dQ's product issued", "-> the step's products complete",
+              "-> next Q / dO landed", "-> next S^T issued", "-> dQ staging slot free",
+              "-> dQ staged", "-> next S^T complete"]
 
 
 def step_parts(tl):
@@ -64,7 +66,8 @@ def step_parts(tl):
     per ns (the median over programs whose walks fit in TL_STEPS: their steps' cycles
     against the walk's %globaltimer ns)."""
     steps = gluon_bwd.TL_STEPS.value
-    marks = tl[:, 8:].view(-1, steps, 2, 8).double()  # program, step, consumer, mark
+    last = gluon_bwd.TL_MARKS.value - 1
+    marks = tl[:, 8:].view(-1, steps, 2, last + 1).double()  # program, step, consumer, mark
     seen = marks[..., 0] != 0
     parity = torch.arange(1, steps - 1) % 2
     out, counted = [], 0
@@ -81,7 +84,7 @@ def step_parts(tl):
     n = seen[:, :, 0].sum(1)
     fits = (n > 1) & (n < steps)
     rows = torch.arange(tl.shape[0])[fits]
-    cyc = marks[rows, n[fits] - 1, 0, 7] - marks[rows, 0, 0, 0]
+    cyc = marks[rows, n[fits] - 1, 0, last] - marks[rows, 0, 0, 0]
     ns = (tl[fits, 3] - tl[fits, 2]).double()
     rate = float((cyc / ns).median()) if fits.any() else float("nan")
     return out, counted, rate

@@ -412,17 +412,17 @@ def test_gluon_backward_timeline_rows_and_step_parts():
     spec = importlib.util.spec_from_file_location("probe_timeline", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    steps = gluon_bwd.TL_STEPS.value
+    steps, n = gluon_bwd.TL_STEPS.value, gluon_bwd.TL_MARKS.value
     tl = torch.zeros(2, row, dtype=torch.int64)
     tl[:, 2], tl[:, 3] = 1000, 1000 + 5 * 100  # K / V landed, walk done (ns)
     for p_, walk in enumerate((5, steps + 3)):  # the second walk is longer than TL_STEPS
         for t in range(min(walk, steps)):
             for w in range(2):
-                base = 8 + (t * 2 + w) * 8
-                # step t starts at 200 t; its parts take 1, 2, .., 7 cycles (+ w)
-                tl[p_, base:base + 8] = 200 * t + 10 + torch.arange(8) * (torch.arange(8) + 1
+                base = 8 + (t * 2 + w) * n
+                # step t starts at 200 t; its parts take 1, 2, .., n - 1 cycles (times 1 + w)
+                tl[p_, base:base + n] = 200 * t + 10 + torch.arange(n) * (torch.arange(n) + 1
                                                                            ) // 2 * (1 + w)
-    tl[:, 8 + (3 * 2 + 1) * 8 + 7] += 40  # consumer 1's step 3: its last part 40 cycles more
+    tl[:, 8 + (3 * 2 + 1) * n + n - 1] += 40  # consumer 1's step 3: its last part 40 more
     parts, counted, rate = probe.step_parts(tl)
     assert counted == 3 + steps - 2  # steps 1-3 of the first walk, 1 .. steps - 2 of the other
     for w in range(2):
@@ -430,11 +430,12 @@ def test_gluon_backward_timeline_rows_and_step_parts():
             col = parts[2 * w + odd]
             # odd steps counted: 1 and 3 of the first walk, 1 .. steps - 3 of the second
             longer = 2 * 40 / (2 + (steps - 2) // 2) if (w, odd) == (1, 1) else 0
-            assert col[:6].tolist() == [(i + 1) * (1 + w) for i in range(6)]
-            assert float(col[6]) == pytest.approx(7 * (1 + w) + longer)
-            assert col[7] == 200
-    # the first walk: 5 steps from cycle 10 to step 4's mark 7 (800 + 10 + 28) over 500 ns
-    assert rate == pytest.approx((4 * 200 + 28) / 500)
+            assert col[:n - 2].tolist() == [(i + 1) * (1 + w) for i in range(n - 2)]
+            assert float(col[n - 2]) == pytest.approx((n - 1) * (1 + w) + longer)
+            assert col[n - 1] == 200
+    # the first walk: 5 steps from cycle 10 to step 4's last mark (800 + 10 + (n - 1) n / 2)
+    # over 500 ns
+    assert rate == pytest.approx((4 * 200 + (n - 1) * n // 2) / 500)
 
 
 def test_bench_gluon_ab_settings():

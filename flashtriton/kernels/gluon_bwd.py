@@ -70,9 +70,10 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 # Timing only (TL, scripts/probe_timeline.py): a program's row at TL holds 8 marks (_mark),
-# then 8 of each consumer in each of its first TL_STEPS steps (_mark_step).
+# then TL_MARKS of each consumer in each of its first TL_STEPS steps (_mark_step).
 TL_STEPS = gl.constexpr(32)
-TL_ROW = gl.constexpr(8 + 16 * TL_STEPS.value)
+TL_MARKS = gl.constexpr(10)
+TL_ROW = gl.constexpr(8 + 2 * TL_MARKS.value * TL_STEPS.value)
 
 
 @gluon.jit
@@ -101,7 +102,7 @@ def _mark_step(TL, t, W: gl.constexpr, k: gl.constexpr):
         if t < TL_STEPS:
             c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
                                           is_pure=False, pack=1)
-            gl.store(_tl_row(TL) + 8 + (t * 2 + W) * 8 + k, c)
+            gl.store(_tl_row(TL) + 8 + (t * 2 + W) * TL_MARKS + k, c)
 
 
 @gluon.jit
@@ -179,12 +180,13 @@ def _lse2(lse_s, cols, var, layout: gl.constexpr, HAS_ALIBI: gl.constexpr):
 
 
 @gluon.jit
-def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr):
+def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr, TL, now, W: gl.constexpr):
     """S^T = K Q^T of step t, issued (asynchronous) once its Q and dO blocks have landed in
-    slot t % 2."""
+    slot t % 2 (TL: mark 5 of consumer W's step `now` then)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = q_smem.shape[1]
     mbarrier.wait(full.index(t % 2), (t // 2) & 1)
+    _mark_step(TL, now, W, 5)
     zero = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
     return warpgroup_mma(k_s, q_smem.index(t % 2).permute((1, 0)), zero, use_acc=False,
                          is_async=True)
@@ -279,14 +281,14 @@ def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> di
 @gluon.jit
 def _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, i, phase, TL, t, W: gl.constexpr):
     """Stage dQ columns (64 x D / 2 fp32, times sm_scale) in slot i of dq_w for the producer's
-    reduction (TL: marks 5 and 6 of consumer W's step t)."""
+    reduction (TL: marks 7 and 8 of consumer W's step t)."""
     mbarrier.wait(dq_empty.index(i), phase)
-    _mark_step(TL, t, W, 5)  # the staging slot free
+    _mark_step(TL, t, W, 7)  # the staging slot free
     dq_w.index(i).store(dq * sm_scale)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(i), count=1)
-    _mark_step(TL, t, W, 6)  # dQ staged
+    _mark_step(TL, t, W, 8)  # dQ staged
 
 
 @gluon.jit
@@ -315,7 +317,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM // 2, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
-    _mark_step(TL, t, W, 0)  # (timing only: marks 0-7 of the step)
+    _mark_step(TL, t, W, 0)  # (timing only: marks 0-9 of the step)
     off_b = walk[9]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     slot = t % 2
@@ -328,7 +330,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
         slope2 = gl.load(ALIBI + off_b * stride_ab + h * stride_ah) * LOG2E
     s_now = st
     if not EARLY_S:
-        s_now = _issue_s(t, q_smem, k_w, full, st_layout)
+        s_now = _issue_s(t, q_smem, k_w, full, st_layout, None, t, W)
     dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, stats_smem[0].index(slot),
                                  stats_smem[1].index(slot), keys, cols, SEQ, qk_scale,
                                  (LOWER, UPPER, cap2, slope2, off_b, h, anchor), st_layout,
@@ -347,17 +349,20 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_all.slice(W * (HEAD_DIM // 2),
                                                          HEAD_DIM // 2, dim=1),
                        dq, use_acc=False, is_async=True)
+    _mark_step(TL, t, W, 3)  # dQ's product issued
     dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
-    _mark_step(TL, t, W, 3)  # the step's products complete
+    _mark_step(TL, t, W, 4)  # the step's products complete
     mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
-    if EARLY_S:
-        st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout)
-    _mark_step(TL, t, W, 4)  # (EARLY_S) the next step's Q and dO landed, its S^T issued
+    if EARLY_S:  # (mark 5: the next step's Q and dO landed)
+        st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout, TL, t, W)
+    else:
+        _mark_step(TL, t, W, 5)
+    _mark_step(TL, t, W, 6)  # (EARLY_S) the next step's S^T issued
     # Stage this group's dQ columns for the producer's reduction.
     _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, W * 2 + slot, phase, TL, t, W)
     if EARLY_S:  # (no product in flight across the loop's branch: ptxas would serialize)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-    _mark_step(TL, t, W, 7)  # (EARLY_S) the next step's S^T complete
+    _mark_step(TL, t, W, 9)  # (EARLY_S) the next step's S^T complete
     return dk, dv, st
 
 
@@ -408,7 +413,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, kv_f
     if cnt > 0:  # (EARLY_S: the first S^T waits for step 0's blocks; a walk may be empty)
         st = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout)
         if EARLY_S:
-            st = _issue_s(0, q_smem, k_w, full, st_layout)
+            st = _issue_s(0, q_smem, k_w, full, st_layout, None, 0, W)
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         ring = (walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, full, empty, ds_ready,
                 dq_full, dq_empty, stats_smem)
