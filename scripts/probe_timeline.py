@@ -52,11 +52,13 @@ def phases(tl):
 
 
 # The parts of a step, between _mark_step's marks k - 1 and k (k = 1 .. TL_MARKS - 1), then
-# the whole. (Without EARLY_S the next S^T is the next step's own: parts 5, 6 and 9 are ~0.)
-STEP_PARTS = ["start -> dS^T formed, dK issued", "-> both groups' dS^T stored (ds_ready)",
+# the whole. (Without EARLY_S the next S^T is the next step's own: parts 7, 8 and 12 are ~0.)
+STEP_PARTS = ["start -> dS^T formed, dK issued", "-> dS^T stored, fenced",
+              "-> the group's warps met, arrived", "-> both groups' dS^T in (ds_ready)",
               "-> dQ's product issued", "-> the step's products complete",
               "-> next Q / dO landed", "-> next S^T issued", "-> dQ staging slot free",
-              "-> dQ staged", "-> next S^T complete"]
+              "-> dQ stored, fenced", "-> the group's warps met, dQ staged",
+              "-> next S^T complete"]
 
 
 def step_parts(tl):

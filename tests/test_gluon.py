@@ -413,6 +413,7 @@ def test_gluon_backward_timeline_rows_and_step_parts():
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     steps, n = gluon_bwd.TL_STEPS.value, gluon_bwd.TL_MARKS.value
+    assert len(probe.STEP_PARTS) == n - 1  # a name for each part between two marks
     tl = torch.zeros(2, row, dtype=torch.int64)
     tl[:, 2], tl[:, 3] = 1000, 1000 + 5 * 100  # K / V landed, walk done (ns)
     for p_, walk in enumerate((5, steps + 3)):  # the second walk is longer than TL_STEPS

@@ -72,7 +72,7 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 # Timing only (TL, scripts/probe_timeline.py): a program's row at TL holds 8 marks (_mark),
 # then TL_MARKS of each consumer in each of its first TL_STEPS steps (_mark_step).
 TL_STEPS = gl.constexpr(32)
-TL_MARKS = gl.constexpr(10)
+TL_MARKS = gl.constexpr(13)
 TL_ROW = gl.constexpr(8 + 2 * TL_MARKS.value * TL_STEPS.value)
 
 
@@ -182,11 +182,11 @@ def _lse2(lse_s, cols, var, layout: gl.constexpr, HAS_ALIBI: gl.constexpr):
 @gluon.jit
 def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr, TL, now, W: gl.constexpr):
     """S^T = K Q^T of step t, issued (asynchronous) once its Q and dO blocks have landed in
-    slot t % 2 (TL: mark 5 of consumer W's step `now` then)."""
+    slot t % 2 (TL: mark 7 of consumer W's step `now` then)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = q_smem.shape[1]
     mbarrier.wait(full.index(t % 2), (t // 2) & 1)
-    _mark_step(TL, now, W, 5)
+    _mark_step(TL, now, W, 7)
     zero = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
     return warpgroup_mma(k_s, q_smem.index(t % 2).permute((1, 0)), zero, use_acc=False,
                          is_async=True)
@@ -281,14 +281,15 @@ def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> di
 @gluon.jit
 def _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, i, phase, TL, t, W: gl.constexpr):
     """Stage dQ columns (64 x D / 2 fp32, times sm_scale) in slot i of dq_w for the producer's
-    reduction (TL: marks 7 and 8 of consumer W's step t)."""
+    reduction (TL: marks 9-11 of consumer W's step t)."""
     mbarrier.wait(dq_empty.index(i), phase)
-    _mark_step(TL, t, W, 7)  # the staging slot free
+    _mark_step(TL, t, W, 9)  # the staging slot free
     dq_w.index(i).store(dq * sm_scale)
     fence_async_shared()
+    _mark_step(TL, t, W, 10)  # dQ stored, fenced
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(i), count=1)
-    _mark_step(TL, t, W, 8)  # dQ staged
+    _mark_step(TL, t, W, 11)  # dQ staged
 
 
 @gluon.jit
@@ -317,7 +318,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM // 2, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
-    _mark_step(TL, t, W, 0)  # (timing only: marks 0-9 of the step)
+    _mark_step(TL, t, W, 0)  # (timing only: marks 0-12 of the step)
     off_b = walk[9]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     slot = t % 2
@@ -341,28 +342,30 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
     ds_s = ds_smem.index(slot)
     ds_s.slice(W * KEYS, KEYS, dim=0).store(dst)
     fence_async_shared()
+    _mark_step(TL, t, W, 2)  # this group's dS^T stored, fenced
     gl.thread_barrier()  # (this partition's warps)
     mbarrier.arrive(ds_ready.index(slot), count=1)
+    _mark_step(TL, t, W, 3)  # this group's warps met and arrived
     mbarrier.wait(ds_ready.index(slot), phase)
-    _mark_step(TL, t, W, 2)  # both groups' dS^T stored
+    _mark_step(TL, t, W, 4)  # both groups' dS^T stored
     dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_all.slice(W * (HEAD_DIM // 2),
                                                          HEAD_DIM // 2, dim=1),
                        dq, use_acc=False, is_async=True)
-    _mark_step(TL, t, W, 3)  # dQ's product issued
+    _mark_step(TL, t, W, 5)  # dQ's product issued
     dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
-    _mark_step(TL, t, W, 4)  # the step's products complete
+    _mark_step(TL, t, W, 6)  # the step's products complete
     mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
-    if EARLY_S:  # (mark 5: the next step's Q and dO landed)
+    if EARLY_S:  # (mark 7: the next step's Q and dO landed)
         st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout, TL, t, W)
     else:
-        _mark_step(TL, t, W, 5)
-    _mark_step(TL, t, W, 6)  # (EARLY_S) the next step's S^T issued
+        _mark_step(TL, t, W, 7)
+    _mark_step(TL, t, W, 8)  # (EARLY_S) the next step's S^T issued
     # Stage this group's dQ columns for the producer's reduction.
     _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, W * 2 + slot, phase, TL, t, W)
     if EARLY_S:  # (no product in flight across the loop's branch: ptxas would serialize)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-    _mark_step(TL, t, W, 9)  # (EARLY_S) the next step's S^T complete
+    _mark_step(TL, t, W, 12)  # (EARLY_S) the next step's S^T complete
     return dk, dv, st
 
 
