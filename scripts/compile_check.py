@@ -159,6 +159,9 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi causal", dict(alibi=True, causal=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
+                    # its keys' part one FFMA a column (gluon_fwd.OPTIONS ALIBI_LANES)
+                    ("one-sided alibi causal, lanes", dict(alibi=2, causal=True,
+                                                           ALIBI_LANES=True)),
                     ("block mask", dict(mask_mod=causal_mod))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
@@ -176,6 +179,9 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi", dict(alibi=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
+                    # its keys' part one FFMA a column (gluon_fwd.OPTIONS ALIBI_LANES)
+                    ("one-sided alibi causal, lanes", dict(alibi=2, causal=True,
+                                                           ALIBI_LANES=True)),
                     ("block mask", dict(mask_mod=causal_mod)),
                     # EARLY_S the other way round (gluon_bwd.options)
                     ("plain early-s", dict(EARLY_S=True)),

@@ -519,17 +519,21 @@ def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
 
 
 @needs_hopper
+@pytest.mark.parametrize("lanes", [False, True], ids=["part", "lanes"])
 @pytest.mark.parametrize("one_sided", [True, False])
 @pytest.mark.parametrize("window,softcap,alibi", [((-1, -1), 0.0, "head"),
                                                   ((-1, -1), 0.0, "batch"),
+                                                  ((150, -1), 0.0, "batch"),
                                                   ((150, -1), 30.0, "head")])
 def test_gluon_causal_alibi_forms_match_reference(monkeypatch, window, softcap, alibi,
-                                                  one_sided):
+                                                  one_sided, lanes):
     """Causal ALiBi in the Gluon forward and backward, in the one-sided form (the keys' part
-    in the scores, the rows' part in the LSE; launch.GLUON_ALIBI_ONE_SIDED, the default) and
-    the general one: output, LSE and gradients against the float64 reference, GQA, ragged
-    N."""
+    in the scores, the rows' part in the LSE; launch.GLUON_ALIBI_ONE_SIDED, the default),
+    its keys' part per column or by gluon_fwd.alibi_lanes (OPTIONS ALIBI_LANES), and the
+    general one: output, LSE and gradients against the float64 reference, GQA, ragged N."""
+    from flashtriton.kernels import gluon_fwd
     monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", one_sided)
+    monkeypatch.setitem(gluon_fwd.OPTIONS, "ALIBI_LANES", lanes)
     B, N, H, HKV = 2, 1000, 4, 2
     q, k, v = make_qkv(B, N, N, H, HKV, 128, torch.bfloat16, "cuda")
     slopes = torch.rand((H,) if alibi == "head" else (B, H), device="cuda") * 0.3
