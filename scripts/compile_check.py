@@ -179,9 +179,6 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi", dict(alibi=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
-                    # its keys' part one FFMA a column (gluon_fwd.OPTIONS ALIBI_LANES)
-                    ("one-sided alibi causal, lanes", dict(alibi=2, causal=True,
-                                                           ALIBI_LANES=True)),
                     ("block mask", dict(mask_mod=causal_mod)),
                     # EARLY_S the other way round (gluon_bwd.options)
                     ("plain early-s", dict(EARLY_S=True)),
