@@ -186,6 +186,9 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # ONE_LOOP the other way round (gluon_bwd.options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
                     ("causal one loop", dict(causal=True, ONE_LOOP=True)),
+                    # dV's product after dS^T (LATE_DV: consumer 1, both)
+                    ("causal late dv", dict(causal=True, LATE_DV=1)),
+                    ("block mask late dv, both", dict(mask_mod=causal_mod, LATE_DV=2)),
                     # the timing-only marks (scripts/probe_timeline.py)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)

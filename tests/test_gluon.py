@@ -311,12 +311,13 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False)],
-                ids=["s0", "s1", "one", "split"])
+                        dict(ONE_LOOP=False), dict(LATE_DV=1), dict(LATE_DV=2)],
+                ids=["s0", "s1", "one", "split", "latedv1", "latedv2"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
-    step masked, or masked, unmasked and masked loops)."""
+    step masked, or masked, unmasked and masked loops), LATE_DV 1 and 2 (dV's product issued
+    after dS^T, by consumer 1 or both)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)

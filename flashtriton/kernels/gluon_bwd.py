@@ -218,13 +218,15 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
                    var, st_layout: gl.constexpr, a_layout: gl.constexpr, MASK: gl.constexpr,
                    HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr,
-                   S_DONE: gl.constexpr):
+                   S_DONE: gl.constexpr, LATE_DV: gl.constexpr):
     """dP^T = V dO^T issued behind S^T = K Q^T (st: in flight, or S_DONE complete); P^T
     while dP^T runs; dV += P^T dO issued, dS^T = P^T (dP^T - delta) while it runs;
     dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor); lse_s and
     delta_s: the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key
     at or left of the diagonal): the keys' part of the bias (common.alibi_part relative to
-    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). Returns
+    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). LATE_DV:
+    dV's product issued after dS^T is formed, so that the bf16 P^T it reads from registers
+    is not held through dS^T's arithmetic (fewer live registers; less overlap). Returns
     dS^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
@@ -246,10 +248,17 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
     pg = pt  # P^T times the scores' derivative (softcap * tanh(x / softcap): 1 - tanh^2),
     if HAS_SOFTCAP:  # formed now so that the tanh is not kept through dP^T's wait
         pg = pt * (1.0 - tc * tc)
-    dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_s, dv, is_async=True)
-    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+    if LATE_DV:
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+    else:
+        dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_s, dv,
+                           is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     delta = delta_s.load(gl.SliceLayout(0, st_layout))
     dst = (pg * (dpt - delta[None, :])).to(k_s.dtype)
+    if LATE_DV:
+        dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_s, dv,
+                           is_async=True)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_s, dk, is_async=True)
     return dst, dk, dv
 
@@ -259,8 +268,12 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
 # loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
-# a lower bound (a window's), as options() says.
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None)
+# a lower bound (a window's), as options() says. LATE_DV: dV's product issued after dS^T is
+# formed (_dkdv_products) by consumer 1 (1: the worker partition, 240 registers against the
+# default partition's 248, which spills where consumer 0 does not) or by both (2); 0: by
+# neither (off until measured on the H200).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
+               LATE_DV=0)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -297,7 +310,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
           ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
+          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, LATE_DV: gl.constexpr, TL):
     """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
@@ -336,7 +349,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
                                  stats_smem[1].index(slot), keys, cols, SEQ, qk_scale,
                                  (LOWER, UPPER, cap2, slope2, off_b, h, anchor), st_layout,
                                  a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                 MASK_MOD, EARLY_S)
+                                 MASK_MOD, EARLY_S, LATE_DV == 2 or (LATE_DV == 1 and W == 1))
     _mark_step(TL, t, W, 1)  # dS^T formed, dK's product issued
     # This group's rows of dS^T; dQ's product needs the other group's too.
     ds_s = ds_smem.index(slot)
@@ -374,13 +387,13 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq
            empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, LATE_DV: gl.constexpr, TL):
     """_step over steps lo .. hi - 1, masked or not."""
     for t in range(lo, hi):
         dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w,
                            full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
                            cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                           MASK_MOD, EARLY_S, TL)
+                           MASK_MOD, EARLY_S, LATE_DV, TL)
     return dk, dv, st
 
 
@@ -390,7 +403,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, kv_f
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             ONE_LOOP: gl.constexpr, TL):
+             ONE_LOOP: gl.constexpr, LATE_DV: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
@@ -423,19 +436,19 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, kv_f
         if ONE_LOOP:  # every step masked: one loop body (OPTIONS)
             dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                                EARLY_S, TL)
+                                EARLY_S, LATE_DV, TL)
         else:
             for g in range(GROUP):
                 if HAS_UPPER:  # query blocks across the causal / window upper bound
                     dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
                                         True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                        MASK_MOD, EARLY_S, TL)
+                                        MASK_MOD, EARLY_S, LATE_DV, TL)
                 dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                     False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, TL)
+                                    MASK_MOD, EARLY_S, LATE_DV, TL)
                 dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
                                     W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, TL)
+                                    MASK_MOD, EARLY_S, LATE_DV, TL)
     _mark(TL, 3 + 2 * W)  # the walk is done
     # Through shared memory (store_rows): dV into this group's rows of V (read by its own
     # products only), dK into the slot of Q (consumer 0) or dO (consumer 1) that the last
@@ -502,7 +515,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           LATE_DV: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -579,13 +592,13 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      v_smem.slice(0, KEYS, dim=0), k_smem, ds_smem, dq_smem, kv_full, full,
                      empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb,
                      stride_kt, stride_kh, n * BLOCK_N, off_hk, cfg, 0, HAS_LOWER, HAS_UPPER,
-                     HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP, TL)),
+                     HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP, LATE_DV, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0), k_smem, ds_smem, dq_smem, kv_full, full,
                      empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb,
                      stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1, HAS_LOWER,
                      HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP,
-                     TL)),
+                     LATE_DV, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
