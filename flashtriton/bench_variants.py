@@ -117,17 +117,28 @@ def option_value(current, value):
     return bool(int(value))
 
 
-def set_gluon_options(items) -> None:
-    """Each NAME=VALUE of items into whichever of kernels.gluon_fwd / gluon_bwd.OPTIONS has
-    NAME (both where both do), typed by option_value. ValueError for a NAME neither has."""
+def option_tables(name: str):
+    """The bare name of a Gluon kernel option and the OPTIONS tables it names: fwd.NAME
+    kernels.gluon_fwd's, bwd.NAME gluon_bwd's, NAME whichever has it (both where both do:
+    CONSUMER_REGS, PRODUCER_REGS). ValueError where none does."""
     from .kernels import gluon_bwd, gluon_fwd
+    kernel, _, bare = name.rpartition(".")
+    kernels = {"": (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS), "fwd": (gluon_fwd.OPTIONS, ),
+               "bwd": (gluon_bwd.OPTIONS, )}.get(kernel, ())
+    tables = [t for t in kernels if bare in t]
+    if not tables:
+        raise ValueError(f"no Gluon kernel option {name!r}")
+    return bare, tables
+
+
+def set_gluon_options(items) -> None:
+    """Each [fwd.|bwd.]NAME=VALUE of items into the OPTIONS tables it names (option_tables),
+    typed by option_value."""
     for item in items:
         name, _, value = item.partition("=")
-        tables = [t for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS) if name in t]
-        if not tables:
-            raise ValueError(f"no Gluon kernel option {name!r}")
+        bare, tables = option_tables(name)
         for table in tables:
-            table[name] = option_value(table[name], value)
+            table[bare] = option_value(table[bare], value)
 
 
 def _median_run(runs: list) -> dict:
@@ -164,7 +175,8 @@ def main(argv=None):
     p.add_argument("--gluon-option", "--gluon-bwd-option", dest="gluon_option",
                    action="append", default=[], metavar="NAME=0|1",
                    help="set an option of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
-                        "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0, CONSUMER_REGS=232)")
+                        "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0, fwd.CONSUMER_REGS=240; "
+                        "fwd. / bwd. names one kernel's)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtriton import _env, flash_attention
 from flashtriton.bench import per_call_us
-from flashtriton.bench_variants import option_value
+from flashtriton.bench_variants import option_tables, option_value
 from flashtriton.kernels import gluon_bwd, gluon_fwd
 from flashtriton.launch import attention_backward_gluon, attention_forward_gluon
 
@@ -71,11 +71,18 @@ def main():
     p.add_argument("--backward", action="store_true", help="the backward instead")
     p.add_argument("--ab", metavar="NAME[=A,B]",
                    help="gluon_fwd.OPTIONS[NAME] (--backward: gluon_bwd's) off and on (or A "
-                   "and B, e.g. CONSUMER_REGS=232,240), round-robin")
+                   "and B, e.g. CONSUMER_REGS=232,240; several joined by + change together), "
+                   "round-robin")
     p.add_argument("--rounds", type=int, default=5, help="--ab's rounds")
+    p.add_argument("--side", type=int, choices=(0, 1),
+                   help="print --ab's setting A (0) or B (1) as NAME=V words and exit "
+                   "(scripts/device_check.sh hands them to bench_variants)")
     p.add_argument("--smoke", action="store_true",
                    help="one small call per variant against SDPA, printed as it finishes")
     args = p.parse_args()
+    if args.side is not None:
+        print(ab_side(args.ab, args.side))
+        return
     if args.smoke:
         q, k, v = (torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
@@ -189,23 +196,57 @@ def round_robin(fns, flops, rounds):
     return " ".join(f"{c:>14}" for c in cells)
 
 
+def ab_parts(ab: str):
+    """--ab's parts: [(NAME as given, its OPTIONS tables, bare name, (A, B))] for each
+    [fwd.|bwd.]NAME[=A,B] joined by + (A and B default 0 and 1; bench_variants.option_tables
+    resolves the name)."""
+    parts = []
+    for part in ab.split("+"):
+        name, _, values = part.partition("=")
+        try:
+            bare, tables = option_tables(name)
+        except ValueError:
+            raise SystemExit(f"--ab: no option {name}")
+        vals = [int(x) for x in values.split(",")] if values else [0, 1]
+        if len(vals) != 2:
+            raise SystemExit("--ab NAME=A,B takes two values")
+        parts.append((name, tables, bare, vals))
+    return parts
+
+
 def ab_settings(ab: str, table: dict):
-    """--ab NAME[=A,B]: the two settings {NAME: A} and {NAME: B} (default 0 and 1), booleans
-    where the option is one (or None: chosen by the kernel's options()), integers else."""
-    name, _, values = ab.partition("=")
-    if name not in table:
-        raise SystemExit(f"--ab: no option {name}")
-    vals = [int(x) for x in values.split(",")] if values else [0, 1]
-    if len(vals) != 2:
-        raise SystemExit("--ab NAME=A,B takes two values")
-    return [{name: option_value(table[name], x)} for x in vals]
+    """--ab [fwd.|bwd.]NAME[=A,B]: the two settings of `table` (gluon_fwd or gluon_bwd.OPTIONS)
+    {NAME: A} and {NAME: B} (default 0 and 1), booleans where the option is one (or None:
+    chosen by the kernel's options()), integers else. Several joined by + change together
+    (fwd.CONSUMER_REGS=232,240+fwd.PRODUCER_REGS=40,24: {232, 40} and {240, 24}); parts
+    naming the other kernel's table only are left out, and none left is an error."""
+    settings = [{}, {}]
+    for _, tables, bare, vals in ab_parts(ab):
+        if any(t is table for t in tables):
+            for st, x in zip(settings, vals):
+                st[bare] = option_value(table[bare], x)
+    if not settings[0]:
+        raise SystemExit(f"--ab {ab}: no option of this kernel")
+    return settings
+
+
+def ab_labels(settings):
+    """The two settings as column labels: NAME=V[,NAME=V]."""
+    return [",".join(f"{k}={int(v)}" for k, v in st.items()) for st in settings]
+
+
+def ab_side(ab: str, side: int) -> str:
+    """--ab's setting A (0) or B (1) as [fwd.|bwd.]NAME=V words, as bench_variants'
+    --gluon-option takes them."""
+    return " ".join(f"{name}={int(option_value(tables[0][bare], vals[side]))}"
+                    for name, tables, bare, vals in ab_parts(ab))
 
 
 def forward_ab(args):
     """--ab NAME[=A,B]: the Gluon forward with gluon_fwd.OPTIONS[NAME] off and on (A and B),
     and cuDNN's, round-robin (round_robin)."""
     settings = ab_settings(args.ab, gluon_fwd.OPTIONS)
-    a, b = (f"{k}={int(v)}" for st in settings for k, v in st.items())
+    a, b = ab_labels(settings)
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {a:>14} {b:>14} {'cudnn':>14}  "
           f"max|x-cudnn| (each)")
     for D, N, H, HKV, q, k, v in shapes(args):
@@ -224,7 +265,7 @@ def backward_ab(args):
     """--backward --ab NAME[=A,B]: the Gluon backward (w2) with gluon_bwd.OPTIONS[NAME] off and
     on (A and B), and cuDNN's, round-robin (round_robin)."""
     settings = ab_settings(args.ab, gluon_bwd.OPTIONS)
-    a, b = (f"{k}={int(v)}" for st in settings for k, v in st.items())
+    a, b = ab_labels(settings)
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {a:>14} {b:>14} {'cudnn':>14}  "
           f"max|x-cudnn| dq/dk/dv (each)")
     for D, N, H, HKV, q, k, v in shapes(args):

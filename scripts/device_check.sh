@@ -95,40 +95,39 @@ if has gluon; then
       --seqlens 2048 8192 16384 > "$OUT/gluon_backward.log" 2>&1
   fi
 fi
-# Options of the Gluon kernels ($OPTION: one or more of NAME or NAME=A,B, e.g. "EARLY_S
-# CONSUMER_REGS=232,240"; gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS), each off and on or at A and B:
+# Options of the Gluon kernels ($OPTION: one or more of [fwd.|bwd.]NAME or NAME=A,B, several
+# joined by + changing together, e.g. "EARLY_S fwd.CONSUMER_REGS=232,240+fwd.PRODUCER_REGS=40,24";
+# gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS), each at A and B (off and on by default):
 # tests/test_gluon.py once (its fixtures run every form; OPTAB_TESTS=0 skips it), then per
-# option bench_gluon's round-robin A/B of the kernel(s) that have it and bench_variants
-# ($VARIANT_ROUNDS rounds, 3; $VARIANTS, all five) at B, then A.
+# option bench_gluon's round-robin A/B of each kernel that has it (a kernel that has none of
+# its parts says so in its log) and bench_variants ($VARIANT_ROUNDS rounds, 3; $VARIANTS, all
+# five) at B, then A (bench_gluon --side prints a setting as --gluon-option words).
 has optab && : "${OPTION:?set OPTION for optab}"
 has optab && [ "${OPTAB_TESTS:-1}" != 0 ] && FLASHTRITON_AUTOTUNE=0 timeout ${T_OPTAB_TESTS:-240} \
   python3 -m pytest tests/test_gluon.py -n 16 -q -p no:cacheprovider -rf --tb=short \
   > "$OUT/optab_tests.log" 2>&1
-optab_one() {  # $1: NAME or NAME=A,B
-  local opt=${1%%=*} vals=0,1 flag
-  [[ $1 == *=* ]] && vals=${1#*=}
-  python3 -c "from flashtriton.kernels import gluon_fwd; exit('$opt' not in gluon_fwd.OPTIONS)" \
-    && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --ab $opt=$vals --dims 128 \
+optab_one() {  # $1: an OPTION entry; its logs are named by its first NAME
+  local opt=${1%%=*} side
+  timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --ab "$1" --dims 128 \
     --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_fwd_$opt.log" 2>&1
-  python3 -c "from flashtriton.kernels import gluon_bwd; exit('$opt' not in gluon_bwd.OPTIONS)" \
-    && timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --backward --ab $opt=$vals \
-    --dims 128 --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_bwd_$opt.log" 2>&1
-  for flag in ${vals#*,} ${vals%,*}; do
+  timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --backward --ab "$1" --dims 128 \
+    --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_bwd_$opt.log" 2>&1
+  for side in 1 0; do
     timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit "$commit" \
-      --out "$OUT/optab_variants_$opt$flag" --gluon-option $opt=$flag \
+      --out "$OUT/optab_variants_$opt$side" $(for w in $(python3 scripts/bench_gluon.py \
+      --ab "$1" --side $side); do printf -- '--gluon-option %s ' "$w"; done) \
       --rounds ${VARIANT_ROUNDS:-3} ${VARIANTS:+--variants $VARIANTS} \
-      > "$OUT/optab_variants_$opt$flag.log" 2>&1
+      > "$OUT/optab_variants_$opt$side.log" 2>&1
   done
 }
 optab_report() {
-  local opt=${1%%=*} vals=0,1 flag
-  [[ $1 == *=* ]] && vals=${1#*=}
+  local opt=${1%%=*} side
   echo "== gluon $1"
-  cat "$OUT/optab_fwd_$opt.log" "$OUT/optab_bwd_$opt.log" 2>/dev/null
-  for flag in ${vals#*,} ${vals%,*}; do
-    echo "-- bench_variants, $opt=$flag"
-    cat "$OUT/optab_variants_$opt$flag/variants.md" 2>/dev/null \
-      || tail -5 "$OUT/optab_variants_$opt$flag.log"
+  cat "$OUT/optab_fwd_$opt.log" "$OUT/optab_bwd_$opt.log" 2>/dev/null | grep -v "no option of"
+  for side in 1 0; do
+    echo "-- bench_variants, $(python3 scripts/bench_gluon.py --ab "$1" --side $side)"
+    cat "$OUT/optab_variants_$opt$side/variants.md" 2>/dev/null \
+      || tail -5 "$OUT/optab_variants_$opt$side.log"
   done
 }
 if has optab; then for o in $OPTION; do optab_one "$o"; done; fi

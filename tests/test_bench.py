@@ -142,22 +142,25 @@ def test_merge_joins_runs_into_one_report(tmp_path):
 def test_variants_bench_sets_gluon_options(monkeypatch):
     """bench_variants --gluon-option NAME=VALUE sets the option in whichever Gluon kernel's
     OPTIONS has it (HEAVY_FIRST: the forward's, EARLY_S: the backward's; booleans stay
-    booleans, integers such as CONSUMER_REGS integers) before it needs the GPU, and rejects a name
-    neither has."""
+    booleans, integers such as CONSUMER_REGS integers; fwd.NAME the forward's only) before it
+    needs the GPU, and rejects a name neither has."""
     from flashtriton import bench_variants as bv
     from flashtriton import launch
     from flashtriton.kernels import gluon_bwd, gluon_fwd
     monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", True)
     monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", None)
     monkeypatch.setitem(gluon_bwd.OPTIONS, "CONSUMER_REGS", 240)
+    monkeypatch.setitem(gluon_fwd.OPTIONS, "PRODUCER_REGS", 40)
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "PRODUCER_REGS", 24)
     for name in ("GLUON_VARIANTS", "GLUON_ALIBI_ONE_SIDED", "GLUON_BWD_VARIANTS"):
         monkeypatch.setattr(launch, name, getattr(launch, name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA GPU"):
         bv.main(["--gluon-option", "HEAVY_FIRST=0", "--gluon-option", "EARLY_S=0",
-                 "--gluon-option", "CONSUMER_REGS=232"])
+                 "--gluon-option", "CONSUMER_REGS=232", "--gluon-option", "fwd.PRODUCER_REGS=32"])
     regs = gluon_bwd.OPTIONS["CONSUMER_REGS"]
     assert regs == 232 and type(regs) is int
+    assert gluon_fwd.OPTIONS["PRODUCER_REGS"] == 32 and gluon_bwd.OPTIONS["PRODUCER_REGS"] == 24
     assert gluon_fwd.OPTIONS["HEAVY_FIRST"] is False and "HEAVY_FIRST" not in gluon_bwd.OPTIONS
     assert gluon_bwd.OPTIONS["EARLY_S"] is False and "EARLY_S" not in gluon_fwd.OPTIONS
     with pytest.raises(SystemExit) as exc:

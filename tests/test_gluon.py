@@ -442,8 +442,10 @@ def test_gluon_backward_timeline_rows_and_step_parts():
 
 def test_bench_gluon_ab_settings():
     """bench_gluon --ab NAME[=A,B]: a boolean option (or one left None for options() to
-    choose) off and on, an integer option at A and B (CONSUMER_REGS=232,240), and an error for
-    an unknown name or a third value."""
+    choose) off and on, an integer option at A and B (CONSUMER_REGS=232,240), several joined
+    by + together, fwd. / bwd. naming one kernel's (left out of the other kernel's A/B, an
+    error where nothing is left), --side's words for bench_variants, and an error for an
+    unknown name or a third value."""
     import importlib.util
     from flashtriton.kernels import gluon_bwd, gluon_fwd
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gluon.py")
@@ -457,9 +459,20 @@ def test_bench_gluon_ab_settings():
                                                                {"EARLY_S": True}]
     assert bench.ab_settings("ONE_LOOP=1,0", gluon_bwd.OPTIONS) == [{"ONE_LOOP": True},
                                                                     {"ONE_LOOP": False}]
-    for bad in ("NO_SUCH", "CONSUMER_REGS=1,2,3"):
+    both = "fwd.CONSUMER_REGS=232,240+fwd.PRODUCER_REGS=40,24"
+    assert bench.ab_settings(both, gluon_fwd.OPTIONS) == [
+        {"CONSUMER_REGS": 232, "PRODUCER_REGS": 40}, {"CONSUMER_REGS": 240, "PRODUCER_REGS": 24}]
+    assert bench.ab_labels(bench.ab_settings(both, gluon_fwd.OPTIONS))[1] == \
+        "CONSUMER_REGS=240,PRODUCER_REGS=24"
+    assert bench.ab_settings(both + "+LATE_DV=0,1", gluon_bwd.OPTIONS) == [{"LATE_DV": 0},
+                                                                           {"LATE_DV": 1}]
+    assert bench.ab_side(both + "+LATE_DV=0,1", 1) == \
+        "fwd.CONSUMER_REGS=240 fwd.PRODUCER_REGS=24 LATE_DV=1"
+    assert bench.ab_side("ALIBI_LANES", 0) == "ALIBI_LANES=0"
+    for bad, table in (("NO_SUCH", gluon_fwd.OPTIONS), ("CONSUMER_REGS=1,2,3", gluon_fwd.OPTIONS),
+                       ("bwd.HEAVY_FIRST", gluon_fwd.OPTIONS), (both, gluon_bwd.OPTIONS)):
         with pytest.raises(SystemExit):
-            bench.ab_settings(bad, gluon_fwd.OPTIONS)
+            bench.ab_settings(bad, table)
 
 
 @needs_hopper
