@@ -162,11 +162,6 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                     # its keys' part one FFMA a column (gluon_fwd.OPTIONS ALIBI_LANES)
                     ("one-sided alibi causal, lanes", dict(alibi=2, causal=True,
                                                            ALIBI_LANES=True)),
-                    # registers 240 / 24 (consumer / producer) instead of OPTIONS' 232 / 40
-                    ("causal 240 / 24", dict(causal=True, CONSUMER_REGS=240,
-                                             PRODUCER_REGS=24)),
-                    ("window 240 / 24", dict(lower=True, upper=True, CONSUMER_REGS=240,
-                                             PRODUCER_REGS=24)),
                     ("block mask", dict(mask_mod=causal_mod))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
