@@ -4,8 +4,8 @@ run with a timeline (launch.attention_backward_gluon's _timeline; kernels.gluon_
 dK / dV stores, the producer's last reduction; and the SM), then per program the mean of
 each phase, and per SM the gap between one program's end and the next one's start. Then
 the steps (gluon_bwd._mark_step: %clock64 at TL_MARKS points of each consumer's first
-TL_STEPS steps): the mean SM cycles of each part of a step, over the steps that are neither a walk's
-first nor its last.
+TL_STEPS steps): the mean SM cycles of each part of a step, over the steps that are neither
+a walk's first nor its last.
 
     python scripts/probe_timeline.py [--cases window dense causal] [--set ONE_LOOP=1]
 """

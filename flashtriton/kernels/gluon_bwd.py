@@ -306,7 +306,7 @@ def _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, i, phase, TL, t, W: gl.cons
 
 
 @gluon.jit
-def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, full, empty,
+def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty,
           ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
@@ -318,8 +318,8 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
     else the step issues its own. (Issued before the wait for the step's own products,
     ptxas serializes the products for want of registers: session 19.) The rows' LSE and
     delta come from the slot's shared tiles (stats_smem, loaded by the producer with Q and
-    dO). dQ's product: each group its column
-    half over both groups' dS^T (they meet at ds_ready every step)."""
+    dO). dQ's product: each group its column half (k_cols) over both groups' dS^T (they meet
+    at ds_ready every step)."""
     ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -362,9 +362,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
     mbarrier.wait(ds_ready.index(slot), phase)
     _mark_step(TL, t, W, 4)  # both groups' dS^T stored
     dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
-    dq = warpgroup_mma(ds_s.permute((1, 0)), k_all.slice(W * (HEAD_DIM // 2),
-                                                         HEAD_DIM // 2, dim=1),
-                       dq, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_s.permute((1, 0)), k_cols, dq, use_acc=False, is_async=True)
     _mark_step(TL, t, W, 5)  # dQ's product issued
     dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
     _mark_step(TL, t, W, 6)  # the step's products complete
@@ -383,14 +381,14 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, fu
 
 
 @gluon.jit
-def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, full,
+def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full,
            empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
            MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, LATE_DV: gl.constexpr, TL):
     """_step over steps lo .. hi - 1, masked or not."""
     for t in range(lo, hi):
-        dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w,
+        dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w,
                            full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
                            cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
                            MASK_MOD, EARLY_S, LATE_DV, TL)
@@ -398,7 +396,7 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq
 
 
 @gluon.jit
-def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, kv_full, full,
+def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_full, full,
              empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb, stride_kt,
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
@@ -431,7 +429,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, kv_f
         if EARLY_S:
             st = _issue_s(0, q_smem, k_w, full, st_layout, None, 0, W)
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-        ring = (walk, q_smem, do_smem, k_w, v_w, k_all, ds_smem, dq_w, full, empty, ds_ready,
+        ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
                 dq_full, dq_empty, stats_smem)
         if ONE_LOOP:  # every step masked: one loop body (OPTIONS)
             dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
@@ -589,16 +587,18 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
 
     gl.warp_specialize(
         [(_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(0, KEYS, dim=0),
-                     v_smem.slice(0, KEYS, dim=0), k_smem, ds_smem, dq_smem, kv_full, full,
-                     empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb,
-                     stride_kt, stride_kh, n * BLOCK_N, off_hk, cfg, 0, HAS_LOWER, HAS_UPPER,
-                     HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP, LATE_DV, TL)),
+                     v_smem.slice(0, KEYS, dim=0), k_smem.slice(0, HEAD_DIM // 2, dim=1),
+                     ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
+                     stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
+                     cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
+                     EARLY_S, ONE_LOOP, LATE_DV, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
-                     v_smem.slice(KEYS, KEYS, dim=0), k_smem, ds_smem, dq_smem, kv_full, full,
-                     empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV, stride_kb,
-                     stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1, HAS_LOWER,
-                     HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, EARLY_S, ONE_LOOP,
-                     LATE_DV, TL)),
+                     v_smem.slice(KEYS, KEYS, dim=0),
+                     k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
+                     kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
+                     stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
+                     HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
+                     EARLY_S, ONE_LOOP, LATE_DV, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,

@@ -189,8 +189,8 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
             HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
             HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr):
     """A consumer partition (4 warps): rows W * ROWS .. W * ROWS + ROWS - 1 of the program's
-    query block (q_smem holds it) over key blocks 0 .. n_blocks - 1 (tile = _tile's (blocks,
-    lst, var): blocks = (n_blocks, full_lo, full_hi); block j holds the keys from
+    query block (q_smem holds it) over key blocks 0 .. n_blocks - 1 (tile = (blocks, lst,
+    var): blocks = (n_blocks, full_lo, full_hi); block j holds the keys from
     _first_key(j), var = (kv0, LOWER, UPPER, cap2, slope2, b, h, the query block's first
     row)); blocks before full_lo (a window's lower edge) and from full_hi on (the causal
     diagonal, a window's upper edge, the ragged end, a block mask's partial blocks) are
@@ -265,29 +265,6 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
         lse2 = lse2 - alibi_part(rows, var[7], var[4])
     lse = gl.where(l_i == 0.0, -float("inf"), lse2 * 0.6931471805599453)
     gl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=rows < SEQ)
-
-
-@gluon.jit
-def _tile(where, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
-          HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, LISTED: gl.constexpr):
-    """The query block's walk, (blocks, lst, var) as _attend takes them; where = (the query
-    block, b, h, BMASK, stride_bb, stride_bh, stride_bq, BM_N, SEQ, LOWER, UPPER, cap2,
-    slope2)."""
-    start_m, off_b, off_h, BMASK, stride_bb, stride_bh, stride_bq, BM_N = where[:8]
-    SEQ, LOWER, UPPER, cap2, slope2 = where[8:]
-    if LISTED:  # full blocks (unmasked unless SEQ is ragged), then partial ones; at least
-        # one block (a query block with none: its first partial slot, all masked by MASK_MOD)
-        row = BMASK + off_b * stride_bb + off_h * stride_bh + start_m * stride_bq
-        n_full = gl.load(row + 1)
-        lst = (row, n_full, BM_N)
-        blocks = (gl.maximum(gl.load(row) + n_full, 1), 0,
-                  gl.where(SEQ % BLOCK_N == 0, n_full, 0))
-        kv0 = 0
-    else:
-        lst = (0, 0, 0)
-        blocks, kv0 = _bounds(start_m, SEQ, (0, LOWER, UPPER), BLOCK_M, BLOCK_N, IS_CAUSAL,
-                              HAS_LOWER, HAS_UPPER)
-    return blocks, lst, (kv0, LOWER, UPPER, cap2, slope2, off_b, off_h, start_m * BLOCK_M)
 
 
 @gluon.jit
@@ -380,9 +357,20 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
-    where = (start_m, off_b, off_h, BMASK, stride_bb, stride_bh, stride_bq, BM_N, SEQ, LOWER,
-             UPPER, cap2, slope2)
-    tile = _tile(where, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_LOWER, HAS_UPPER, LISTED)
+    if LISTED:  # full blocks (unmasked unless SEQ is ragged), then partial ones; at least
+        # one block (a query block with none: its first partial slot, all masked by MASK_MOD)
+        row = BMASK + off_b * stride_bb + off_h * stride_bh + start_m * stride_bq
+        n_full = gl.load(row + 1)
+        lst = (row, n_full, BM_N)
+        blocks = (gl.maximum(gl.load(row) + n_full, 1), 0,
+                  gl.where(SEQ % BLOCK_N == 0, n_full, 0))
+        kv0 = 0
+    else:
+        lst = (0, 0, 0)
+        blocks, kv0 = _bounds(start_m, SEQ, (0, LOWER, UPPER), BLOCK_M, BLOCK_N, IS_CAUSAL,
+                              HAS_LOWER, HAS_UPPER)
+    # the walk as _attend and _produce take it
+    tile = (blocks, lst, (kv0, LOWER, UPPER, cap2, slope2, off_b, off_h, start_m * BLOCK_M))
     row0 = off_b * kv_rb + off_hk * kv_rh
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
