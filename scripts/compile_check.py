@@ -159,9 +159,6 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi causal", dict(alibi=True, causal=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
-                    # its keys' part one FFMA a column (gluon_fwd.OPTIONS ALIBI_LANES)
-                    ("one-sided alibi causal, lanes", dict(alibi=2, causal=True,
-                                                           ALIBI_LANES=True)),
                     ("block mask", dict(mask_mod=causal_mod))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
@@ -183,12 +180,10 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # EARLY_S the other way round (gluon_bwd.options)
                     ("plain early-s", dict(EARLY_S=True)),
                     ("causal no early-s", dict(causal=True, EARLY_S=False)),
+                    ("window early-s", dict(lower=True, upper=True, EARLY_S=True)),
                     # ONE_LOOP the other way round (gluon_bwd.options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
                     ("causal one loop", dict(causal=True, ONE_LOOP=True)),
-                    # dV's product after dS^T (LATE_DV: consumer 1, both)
-                    ("causal late dv", dict(causal=True, LATE_DV=1)),
-                    ("block mask late dv, both", dict(mask_mod=causal_mod, LATE_DV=2)),
                     # the timing-only marks (scripts/probe_timeline.py)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)

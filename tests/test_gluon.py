@@ -311,13 +311,11 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False), dict(LATE_DV=1), dict(LATE_DV=2)],
-                ids=["s0", "s1", "one", "split", "latedv1", "latedv2"])
+                        dict(ONE_LOOP=False)], ids=["s0", "s1", "one", "split"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
-    step masked, or masked, unmasked and masked loops), LATE_DV 1 and 2 (dV's product issued
-    after dS^T, by consumer 1 or both)."""
+    step masked, or masked, unmasked and masked loops)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
@@ -464,11 +462,11 @@ def test_bench_gluon_ab_settings():
         {"CONSUMER_REGS": 232, "PRODUCER_REGS": 40}, {"CONSUMER_REGS": 240, "PRODUCER_REGS": 24}]
     assert bench.ab_labels(bench.ab_settings(both, gluon_fwd.OPTIONS))[1] == \
         "CONSUMER_REGS=240,PRODUCER_REGS=24"
-    assert bench.ab_settings(both + "+LATE_DV=0,1", gluon_bwd.OPTIONS) == [{"LATE_DV": 0},
-                                                                           {"LATE_DV": 1}]
-    assert bench.ab_side(both + "+LATE_DV=0,1", 1) == \
-        "fwd.CONSUMER_REGS=240 fwd.PRODUCER_REGS=24 LATE_DV=1"
-    assert bench.ab_side("ALIBI_LANES", 0) == "ALIBI_LANES=0"
+    assert bench.ab_settings(both + "+ONE_LOOP", gluon_bwd.OPTIONS) == [{"ONE_LOOP": False},
+                                                                        {"ONE_LOOP": True}]
+    assert bench.ab_side(both + "+ONE_LOOP", 1) == \
+        "fwd.CONSUMER_REGS=240 fwd.PRODUCER_REGS=24 ONE_LOOP=1"
+    assert bench.ab_side("HEAVY_FIRST", 0) == "HEAVY_FIRST=0"
     for bad, table in (("NO_SUCH", gluon_fwd.OPTIONS), ("CONSUMER_REGS=1,2,3", gluon_fwd.OPTIONS),
                        ("bwd.HEAVY_FIRST", gluon_fwd.OPTIONS), (both, gluon_bwd.OPTIONS)):
         with pytest.raises(SystemExit):
@@ -533,21 +531,18 @@ def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
 
 
 @needs_hopper
-@pytest.mark.parametrize("lanes", [False, True], ids=["part", "lanes"])
 @pytest.mark.parametrize("one_sided", [True, False])
 @pytest.mark.parametrize("window,softcap,alibi", [((-1, -1), 0.0, "head"),
                                                   ((-1, -1), 0.0, "batch"),
                                                   ((150, -1), 0.0, "batch"),
                                                   ((150, -1), 30.0, "head")])
 def test_gluon_causal_alibi_forms_match_reference(monkeypatch, window, softcap, alibi,
-                                                  one_sided, lanes):
+                                                  one_sided):
     """Causal ALiBi in the Gluon forward and backward, in the one-sided form (the keys' part
     in the scores, the rows' part in the LSE; launch.GLUON_ALIBI_ONE_SIDED, the default),
-    its keys' part per column or by gluon_fwd.alibi_lanes (OPTIONS ALIBI_LANES), and the
-    general one: output, LSE and gradients against the float64 reference, GQA, ragged N."""
-    from flashtriton.kernels import gluon_fwd
+    and the general one: output, LSE and gradients against the float64 reference, GQA,
+    ragged N."""
     monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", one_sided)
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "ALIBI_LANES", lanes)
     B, N, H, HKV = 2, 1000, 4, 2
     q, k, v = make_qkv(B, N, N, H, HKV, 128, torch.bfloat16, "cuda")
     slopes = torch.rand((H,) if alibi == "head" else (B, H), device="cuda") * 0.3

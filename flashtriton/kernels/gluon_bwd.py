@@ -27,8 +27,8 @@ The consumers read the LSE and delta from shared memory where they use them, rat
 holding 32 registers of them through the step: fewer spills, +5% without a mask and +14-16%
 causal on the H200 (docs/perf.md, session 16). Two forms of the step (OPTIONS, options()):
 EARLY_S issues the next step's S^T before dQ's staging, so that the product runs while the
-consumers stage (on where the walk has an upper bound: +8-10% causal, -5% without one,
-session 15).
+consumers stage (on where the walk has an upper bound and three loops: +8-10% causal, -5%
+without a bound, session 15; -1-2% on the one loop of ALiBi and windows, session 20).
 
 The rows of a ragged last query block read the next head's Q and dO rows (the 2-D view has
 no per-head bound): the prep kernel pads each head's LSE rows to a multiple of 128 (a block
@@ -224,9 +224,11 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
     dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor); lse_s and
     delta_s: the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key
     at or left of the diagonal): the keys' part of the bias (common.alibi_part relative to
-    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). LATE_DV:
-    dV's product issued after dS^T is formed, so that the bf16 P^T it reads from registers
-    is not held through dS^T's arithmetic (fewer live registers; less overlap). Returns
+    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). LATE_DV
+    (consumer 1: the worker partition, 240 registers against the default partition's 248,
+    spills where consumer 0 does not): dV's product issued after dS^T is formed, so that
+    the bf16 P^T it reads from registers is not held through dS^T's arithmetic (fewer live
+    registers, less overlap; +3-4% causal at 8K-16K on the H200, session 20). Returns
     dS^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
@@ -266,14 +268,10 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # The kernel's launch constants: the first consumer's 4 warps, and the registers of the
 # consumers and of the producer (setmaxnreg; 4 warps each).
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
-# walk has an upper bound (causal, a window's), as options() says. ONE_LOOP: the walk in one
-# loop, every step masked, rather than masked, unmasked and masked loops; None: with ALiBi or
-# a lower bound (a window's), as options() says. LATE_DV: dV's product issued after dS^T is
-# formed (_dkdv_products) by consumer 1 (1: the worker partition, 240 registers against the
-# default partition's 248, which spills where consumer 0 does not) or by both (2); 0: by
-# neither (off until measured on the H200).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               LATE_DV=0)
+# walk has an upper bound and three loops (causal, softcap), as options() says. ONE_LOOP: the
+# walk in one loop, every step masked, rather than masked, unmasked and masked loops; None:
+# with ALiBi or a lower bound (a window's), as options() says.
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -282,12 +280,14 @@ def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> di
     H200 (bf16, 8K, docs/perf.md): EARLY_S (sessions 15, five rounds at 8K and 16K) causal
     373 -> 409 and 401 -> 439 TFLOP/s with it, without a bound 486 -> 463 and 495 -> 472;
     ONE_LOOP (session 17; 3.3K instructions against 6.0K, no spills) ALiBi 450 -> 472 and
-    the causal window 347 -> 354, but softcap 428 -> 393 and the block masks -2-3%."""
+    the causal window 347 -> 354, but softcap 428 -> 393 and the block masks -2-3%. EARLY_S
+    on one loop (session 20, five rounds): ALiBi 494 with it off against 483 on, the window
+    363 against 359 (and off with three loops, ALiBi 401: ONE_LOOP stays)."""
     opts = dict(OPTIONS)
-    if opts["EARLY_S"] is None:
-        opts["EARLY_S"] = bool(has_upper)
     if opts["ONE_LOOP"] is None:
         opts["ONE_LOOP"] = bool(has_lower or alibi)
+    if opts["EARLY_S"] is None:
+        opts["EARLY_S"] = bool(has_upper) and not opts["ONE_LOOP"]
     return opts
 
 
@@ -310,7 +310,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
           ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, LATE_DV: gl.constexpr, TL):
+          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
     """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
@@ -349,7 +349,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
                                  stats_smem[1].index(slot), keys, cols, SEQ, qk_scale,
                                  (LOWER, UPPER, cap2, slope2, off_b, h, anchor), st_layout,
                                  a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                 MASK_MOD, EARLY_S, LATE_DV == 2 or (LATE_DV == 1 and W == 1))
+                                 MASK_MOD, EARLY_S, W == 1)
     _mark_step(TL, t, W, 1)  # dS^T formed, dK's product issued
     # This group's rows of dS^T; dQ's product needs the other group's too.
     ds_s = ds_smem.index(slot)
@@ -385,13 +385,13 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, d
            empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, LATE_DV: gl.constexpr, TL):
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
     """_step over steps lo .. hi - 1, masked or not."""
     for t in range(lo, hi):
         dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w,
                            full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
                            cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                           MASK_MOD, EARLY_S, LATE_DV, TL)
+                           MASK_MOD, EARLY_S, TL)
     return dk, dv, st
 
 
@@ -401,7 +401,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             ONE_LOOP: gl.constexpr, LATE_DV: gl.constexpr, TL):
+             ONE_LOOP: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
@@ -434,19 +434,19 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         if ONE_LOOP:  # every step masked: one loop body (OPTIONS)
             dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                                EARLY_S, LATE_DV, TL)
+                                EARLY_S, TL)
         else:
             for g in range(GROUP):
                 if HAS_UPPER:  # query blocks across the causal / window upper bound
                     dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
                                         True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                        MASK_MOD, EARLY_S, LATE_DV, TL)
+                                        MASK_MOD, EARLY_S, TL)
                 dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                     False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, LATE_DV, TL)
+                                    MASK_MOD, EARLY_S, TL)
                 dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
                                     W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, LATE_DV, TL)
+                                    MASK_MOD, EARLY_S, TL)
     _mark(TL, 3 + 2 * W)  # the walk is done
     # Through shared memory (store_rows): dV into this group's rows of V (read by its own
     # products only), dK into the slot of Q (consumer 0) or dO (consumer 1) that the last
@@ -513,7 +513,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
-                           LATE_DV: gl.constexpr, num_warps: gl.constexpr):
+                           num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -591,14 +591,14 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, LATE_DV, TL)),
+                     EARLY_S, ONE_LOOP, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
                      stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
                      HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, LATE_DV, TL)),
+                     EARLY_S, ONE_LOOP, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,

@@ -125,19 +125,16 @@ def _softmax(s, m_i, l_i, rows, first, offs_n, SEQ, qk_scale, var, IS_CAUSAL: gl
     new max, the new sum, the accumulator's factor). Plain scores keep the scale in the
     exp2's FFMA; softcap and ALiBi scores (common.scores, log2 domain) are formed first, then
     masked. HAS_ALIBI 2: one-sided ALiBi (every visible key at or left of the diagonal): the
-    key part of the bias only (common.alibi_part, relative to var[7]); the row part moves
-    into the LSE. HAS_ALIBI 3: the same with the key part by alibi_lanes (but with softcap,
-    whose loop has fewer registers to spare: its spills 60 / 68 -> 100 / 107 that way)."""
+    key part of the bias only, relative to var[7] (alibi_lanes, one FFMA a column; with
+    softcap common.alibi_part, as softcap's loop has fewer registers to spare: its spills
+    60 / 68 -> 100 / 107 by alibi_lanes); the row part moves into the LSE."""
     cols = first + offs_n
     if HAS_SOFTCAP or HAS_ALIBI == 1:
         s, _ = scores(s, rows, cols, qk_scale, var[3], var[4], 0, HAS_SOFTCAP, HAS_ALIBI == 1)
-        if HAS_ALIBI >= 2:
+        if HAS_ALIBI == 2:
             s = s + alibi_part(cols, var[7], var[4])[None, :]
         scale: gl.constexpr = 1.0
-    elif HAS_ALIBI == 2:  # one FFMA a score
-        s = gl.fma(s, qk_scale, alibi_part(cols, var[7], var[4])[None, :])
-        scale: gl.constexpr = 1.0
-    elif HAS_ALIBI == 3:  # the same, the keys' part one FFMA a column (OPTIONS ALIBI_LANES)
+    elif HAS_ALIBI == 2:  # one FFMA a score, the keys' part one FFMA a column
         s = gl.fma(s, qk_scale, alibi_lanes(first, offs_n, var[7], var[4])[None, :])
         scale: gl.constexpr = 1.0
     else:
@@ -160,7 +157,8 @@ def alibi_lanes(first, offs, anchor, slope2):
     (offs = (offs & 6) + (offs & -7)); there bits 1-2 are the lane's part (2 * (lane % 4))
     and the rest a constant of the register, so slope2 times the rest folds into each FFMA
     as an immediate and the lane's part joins one value a thread (VIADD, I2FP and FMUL a
-    column otherwise; the same sum in any layout, only slower)."""
+    column otherwise; the same sum in any layout, only slower). The causal loop 625 -> 573
+    instructions a step; ALiBi's forward 461 -> 485 TFLOP/s on the H200 (session 20)."""
     return gl.fma((offs & -7).to(gl.float32), slope2,
                   slope2 * (first - anchor + (offs & 6)).to(gl.float32))
 
@@ -290,11 +288,8 @@ def _bounds(start_m, SEQ, var, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 # registers of the second consumer and of the producer (setmaxnreg; 4 warps each).
 # HEAVY_FIRST: under a causal bound (no lower one) the programs of a head take its query
 # blocks last first, so the blocks that see the most keys start first and the grid's tail
-# holds the light ones (as the Triton kernels' common.heavy_first). ALIBI_LANES: one-sided
-# ALiBi's keys' part one FFMA a column (alibi_lanes; the loop 625 -> 573 instructions a step
-# at causal, offline; off until measured on the H200).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True,
-               ALIBI_LANES=False)
+# holds the light ones (as the Triton kernels' common.heavy_first).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True)
 
 
 @gluon.jit
@@ -326,7 +321,7 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
-                           HEAVY_FIRST: gl.constexpr, ALIBI_LANES: gl.constexpr,
+                           HEAVY_FIRST: gl.constexpr,
                            num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
@@ -345,8 +340,6 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    # (one-sided ALiBi's keys' part by alibi_lanes: form 3, OPTIONS ALIBI_LANES)
-    ALIBI_FORM: gl.constexpr = 3 if HAS_ALIBI == 2 and ALIBI_LANES else HAS_ALIBI
     start_m = gl.program_id(0)
     if HEAVY_FIRST and (IS_CAUSAL or (HAS_UPPER and not HAS_LOWER)):  # (OPTIONS)
         start_m = gl.num_programs(0) - 1 - start_m
@@ -395,11 +388,11 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
         [(_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
                     off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
                     SEQ, qk_scale, 0, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, ALIBI_FORM, LISTED, MASK_MOD)),
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
          (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
                     off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
                     SEQ, qk_scale, 1, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, ALIBI_FORM, LISTED, MASK_MOD)),
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
          (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
                      k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
                      off_h * q_ch, row0, col, tile, NUM_STAGES, LISTED))],
