@@ -18,12 +18,23 @@ from flashtriton import launch
 from flashtriton.bench_variants import set_gluon_options
 from flashtriton.kernels import gluon_bwd
 
-CASES = {  # name: (B, N, causal, window_size); H = 16, D = 128, bf16
-    "window": (2, 8192, True, (1023, 0)),
-    "dense": (16, 1024, False, (-1, -1)),
-    "dense8k": (2, 8192, False, (-1, -1)),
-    "causal": (2, 8192, True, (-1, -1)),
+CASES = {  # name: (B, N, the backward's options); H = 16, D = 128, bf16
+    "window": (2, 8192, dict(causal=True, window_size=(1023, 0))),
+    "dense": (16, 1024, {}),
+    "dense8k": (2, 8192, {}),
+    "causal": (2, 8192, dict(causal=True)),
+    "document": (2, 8192, "document"),  # bench_variants' documents of 2048 tokens
 }
+
+
+def case_options(name, N):
+    """The case's attention options (a block mask built here for the document case)."""
+    opts = CASES[name][2]
+    if opts == "document":
+        from flashtriton.bench_variants import _document_mod
+        from flashtriton.block_mask import create_block_mask
+        return dict(block_mask=create_block_mask(_document_mod, None, None, N, N, "cuda"))
+    return opts
 
 
 def phases(tl):
@@ -104,21 +115,21 @@ def main():
         p.error(str(e))
     H, D = 16, 128
     for name in args.cases:
-        B, N, causal, win = CASES[name]
+        B, N, _ = CASES[name]
+        opts = case_options(name, N)
         q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
                        for _ in range(4))
-        out, lse = launch.attention_forward_gluon(q, k, v, causal=causal, window_size=win)
+        out, lse = launch.attention_forward_gluon(q, k, v, **opts)
         tl = torch.zeros(-(-N // 128) * B * H, gluon_bwd.TL_ROW.value, dtype=torch.int64,
                          device="cuda")
         for _ in range(3):
-            launch.attention_backward_gluon(do, q, k, v, out, lse, causal=causal,
-                                            window_size=win, _timeline=tl)
+            launch.attention_backward_gluon(do, q, k, v, out, lse, **opts, _timeline=tl)
         torch.cuda.synchronize()
         us, span, busy = phases(tl.cpu())
         calls = [triton.testing.do_bench(lambda: launch.attention_backward_gluon(
-            do, q, k, v, out, lse, causal=causal, window_size=win, _timeline=t), warmup=10,
-            rep=50) * 1e3 for t in (None, torch.zeros_like(tl))]
-        print(f"== {name}: B={B} N={N} causal={causal} window={win}, {tl.shape[0]} programs; "
+            do, q, k, v, out, lse, **opts, _timeline=t), warmup=10, rep=50) * 1e3
+            for t in (None, torch.zeros_like(tl))]
+        print(f"== {name}: B={B} N={N} {CASES[name][2]}, {tl.shape[0]} programs; "
               f"kernel span {span:.1f} us, busy per SM {busy:.1f} us; the backward's call "
               f"{calls[0]:.1f} us, with the marks {calls[1]:.1f}")
         for k_, v_ in us.items():
