@@ -311,15 +311,15 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False), dict(MASK_LATE=1),
-                        dict(MASK_LATE=2, ONE_LOOP=True)],
-                ids=["s0", "s1", "one", "split", "late1", "late2one"])
+                        dict(ONE_LOOP=False), dict(MASK_LATE=1), dict(KEEP_LANES=True),
+                        dict(MASK_LATE=2, ONE_LOOP=True, KEEP_LANES=True)],
+                ids=["s0", "s1", "one", "split", "late1", "lanes", "late2one"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
     step masked, or masked, unmasked and masked loops), MASK_LATE 1 and 2 (a one-loop walk's
     steps masked after dP^T's wait, only where the tile needs it; 2 with every walk in one
-    loop)."""
+    loop and KEEP_LANES), KEEP_LANES (the masks' compares against immediates)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)

@@ -198,9 +198,24 @@ def _keep(keys, cols, SEQ, var, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr
     """Which (key, query) pairs of a masked step's S^T are kept. SEQ and the window's bounds
     are folded into each key's first and last query first (query i sees key j where
     j <= i + UPPER, i.e. i >= j - UPPER, and j >= i + LOWER, i.e. i <= j - LOWER; a key past
-    SEQ: none), so a score takes one compare a bound instead of one a condition."""
+    SEQ: none), so a score takes one compare a bound instead of one a condition. var[8]
+    (KEEP_LANES): the columns split as gluon_fwd.alibi_lanes does (cols = var[7] + offs,
+    offs = (offs & 6) + (offs & -7)): each key's bounds less the thread's lane part, one value
+    a thread a bound, compared with the register's constant part, an immediate."""
     valid = keys < SEQ
-    if HAS_UPPER:
+    if var[8] and (HAS_LOWER or HAS_UPPER):
+        offs = cols - var[7]
+        reg = (offs & -7)[None, :]
+        lane = (var[7] + (offs & 6))[None, :]
+        first = gl.where(valid, keys - var[1], 1 << 30)[:, None] - lane
+        if HAS_UPPER and HAS_LOWER:  # first <= reg <= first + UPPER - LOWER: one unsigned
+            # compare (a key past SEQ: reg - first wraps past any window's width)
+            keep = (reg - first).to(gl.uint32, bitcast=True) <= (var[1] - var[0])
+        elif HAS_UPPER:
+            keep = reg >= first
+        else:
+            keep = reg <= gl.where(valid, keys - var[0], -1)[:, None] - lane
+    elif HAS_UPPER:
         keep = cols[None, :] >= gl.where(valid, keys - var[1], 1 << 30)[:, None]
         if HAS_LOWER:
             keep = keep & (cols[None, :] <= (keys - var[0])[:, None])
@@ -222,7 +237,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
                    part):
     """dP^T = V dO^T issued behind S^T = K Q^T (st: in flight, or S_DONE complete); P^T
     while dP^T runs; dV += P^T dO issued, dS^T = P^T (dP^T - delta) while it runs;
-    dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor); lse_s and
+    dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor, the step's first
+    query, KEEP_LANES: _keep); lse_s and
     delta_s: the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key
     at or left of the diagonal): the keys' part of the bias (common.alibi_part relative to
     the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). LATE_DV
@@ -284,9 +300,10 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # with ALiBi or a lower bound (a window's), as options() says. MASK_LATE (walks in one loop):
 # consumer 1 (1) or both (2, with dV's product after dS^T in both) mask a step after dP^T's
 # wait and only where the step's tile needs it (_dkdv_products); 0 off (until measured on
-# the H200).
+# the H200). KEEP_LANES: a masked step's bounds compared per score with one compare a bound
+# against an immediate (_keep; off until measured on the H200).
 OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               MASK_LATE=0)
+               MASK_LATE=0, KEEP_LANES=False)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -336,7 +353,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     delta come from the slot's shared tiles (stats_smem, loaded by the producer with Q and
     dO). dQ's product: each group its column half (k_cols) over both groups' dS^T (they meet
     at ds_ready every step)."""
-    ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
+    ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor, LANES = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
@@ -375,7 +392,8 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
         s_now = _issue_s(t, q_smem, k_w, full, st_layout, None, t, W)
     dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, stats_smem[0].index(slot),
                                  stats_smem[1].index(slot), keys, cols, SEQ, qk_scale,
-                                 (LOWER, UPPER, cap2, slope2, off_b, h, anchor), st_layout,
+                                 (LOWER, UPPER, cap2, slope2, off_b, h, anchor, m * BLOCK_M,
+                                  LANES), st_layout,
                                  a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                  MASK_MOD, EARLY_S, late_dv, late, part)
     _mark_step(TL, t, W, 1)  # dS^T formed, dK's product issued
@@ -434,7 +452,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
-    key: one-sided ALiBi's anchor)."""
+    key: one-sided ALiBi's anchor, KEEP_LANES)."""
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -542,7 +560,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
-                           MASK_LATE: gl.constexpr,
+                           MASK_LATE: gl.constexpr, KEEP_LANES: gl.constexpr,
                            num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
@@ -577,7 +595,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     total = GROUP * cnt
     walk = (cnt, m_lo, off_hk * GROUP, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, lst)
     cfg = (ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER,
-           n * BLOCK_N)
+           n * BLOCK_N, KEEP_LANES)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
