@@ -4,8 +4,8 @@ run with a timeline (launch.attention_backward_gluon's _timeline; kernels.gluon_
 dK / dV stores, the producer's last reduction; and the SM), then per program the mean of
 each phase, and per SM the gap between one program's end and the next one's start. Then
 the steps (gluon_bwd._mark_step: %clock64 at TL_MARKS points of each consumer's first
-TL_STEPS steps): the mean SM cycles of each part of a step, over the steps that are neither
-a walk's first nor its last.
+TL_STEPS steps, in each of its warps): the mean SM cycles of each part of a step, a column a
+warp, over the steps that are neither a walk's first nor its last.
 
     python scripts/probe_timeline.py [--cases window dense causal] [--set ONE_LOOP=1]
 """
@@ -73,31 +73,31 @@ STEP_PARTS = ["start -> dS^T formed, dK issued", "-> dS^T stored, fenced",
 
 
 def step_parts(tl):
-    """Mean SM cycles of each part of a step (STEP_PARTS, then the whole) in four columns:
-    consumer 0's even and odd steps, consumer 1's even and odd (steps 1 .. TL_STEPS - 2 that
-    the walk continues past); the number of consumer 0's steps counted; and the SM cycles
-    per ns (the median over programs whose walks fit in TL_STEPS: their steps' cycles
-    against the walk's %globaltimer ns)."""
+    """Mean SM cycles of each part of a step (STEP_PARTS, then the whole) in a column a warp:
+    consumer 0's warps, then consumer 1's (steps 1 .. TL_STEPS - 2 that the walk continues
+    past); the number of consumer 0's steps counted; and the SM cycles per ns (the median
+    over programs whose walks fit in TL_STEPS: consumer 0's warp 0's cycles against the
+    walk's %globaltimer ns)."""
     steps = gluon_bwd.TL_STEPS.value
     last = gluon_bwd.TL_MARKS.value - 1
-    marks = tl[:, 8:].view(-1, steps, 2, last + 1).double()  # program, step, consumer, mark
-    seen = marks[..., 0] != 0
-    parity = torch.arange(1, steps - 1) % 2
+    warps = gluon_bwd.TL_WARPS.value
+    # program, step, consumer, mark, warp
+    marks = tl[:, 8:].view(-1, steps, 2, last + 1, warps).double()
+    seen = marks[..., 0, 0] != 0
     out, counted = [], 0
     for w in range(2):
-        m = marks[:, 1:-1, w]
         ok = seen[:, 1:-1, w] & seen[:, 2:, w]
-        rows = torch.cat([m[..., 1:] - m[..., :-1], (marks[:, 2:, w, 0] - m[..., 0])[..., None]],
-                         -1)
-        for odd in (0, 1):
-            pick = ok & (parity == odd)
-            out.append(rows[pick].mean(0))
+        for warp in range(warps):
+            m = marks[:, 1:-1, w, :, warp]
+            rows = torch.cat([m[..., 1:] - m[..., :-1],
+                              (marks[:, 2:, w, 0, warp] - m[..., 0])[..., None]], -1)
+            out.append(rows[ok].mean(0))
         if w == 0:
             counted = int(ok.sum())
     n = seen[:, :, 0].sum(1)
     fits = (n > 1) & (n < steps)
     rows = torch.arange(tl.shape[0])[fits]
-    cyc = marks[rows, n[fits] - 1, 0, last] - marks[rows, 0, 0, 0]
+    cyc = marks[rows, n[fits] - 1, 0, last, 0] - marks[rows, 0, 0, 0, 0]
     ns = (tl[fits, 3] - tl[fits, 2]).double()
     rate = float((cyc / ns).median()) if fits.any() else float("nan")
     return out, counted, rate
@@ -135,10 +135,10 @@ def main():
         for k_, v_ in us.items():
             print(f"   {k_:42s} {v_:8.2f} us")
         parts, counted, rate = step_parts(tl.cpu())
-        print(f"   a step's parts, SM cycles (consumer 0 even / odd steps, consumer 1 even / "
-              f"odd; {counted} steps of consumer 0; {rate:.2f} cycles a ns)")
+        print(f"   a step's parts, SM cycles (consumer 0's warps 0-3, then consumer 1's; "
+              f"{counted} steps of consumer 0; {rate:.2f} cycles a ns)")
         for i, part in enumerate(STEP_PARTS + ["the step"]):
-            print(f"   {part:42s} " + " ".join(f"{float(c[i]):8.0f}" for c in parts))
+            print(f"   {part:36s}" + "".join(f"{float(c[i]):6.0f}" for c in parts))
 
 
 if __name__ == "__main__":

@@ -400,8 +400,9 @@ def test_gluon_backward_rejects_what_it_does_not_take():
 def test_gluon_backward_timeline_rows_and_step_parts():
     """attention_backward_gluon's _timeline (timing only) must be programs x TL_ROW int64 (a
     ValueError otherwise, before the kernel's other checks), and probe_timeline.step_parts
-    reads a consumer's step marks: the mean cycles of each part over the steps that are
-    neither a walk's first nor its last, and the SM's cycles a ns."""
+    reads a consumer's step marks, one a warp: the mean cycles of each part over the steps
+    that are neither a walk's first nor its last, a column a warp, and the SM's cycles a
+    ns."""
     import importlib.util
     from flashtriton.kernels import gluon_bwd
     q = torch.zeros(2, 300, 4, 128, dtype=torch.bfloat16)
@@ -416,26 +417,30 @@ def test_gluon_backward_timeline_rows_and_step_parts():
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     steps, n = gluon_bwd.TL_STEPS.value, gluon_bwd.TL_MARKS.value
+    warps = gluon_bwd.TL_WARPS.value
     assert len(probe.STEP_PARTS) == n - 1  # a name for each part between two marks
+    assert row == 8 + 2 * steps * n * warps
     tl = torch.zeros(2, row, dtype=torch.int64)
     tl[:, 2], tl[:, 3] = 1000, 1000 + 5 * 100  # K / V landed, walk done (ns)
+    k_ = torch.arange(n)
     for p_, walk in enumerate((5, steps + 3)):  # the second walk is longer than TL_STEPS
         for t in range(min(walk, steps)):
             for w in range(2):
-                base = 8 + (t * 2 + w) * n
-                # step t starts at 200 t; its parts take 1, 2, .., n - 1 cycles (times 1 + w)
-                tl[p_, base:base + n] = 200 * t + 10 + torch.arange(n) * (torch.arange(n) + 1
-                                                                           ) // 2 * (1 + w)
-    tl[:, 8 + (3 * 2 + 1) * n + n - 1] += 40  # consumer 1's step 3: its last part 40 more
+                for u in range(warps):
+                    at = 8 + (t * 2 + w) * n * warps + u + k_ * warps
+                    # step t starts at 200 t; warp u's parts take 1 + u, 2 + u, .., n - 1 + u
+                    # cycles (the part's number times 1 + w)
+                    tl[p_, at] = 200 * t + 10 + k_ * (k_ + 1) // 2 * (1 + w) + u * k_
+    tl[:, 8 + ((3 * 2 + 1) * n + n - 1) * warps + 2] += 40  # consumer 1's step 3, warp 2
     parts, counted, rate = probe.step_parts(tl)
+    assert len(parts) == 2 * warps
     assert counted == 3 + steps - 2  # steps 1-3 of the first walk, 1 .. steps - 2 of the other
     for w in range(2):
-        for odd in range(2):
-            col = parts[2 * w + odd]
-            # odd steps counted: 1 and 3 of the first walk, 1 .. steps - 3 of the second
-            longer = 2 * 40 / (2 + (steps - 2) // 2) if (w, odd) == (1, 1) else 0
-            assert col[:n - 2].tolist() == [(i + 1) * (1 + w) for i in range(n - 2)]
-            assert float(col[n - 2]) == pytest.approx((n - 1) * (1 + w) + longer)
+        for u in range(warps):
+            col = parts[w * warps + u]
+            longer = 2 * 40 / counted if (w, u) == (1, 2) else 0  # its last part, both walks
+            assert col[:n - 2].tolist() == [(i + 1) * (1 + w) + u for i in range(n - 2)]
+            assert float(col[n - 2]) == pytest.approx((n - 1) * (1 + w) + u + longer)
             assert col[n - 1] == 200
     # the first walk: 5 steps from cycle 10 to step 4's last mark (800 + 10 + (n - 1) n / 2)
     # over 500 ns

@@ -70,10 +70,12 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 # Timing only (TL, scripts/probe_timeline.py): a program's row at TL holds 8 marks (_mark),
-# then TL_MARKS of each consumer in each of its first TL_STEPS steps (_mark_step).
+# then TL_MARKS of each consumer in each of its first TL_STEPS steps, one a warp of the
+# consumer's TL_WARPS (_mark_step).
 TL_STEPS = gl.constexpr(32)
 TL_MARKS = gl.constexpr(13)
-TL_ROW = gl.constexpr(8 + 2 * TL_MARKS.value * TL_STEPS.value)
+TL_WARPS = gl.constexpr(4)
+TL_ROW = gl.constexpr(8 + 2 * TL_MARKS.value * TL_STEPS.value * TL_WARPS.value)
 
 
 @gluon.jit
@@ -97,12 +99,16 @@ def _mark(TL, slot: gl.constexpr):
 
 @gluon.jit
 def _mark_step(TL, t, W: gl.constexpr, k: gl.constexpr):
-    """Timing only: the SM's %clock64 now into mark k of consumer W's step t (t < TL_STEPS)."""
+    """Timing only: each warp's %clock64 now (lane 0 of each of consumer W's TL_WARPS warps)
+    into mark k of its step t (t < TL_STEPS)."""
     if TL is not None:
         if t < TL_STEPS:
-            c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
-                                          is_pure=False, pack=1)
-            gl.store(_tl_row(TL) + 8 + (t * 2 + W) * TL_MARKS + k, c)
+            layout: gl.constexpr = gl.BlockedLayout([1], [32], [TL_WARPS], [0])
+            lane = gl.arange(0, 32 * TL_WARPS, layout=layout)
+            c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [lane],
+                                          dtype=gl.int64, is_pure=False, pack=1)
+            at = _tl_row(TL) + 8 + ((t * 2 + W) * TL_MARKS + k) * TL_WARPS + lane // 32
+            gl.store(at, c, mask=lane % 32 == 0)
 
 
 @gluon.jit
