@@ -213,12 +213,13 @@ def _keep(keys, cols, SEQ, var, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr
         offs = cols - var[7]
         reg = (offs & -7)[None, :]
         lane = (var[7] + (offs & 6))[None, :]
-        first = gl.where(valid, keys - var[1], 1 << 30)[:, None] - lane
-        if HAS_UPPER and HAS_LOWER:  # first <= reg <= first + UPPER - LOWER: one unsigned
-            # compare (a key past SEQ: reg - first wraps past any window's width)
-            keep = (reg - first).to(gl.uint32, bitcast=True) <= (var[1] - var[0])
-        elif HAS_UPPER:
-            keep = reg >= first
+        if HAS_UPPER:
+            first = gl.where(valid, keys - var[1], 1 << 30)[:, None] - lane
+            if HAS_LOWER:  # first <= reg <= first + UPPER - LOWER: one unsigned compare (a
+                # key past SEQ: reg - first wraps past any window's width)
+                keep = (reg - first).to(gl.uint32, bitcast=True) <= (var[1] - var[0])
+            else:
+                keep = reg >= first
         else:
             keep = reg <= gl.where(valid, keys - var[0], -1)[:, None] - lane
     elif HAS_UPPER:
@@ -272,8 +273,7 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
         pt = gl.exp2(s2 - lse2[None, :])
     else:
         pt = gl.exp2(st * qk_scale - lse2[None, :])
-    if MASK and not MASK_LATE:  # keys past SEQ (a ragged key block), outside the window,
-        # or MASK_MOD's
+    if MASK and not MASK_LATE:  # keys past SEQ (a ragged key block), the window, MASK_MOD
         pt = gl.where(_keep(keys, cols, SEQ, var, HAS_LOWER, HAS_UPPER, MASK_MOD), pt, 0.0)
     pg = pt  # P^T times the scores' derivative (softcap * tanh(x / softcap): 1 - tanh^2),
     if HAS_SOFTCAP:  # formed now so that the tanh is not kept through dP^T's wait

@@ -259,7 +259,7 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     gl.thread_barrier()  # (this partition's warps)
     store_rows(q_smem, O, off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ)
     lse2 = m_i + gl.log2(l_i)
-    if HAS_ALIBI >= 2:  # the rows' part of one-sided ALiBi (see _softmax)
+    if HAS_ALIBI == 2:  # the rows' part of one-sided ALiBi (see _softmax)
         lse2 = lse2 - alibi_part(rows, var[7], var[4])
     lse = gl.where(l_i == 0.0, -float("inf"), lse2 * 0.6931471805599453)
     gl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=rows < SEQ)
