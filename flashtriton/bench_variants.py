@@ -2,7 +2,7 @@
 
     python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out]
         [--triton-variants] [--triton-bwd-variants] [--general-alibi]
-        [--gluon-option NAME=0|1] [--rounds 3]
+        [--gluon-option NAME=0|1] [--ab NAME[=A,B]] [--rounds 3]
 
 Variants (bf16, batch * seqlen = 16K tokens, 16 heads of 128): causal sliding window
 of 1024, document masking (documents of 2048 tokens, through mask_mod + a block
@@ -11,6 +11,9 @@ mask), causal + ALiBi, causal + softcap 30. TFLOP/s count only the visible
 (query, key) pairs: 4 * D * pairs forward, 2.5x that backward. flashtriton's
 output is checked against FlexAttention's before its speed is reported; the two are
 measured in turn, --rounds times, and each figure is the median of its rounds.
+--ab NAME[=A,B] measures flashtriton at two settings of Gluon kernel options (off and on,
+or A and B; several joined by + change together), both in the same turns as FlexAttention:
+an A/B that drift between rounds reaches alike.
 """
 
 import argparse
@@ -141,6 +144,40 @@ def set_gluon_options(items) -> None:
             table[bare] = option_value(table[bare], value)
 
 
+def ab_parts(ab: str):
+    """An A/B's parts: [(NAME as given, its OPTIONS tables, bare name, [A, B])] for each
+    [fwd.|bwd.]NAME[=A,B] joined by + (A and B: 0 and 1 unless given). ValueError for an
+    unknown name or a count of values other than two."""
+    parts = []
+    for part in ab.split("+"):
+        name, _, values = part.partition("=")
+        bare, tables = option_tables(name)
+        vals = [int(x) for x in values.split(",")] if values else [0, 1]
+        if len(vals) != 2:
+            raise ValueError(f"{part!r}: NAME=A,B takes two values")
+        parts.append((name, tables, bare, vals))
+    return parts
+
+
+def ab_side(ab: str, side: int) -> list:
+    """An A/B's setting A (side 0) or B (1) as [fwd.|bwd.]NAME=V items (set_gluon_options)."""
+    return [f"{name}={int(option_value(tables[0][bare], vals[side]))}"
+            for name, tables, bare, vals in ab_parts(ab)]
+
+
+def _with_options(items, fn, *args):
+    """fn(*args) with the Gluon kernels' OPTIONS set by items (set_gluon_options), restored
+    after."""
+    from .kernels import gluon_bwd, gluon_fwd
+    saved = [(t, dict(t)) for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS)]
+    set_gluon_options(items)
+    try:
+        return fn(*args)
+    finally:
+        for table, old in saved:
+            table.update(old)
+
+
 def _median_run(runs: list) -> dict:
     """Each of _measure's figures: its median over the rounds, and every round's ms."""
     out = {}
@@ -149,6 +186,22 @@ def _median_run(runs: list) -> dict:
         if key.endswith("_ms"):
             out[key + "_rounds"] = [r[key] for r in runs]
     return out
+
+
+def variant_line(name: str, ours: list, flex: dict) -> str:
+    """A table line: each of flashtriton's rows (one, or an A/B's two), FlexAttention's, and
+    each of ours' speed-ups over it (fwd / bwd); a row that failed shows its status."""
+    def cell(r):
+        return (f"{r['fwd_tflops']:.0f} / {r['bwd_tflops']:.0f}" if r["status"] == "ok"
+                else r["status"])
+
+    def up(o):
+        if o["status"] != "ok" or flex["status"] != "ok":
+            return ""
+        return (f"{o['fwd_tflops'] / flex['fwd_tflops']:.2f} / "
+                f"{o['bwd_tflops'] / flex['bwd_tflops']:.2f}")
+    return "| " + " | ".join([name] + [cell(o) for o in ours] + [cell(flex)]
+                             + [up(o) for o in ours]) + " |"
 
 
 def main(argv=None):
@@ -177,11 +230,15 @@ def main(argv=None):
                    help="set an option of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
                         "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0, fwd.CONSUMER_REGS=240; "
                         "fwd. / bwd. names one kernel's)")
+    p.add_argument("--ab", metavar="NAME[=A,B]",
+                   help="flashtriton with Gluon kernel options off and on (or at A and B; "
+                        "several joined by + change together), measured in the same turns")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     try:
         set_gluon_options(args.gluon_option)
+        sides = [ab_side(args.ab, side) for side in (0, 1)] if args.ab else [[]]
     except ValueError as e:
         p.error(str(e))
     launch.GLUON_VARIANTS = not args.triton_variants
@@ -193,33 +250,41 @@ def main(argv=None):
     N, H, D = args.seqlen, args.heads, args.dim
     B = max(1, args.tokens // N)
     meta = _meta(args.commit)
-    rows, lines = [], ["| variant | flashtriton fwd / bwd | FlexAttention fwd / bwd | speed-up fwd / bwd |",
-                       "|---|---|---|---|"]
+    ours = {" ".join(["flashtriton"] + items): items for items in sides}
+    ups = " | ".join(" ".join(["speed-up"] + items + ["fwd / bwd"]) for items in sides)
+    head = " | ".join(f"{o} fwd / bwd" for o in ours)
+    rows, lines = [], [f"| variant | {head} | FlexAttention fwd / bwd | {ups} |",
+                       "|---" * (2 + 2 * len(ours)) + "|"]
     with open(os.path.join(args.out, "variants.jsonl"), "w") as f:
         for name in args.variants:
             res = {}
             tuned_before = set(launch._TUNED)  # flashtriton tunes in its check call below
-            fns = {"flashtriton": _ours(name, B, H, N, "cuda"), "flex": _flex(name, B, H, N, "cuda")}
+            fns = dict.fromkeys(ours, _ours(name, B, H, N, "cuda"))
+            fns["flex"] = _flex(name, B, H, N, "cuda")
+            items = dict(ours, flex=[])
             q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            a, b = fns["flashtriton"](q, k, v, None).float(), fns["flex"](q, k, v, None).float()
-            err = float((a - b).norm() / b.norm())
+            b = fns["flex"](q, k, v, None).float()
+            err = {prov: float((_with_options(items[prov], fn, q, k, v, None).float() - b).norm()
+                               / b.norm()) for prov, fn in fns.items()}
             flop = 4 * B * H * D * _pairs(name, N)
             shape = Shape(name, B, H, H, N, D, True)
-            ok = {prov: prov != "flashtriton" or err < 2e-2 for prov in fns}
+            ok = {prov: err[prov] < 2e-2 for prov in fns}
             runs = {prov: [] for prov in fns}
-            for _ in range(args.rounds):  # the providers in turn: drift reaches both alike
+            for _ in range(args.rounds):  # the providers in turn: drift reaches all alike
                 for prov, fn in fns.items():
                     if ok[prov]:
-                        runs[prov].append(_measure(fn, shape, torch.bfloat16))
+                        runs[prov].append(_with_options(items[prov], _measure, fn, shape,
+                                                        torch.bfloat16))
             for prov in fns:
-                row = dict(meta, variant=name, provider=prov, B=B, H=H, N=N, D=D, rel_err=err)
+                row = dict(meta, variant=name, provider=prov.split()[0], B=B, H=H, N=N, D=D,
+                           rel_err=err[prov], options=items[prov])
                 if not ok[prov]:
-                    row["status"] = f"FAILED check (rel err {err:.2e})"
+                    row["status"] = f"FAILED check (rel err {err[prov]:.2e})"
                 else:
                     row.update(_median_run(runs[prov]), status="ok", rounds=args.rounds)
                     row.update(fwd_tflops=flop / row["fwd_ms"] * 1e-9,
                                bwd_tflops=2.5 * flop / row["bwd_ms"] * 1e-9)
-                    if prov == "flashtriton":  # the tiles its kernels were tuned to
+                    if prov in ours:  # the tiles its kernels were tuned to
                         row["tiles"] = tiles_since(tuned_before)
                 res[prov] = row
                 rows.append(row)
@@ -227,14 +292,7 @@ def main(argv=None):
                 f.flush()
                 print(name, prov, row.get("fwd_tflops"), row.get("bwd_tflops"), row["status"],
                       row.get("tiles", ""), flush=True)
-            o, x = res["flashtriton"], res["flex"]
-            if o["status"] == x["status"] == "ok":
-                lines.append(f"| {name} | {o['fwd_tflops']:.0f} / {o['bwd_tflops']:.0f} | "
-                             f"{x['fwd_tflops']:.0f} / {x['bwd_tflops']:.0f} | "
-                             f"{o['fwd_tflops'] / x['fwd_tflops']:.2f} / "
-                             f"{o['bwd_tflops'] / x['bwd_tflops']:.2f} |")
-            else:
-                lines.append(f"| {name} | {o['status']} | {x['status']} | |")
+            lines.append(variant_line(name, [res[o] for o in ours], res["flex"]))
     table = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
              f"{meta['commit']}, {meta['date']}; B={B} H={H} N={N} D={D} bf16, TFLOP/s of visible "
              f"pairs\n\n" + "\n".join(lines) + "\n")

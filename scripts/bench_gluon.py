@@ -27,7 +27,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtriton import _env, flash_attention
 from flashtriton.bench import per_call_us
-from flashtriton.bench_variants import option_tables, option_value
+from flashtriton.bench_variants import ab_parts as variant_ab_parts
+from flashtriton.bench_variants import option_value
 from flashtriton.kernels import gluon_bwd, gluon_fwd
 from flashtriton.launch import attention_backward_gluon, attention_forward_gluon
 
@@ -74,15 +75,9 @@ def main():
                    "and B, e.g. CONSUMER_REGS=232,240; several joined by + change together), "
                    "round-robin")
     p.add_argument("--rounds", type=int, default=5, help="--ab's rounds")
-    p.add_argument("--side", type=int, choices=(0, 1),
-                   help="print --ab's setting A (0) or B (1) as NAME=V words and exit "
-                   "(scripts/device_check.sh hands them to bench_variants)")
     p.add_argument("--smoke", action="store_true",
                    help="one small call per variant against SDPA, printed as it finishes")
     args = p.parse_args()
-    if args.side is not None:
-        print(ab_side(args.ab, args.side))
-        return
     if args.smoke:
         q, k, v = (torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
@@ -197,21 +192,11 @@ def round_robin(fns, flops, rounds):
 
 
 def ab_parts(ab: str):
-    """--ab's parts: [(NAME as given, its OPTIONS tables, bare name, (A, B))] for each
-    [fwd.|bwd.]NAME[=A,B] joined by + (A and B default 0 and 1; bench_variants.option_tables
-    resolves the name)."""
-    parts = []
-    for part in ab.split("+"):
-        name, _, values = part.partition("=")
-        try:
-            bare, tables = option_tables(name)
-        except ValueError:
-            raise SystemExit(f"--ab: no option {name}")
-        vals = [int(x) for x in values.split(",")] if values else [0, 1]
-        if len(vals) != 2:
-            raise SystemExit("--ab NAME=A,B takes two values")
-        parts.append((name, tables, bare, vals))
-    return parts
+    """--ab's parts (bench_variants.ab_parts), a bad one a SystemExit."""
+    try:
+        return variant_ab_parts(ab)
+    except ValueError as e:
+        raise SystemExit(f"--ab: {e}")
 
 
 def ab_settings(ab: str, table: dict):
@@ -233,13 +218,6 @@ def ab_settings(ab: str, table: dict):
 def ab_labels(settings):
     """The two settings as column labels: NAME=V[,NAME=V]."""
     return [",".join(f"{k}={int(v)}" for k, v in st.items()) for st in settings]
-
-
-def ab_side(ab: str, side: int) -> str:
-    """--ab's setting A (0) or B (1) as [fwd.|bwd.]NAME=V words, as bench_variants'
-    --gluon-option takes them."""
-    return " ".join(f"{name}={int(option_value(tables[0][bare], vals[side]))}"
-                    for name, tables, bare, vals in ab_parts(ab))
 
 
 def forward_ab(args):

@@ -100,35 +100,27 @@ fi
 # gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS), each at A and B (off and on by default):
 # tests/test_gluon.py once (its fixtures run every form; OPTAB_TESTS=0 skips it), then per
 # option bench_gluon's round-robin A/B of each kernel that has it (a kernel that has none of
-# its parts says so in its log) and bench_variants ($VARIANT_ROUNDS rounds, 3; $VARIANTS, all
-# five) at B, then A (bench_gluon --side prints a setting as --gluon-option words).
+# its parts says so in its log) and bench_variants --ab (A, B and FlexAttention in turn,
+# $VARIANT_ROUNDS rounds, 3; $VARIANTS, all five).
 has optab && : "${OPTION:?set OPTION for optab}"
 has optab && [ "${OPTAB_TESTS:-1}" != 0 ] && FLASHTRITON_AUTOTUNE=0 timeout ${T_OPTAB_TESTS:-240} \
   python3 -m pytest tests/test_gluon.py -n 16 -q -p no:cacheprovider -rf --tb=short \
   > "$OUT/optab_tests.log" 2>&1
 optab_one() {  # $1: an OPTION entry; its logs are named by its first NAME
-  local opt=${1%%=*} side
+  local opt=${1%%=*}
   timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --ab "$1" --dims 128 \
     --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_fwd_$opt.log" 2>&1
   timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --backward --ab "$1" --dims 128 \
     --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_bwd_$opt.log" 2>&1
-  for side in 1 0; do
-    timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit "$commit" \
-      --out "$OUT/optab_variants_$opt$side" $(for w in $(python3 scripts/bench_gluon.py \
-      --ab "$1" --side $side); do printf -- '--gluon-option %s ' "$w"; done) \
-      --rounds ${VARIANT_ROUNDS:-3} ${VARIANTS:+--variants $VARIANTS} \
-      > "$OUT/optab_variants_$opt$side.log" 2>&1
-  done
+  timeout ${T_OPTAB_VARIANTS:-400} python3 -m flashtriton.bench_variants --commit "$commit" \
+    --out "$OUT/optab_variants_$opt" --ab "$1" --rounds ${VARIANT_ROUNDS:-3} \
+    ${VARIANTS:+--variants $VARIANTS} > "$OUT/optab_variants_$opt.log" 2>&1
 }
 optab_report() {
-  local opt=${1%%=*} side
+  local opt=${1%%=*}
   echo "== gluon $1"
   cat "$OUT/optab_fwd_$opt.log" "$OUT/optab_bwd_$opt.log" 2>/dev/null | grep -v "no option of"
-  for side in 1 0; do
-    echo "-- bench_variants, $(python3 scripts/bench_gluon.py --ab "$1" --side $side)"
-    cat "$OUT/optab_variants_$opt$side/variants.md" 2>/dev/null \
-      || tail -5 "$OUT/optab_variants_$opt$side.log"
-  done
+  cat "$OUT/optab_variants_$opt/variants.md" 2>/dev/null || tail -5 "$OUT/optab_variants_$opt.log"
 }
 if has optab; then for o in $OPTION; do optab_one "$o"; done; fi
 has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1

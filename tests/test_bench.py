@@ -183,3 +183,35 @@ def test_variants_bench_reports_the_median_of_its_rounds():
     with pytest.raises(SystemExit) as exc:  # argparse's error, before it looks for a GPU
         bench_variants.main(["--rounds", "0"])
     assert exc.value.code == 2
+
+
+def test_variants_bench_ab(monkeypatch):
+    """bench_variants --ab NAME[=A,B]: each side's NAME=V items (integers stay integers, 0 and
+    1 unless given, + joins parts), options set only while a measurement runs and restored
+    after (an exception included), a table line with both sides and their speed-ups over
+    FlexAttention (a failed row shows its status), and argparse's error for a bad --ab."""
+    from flashtriton import bench_variants as bv
+    from flashtriton.kernels import gluon_bwd, gluon_fwd
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", None)
+    monkeypatch.setitem(gluon_fwd.OPTIONS, "CONSUMER_REGS", 240)
+    ab = "EARLY_S+fwd.CONSUMER_REGS=232,240"
+    assert [bv.ab_side(ab, s) for s in (0, 1)] == [["EARLY_S=0", "fwd.CONSUMER_REGS=232"],
+                                                   ["EARLY_S=1", "fwd.CONSUMER_REGS=240"]]
+    seen = bv._with_options(bv.ab_side(ab, 0), lambda x: (x, gluon_bwd.OPTIONS["EARLY_S"],
+                                                          gluon_fwd.OPTIONS["CONSUMER_REGS"]), 7)
+    assert seen == (7, False, 232)
+    with pytest.raises(ZeroDivisionError):
+        bv._with_options(["EARLY_S=1"], lambda: 1 / 0)
+    assert gluon_bwd.OPTIONS["EARLY_S"] is None and gluon_fwd.OPTIONS["CONSUMER_REGS"] == 240
+    for bad in ("NO_SUCH", "EARLY_S=0,1,1"):
+        with pytest.raises(ValueError):
+            bv.ab_parts(bad)
+        with pytest.raises(SystemExit) as exc:
+            bv.main(["--ab", bad])
+        assert exc.value.code == 2
+    row = dict(status="ok", fwd_tflops=400.0, bwd_tflops=300.0)
+    flex = dict(status="ok", fwd_tflops=320.0, bwd_tflops=250.0)
+    assert bv.variant_line("window", [row, dict(row, bwd_tflops=330.0)], flex) == \
+        "| window | 400 / 300 | 400 / 330 | 320 / 250 | 1.25 / 1.20 | 1.25 / 1.32 |"
+    assert bv.variant_line("alibi", [dict(status="FAILED check")], flex) == \
+        "| alibi | FAILED check | 320 / 250 |  |"

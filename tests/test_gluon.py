@@ -451,8 +451,8 @@ def test_bench_gluon_ab_settings():
     """bench_gluon --ab NAME[=A,B]: a boolean option (or one left None for options() to
     choose) off and on, an integer option at A and B (CONSUMER_REGS=232,240), several joined
     by + together, fwd. / bwd. naming one kernel's (left out of the other kernel's A/B, an
-    error where nothing is left), --side's words for bench_variants, and an error for an
-    unknown name or a third value."""
+    error where nothing is left), bench_variants.ab_side's items for either side, and an error
+    for an unknown name or a third value."""
     import importlib.util
     from flashtriton.kernels import gluon_bwd, gluon_fwd
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gluon.py")
@@ -473,9 +473,10 @@ def test_bench_gluon_ab_settings():
         "CONSUMER_REGS=240,PRODUCER_REGS=24"
     assert bench.ab_settings(both + "+ONE_LOOP", gluon_bwd.OPTIONS) == [{"ONE_LOOP": False},
                                                                         {"ONE_LOOP": True}]
-    assert bench.ab_side(both + "+ONE_LOOP", 1) == \
-        "fwd.CONSUMER_REGS=240 fwd.PRODUCER_REGS=24 ONE_LOOP=1"
-    assert bench.ab_side("HEAVY_FIRST", 0) == "HEAVY_FIRST=0"
+    from flashtriton.bench_variants import ab_side
+    assert ab_side(both + "+ONE_LOOP", 1) == \
+        ["fwd.CONSUMER_REGS=240", "fwd.PRODUCER_REGS=24", "ONE_LOOP=1"]
+    assert ab_side("HEAVY_FIRST", 0) == ["HEAVY_FIRST=0"]
     for bad, table in (("NO_SUCH", gluon_fwd.OPTIONS), ("CONSUMER_REGS=1,2,3", gluon_fwd.OPTIONS),
                        ("bwd.HEAVY_FIRST", gluon_fwd.OPTIONS), (both, gluon_bwd.OPTIONS)):
         with pytest.raises(SystemExit):
