@@ -10,7 +10,8 @@ mask), prefix-LM (a 1024-token bidirectional prefix, causal after it; mask_mod +
 mask), causal + ALiBi, causal + softcap 30. TFLOP/s count only the visible
 (query, key) pairs: 4 * D * pairs forward, 2.5x that backward. flashtriton's
 output is checked against FlexAttention's before its speed is reported; the two are
-measured in turn, --rounds times, and each figure is the median of its rounds.
+measured in turn, --rounds times (their order rotated a round), and each figure is the
+median of its rounds.
 --ab NAME[=A,B] measures flashtriton at two settings of Gluon kernel options (off and on,
 or A and B; several joined by + change together), both in the same turns as FlexAttention:
 an A/B that drift between rounds reaches alike.
@@ -178,6 +179,14 @@ def _with_options(items, fn, *args):
             table.update(old)
 
 
+def rotated(providers: list, r: int) -> list:
+    """Round r's order: the providers rotated by r, so that over len(providers) rounds each
+    runs in every place once. (On the H200 a provider measured just after FlexAttention ran
+    ~3-4% slower than in the next place, session 21: the order is part of the measurement.)"""
+    r %= len(providers)
+    return providers[r:] + providers[:r]
+
+
 def _median_run(runs: list) -> dict:
     """Each of _measure's figures: its median over the rounds, and every round's ms."""
     out = {}
@@ -270,8 +279,9 @@ def main(argv=None):
             shape = Shape(name, B, H, H, N, D, True)
             ok = {prov: err[prov] < 2e-2 for prov in fns}
             runs = {prov: [] for prov in fns}
-            for _ in range(args.rounds):  # the providers in turn: drift reaches all alike
-                for prov, fn in fns.items():
+            for r in range(args.rounds):  # the providers in turn: drift reaches all alike
+                for prov in rotated(list(fns), r):
+                    fn = fns[prov]
                     if ok[prov]:
                         runs[prov].append(_with_options(items[prov], _measure, fn, shape,
                                                         torch.bfloat16))

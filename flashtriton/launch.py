@@ -199,11 +199,14 @@ _CALLS_MAX = 512
 
 def call_signature(site: str, scalars, *tensors) -> Optional[tuple]:
     """The signature of a call at ``site`` (None: do not replay): its Python scalars (hashable),
-    the switches that choose its kernels, and the shape, strides, dtype and device index of
-    each tensor argument (None where absent)."""
+    the switches and Gluon kernel options that choose its kernels, and the shape, strides,
+    dtype and device index of each tensor argument (None where absent)."""
     if not _env.FAST_LAUNCH or _env.INTERPRET:
         return None
+    from .kernels import gluon_bwd, gluon_fwd
     return (site, scalars, _env.TMA, _env.AUTOTUNE, _env.PDL, _env.GLUON, GLUON_VARIANTS,
+            GLUON_ALIBI_ONE_SIDED, tuple(gluon_fwd.OPTIONS.items()),
+            tuple(gluon_bwd.OPTIONS.items()),
             *[None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
               for t in tensors])
 
@@ -745,48 +748,108 @@ def gluon_backward_misfit(dout: Optional[torch.Tensor], q: torch.Tensor, k: torc
     return reason
 
 
+class GluonBwdReplay(NamedTuple):
+    """A Gluon backward's two launches, the prep kernel's and the kernel's (Replays): called
+    with the data pointers of out, dout, lse, the prep kernel's outputs (log2 LSE, delta, the
+    fp32 dQ buffer), q, k, v, dk, dv, ALiBi's slopes and the block mask, it builds the
+    kernel's descriptors over the new pointers (as GluonReplay)."""
+    prep: Replay
+    kernel: Replay
+    views: tuple  # (shape, strides) of the descriptors of q, k, v, dout, dQ's buffer, lse2, delta
+
+    def __call__(self, out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alibi,
+                 bmask) -> None:
+        self.prep(out, dout, lse, lse2, delta, dq_acc)
+        bases = (q, k, v, dout, dq_acc, lse2, delta)
+        self.kernel(*[_TmaView(_Addr(p), *view) for p, view in zip(bases, self.views)],
+                    dk, dv, alibi, bmask)
+
+
+def _gluon_bwd_signature(dout, q, k, v, out, lse, variant: Variant, dq_mode, timeline):
+    """The signature (call_signature) under which a Gluon backward's launches are replayed:
+    the variant's scalars, the tensors' shapes, strides and dtypes (ALiBi's slopes and the
+    block mask's lists too: their data is read by pointer); None for timing runs."""
+    if timeline is not None or dq_mode != 2:
+        return None
+    scalars = variant._replace(alibi_slopes=None, kv_blocks=None, q_blocks=None)
+    return call_signature("gluon_bwd", scalars, dout, q, k, v, out, lse, variant.alibi_slopes,
+                          variant.q_blocks)
+
+
 def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
                     timeline=None):
     """Launch kernels.gluon_bwd on tensors that gluon_backward_misfit passed: the prep kernel
     (the log2 LSE and delta, each head's rows padded to a multiple of 128, and a zeroed fp32
-    dQ buffer), the backward, and dQ's copy into q's layout. The variant's window, softcap and
-    ALiBi arguments come from _common (as the forward's). timeline: None, or (timing only) an
-    int64 tensor of gluon_bwd.TL_ROW per program (gluon_bwd._mark, _mark_step)."""
-    from .kernels import gluon_bwd
+    dQ buffer), the backward, and dQ's copy into q's layout; a call whose signature
+    (_gluon_bwd_signature) was seen replays the first two (GluonBwdReplay). The variant's
+    window, softcap and ALiBi arguments come from _common (as the forward's). timeline: None,
+    or (timing only) an int64 tensor of gluon_bwd.TL_ROW per program (gluon_bwd._mark,
+    _mark_step)."""
     B, N, H, D = q.shape
-    common, _ = _common(q, None, N, N, variant)
-    alibi, stride_ab, stride_ah = _alibi_args(variant)
-    bmask, *bmask_args = _block_args(variant.q_blocks)
+    signature = _gluon_bwd_signature(dout, q, k, v, out, lse, variant, dq_mode, timeline)
+    replays = recall(signature)
     dk, dv = _empty_like(k), _empty_like(v)
     dq_acc = _empty((B, H, N, D), torch.float32, q.device)
     # (128: a block mask's walk reads both 64-row halves of its last query block)
     pad = configs.cdiv(N, 128) * 128
     lse2, delta = _empty((2, B * H * pad), torch.float32, q.device)
     lse = lse.contiguous()
-    _attn_bwd_prep_kernel[(pad // 64, B * H)](
-        out, dout, lse, lse2, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1), H, N,
-        pad, HEAD_DIM=D, BLOCK_M=64, num_warps=4)
+    alibi, bmask = variant.alibi_slopes, variant.q_blocks
+    tensors = (out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alibi, bmask)
+    ptrs = pointers(*tensors) if replays is not None else None
+    if ptrs is not None:
+        replays[0](*ptrs)
+    else:
+        replay = _gluon_bwd_launch(*tensors, variant, dq_mode, timeline)
+        if pointers(*tensors) is not None:  # as a replay's tensors must be
+            remember(signature, replay)
+    dq = _empty_like(q)
+    dq.copy_(dq_acc.transpose(1, 2))
+    return dq, dk, dv
+
+
+def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alibi, bmask,
+                      variant: Variant, dq_mode, timeline) -> Optional[GluonBwdReplay]:
+    """_gluon_backward's launches through Triton's launchers; their GluonBwdReplay where both
+    can be replayed."""
+    from .kernels import gluon_bwd
+    B, N, H, D = q.shape
+    common, _ = _common(q, None, N, N, variant)
+    alibi, stride_ab, stride_ah = _alibi_args(variant)
+    bmask, *bmask_args = _block_args(variant.q_blocks)
+    pad = lse2.numel() // (B * H)
+    prep = launch_jit(
+        _attn_bwd_prep_kernel, (pad // 64, B * H), out, dout, lse, lse2, delta, dq_acc,
+        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), lse.stride(0), lse.stride(1), H, N, pad, HEAD_DIM=D, BLOCK_M=64,
+        num_warps=4)
     q_desc, q_rows = _gluon_descriptor(q, [64, D])
     do_desc, do_rows = _gluon_descriptor(dout, [64, D])
     k_desc, kv_rows = _gluon_descriptor(k, [128, D])
     v_desc, _ = _gluon_descriptor(v, [128, D])
     # Each of the kernel's two consumers reduces half the head dim.
     dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2])
-    options = gluon_bwd.options(common["HAS_UPPER"], common["HAS_LOWER"], alibi is not None)
-    gluon_bwd._attn_bwd_gluon_kernel[(configs.cdiv(N, 128), B * k.shape[2], 1)](
-        q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, 64),
-        _gluon_flat_descriptor(delta, 64), dk, dv, alibi, bmask, dk.stride(0), dk.stride(1),
-        dk.stride(2), stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *q_rows,
-        *do_rows, *kv_rows, common["qk_scale"], variant.softmax_scale, common["cap2"],
-        -common["WIN_LEFT"], common["WIN_RIGHT"], timeline, DQ_MODE=dq_mode,
-        HAS_LOWER=common["HAS_LOWER"],
-        HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
-        HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
-        MASK_MOD=variant.mask_mod, **options)
-    dq = _empty_like(q)
-    dq.copy_(dq_acc.transpose(1, 2))
-    return dq, dk, dv
+    descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, 64),
+             _gluon_flat_descriptor(delta, 64))
+    args = (dk.stride(0), dk.stride(1), dk.stride(2), stride_ab, stride_ah, *bmask_args, H,
+            H // k.shape[2], N, *q_rows, *do_rows, *kv_rows, common["qk_scale"],
+            variant.softmax_scale, common["cap2"], -common["WIN_LEFT"], common["WIN_RIGHT"],
+            timeline)
+    consts = dict(DQ_MODE=dq_mode, HAS_LOWER=common["HAS_LOWER"],
+                  HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
+                  HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
+                  MASK_MOD=variant.mask_mod,
+                  **gluon_bwd.options(common["HAS_UPPER"], common["HAS_LOWER"], alibi is not None))
+    grid = (configs.cdiv(N, 128), B * k.shape[2], 1)
+    kernel = gluon_bwd._attn_bwd_gluon_kernel
+    compiled = kernel[grid](*descs, dk, dv, alibi, bmask, *args, **consts)
+    if prep is None or not hasattr(compiled, "packed_metadata"):
+        return None
+    lead = len(descs) + 4
+    tail = (*args, *[consts[n] for n in kernel.arg_names[lead + len(args):]])
+    views = tuple((list(d.shape), list(d.strides)) for d in descs)
+    return GluonBwdReplay(prep, Replay(compiled, grid, lead, tail, q.get_device(),
+                                       compiled.metadata.global_scratch_size > 0), views)
 
 
 @on_device_of

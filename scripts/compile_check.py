@@ -184,13 +184,6 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # ONE_LOOP the other way round (gluon_bwd.options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
                     ("causal one loop", dict(causal=True, ONE_LOOP=True)),
-                    # the mask after dP^T's wait where a step needs it (MASK_LATE)
-                    ("window mask late", dict(lower=True, upper=True, MASK_LATE=1)),
-                    ("causal one loop, mask late both", dict(causal=True, ONE_LOOP=True,
-                                                             MASK_LATE=2)),
-                    # the masks' compares against immediates (KEEP_LANES)
-                    ("window keep lanes", dict(lower=True, upper=True, KEEP_LANES=True)),
-                    ("causal keep lanes", dict(causal=True, KEEP_LANES=True)),
                     # the timing-only marks (scripts/probe_timeline.py)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)

@@ -215,3 +215,15 @@ def test_variants_bench_ab(monkeypatch):
         "| window | 400 / 300 | 400 / 330 | 320 / 250 | 1.25 / 1.20 | 1.25 / 1.32 |"
     assert bv.variant_line("alibi", [dict(status="FAILED check")], flex) == \
         "| alibi | FAILED check | 320 / 250 |  |"
+
+
+def test_variants_bench_rotates_its_order():
+    """bench_variants' rounds rotate the providers' order: over as many rounds as providers,
+    each runs once in every place."""
+    from flashtriton.bench_variants import rotated
+    provs = ["flashtriton A", "flashtriton B", "flex"]
+    orders = [rotated(provs, r) for r in range(6)]
+    assert orders[0] == provs and orders[1] == ["flashtriton B", "flex", "flashtriton A"]
+    assert orders[3] == provs
+    for place in range(3):
+        assert sorted(o[place] for o in orders[:3]) == sorted(provs)

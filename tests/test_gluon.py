@@ -311,15 +311,11 @@ def _gluon_backward(**opts):
 
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
-                        dict(ONE_LOOP=False), dict(MASK_LATE=1), dict(KEEP_LANES=True),
-                        dict(MASK_LATE=2, ONE_LOOP=True, KEEP_LANES=True)],
-                ids=["s0", "s1", "one", "split", "late1", "lanes", "late2one"])
+                        dict(ONE_LOOP=False)], ids=["s0", "s1", "one", "split"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
-    step masked, or masked, unmasked and masked loops), MASK_LATE 1 and 2 (a one-loop walk's
-    steps masked after dP^T's wait, only where the tile needs it; 2 with every walk in one
-    loop and KEEP_LANES), KEEP_LANES (the masks' compares against immediates)."""
+    step masked, or masked, unmasked and masked loops)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
@@ -481,6 +477,40 @@ def test_bench_gluon_ab_settings():
                        ("bwd.HEAVY_FIRST", gluon_fwd.OPTIONS), (both, gluon_bwd.OPTIONS)):
         with pytest.raises(SystemExit):
             bench.ab_settings(bad, table)
+
+
+@needs_hopper
+def test_gluon_backward_replays(monkeypatch):
+    """A Gluon backward whose signature was seen replays its prep kernel and kernel over new
+    tensors (a window, ALiBi and a block mask; gradients against the float64 reference both
+    times): _gluon_bwd_launch runs once a variant, and again after a gluon_bwd.OPTIONS
+    change (part of the signature)."""
+    from flashtriton.block_mask import create_block_mask
+    from flashtriton.kernels import gluon_bwd
+    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
+    calls = []
+    real = launch._gluon_bwd_launch
+    monkeypatch.setattr(launch, "_gluon_bwd_launch", lambda *a: calls.append(1) or real(*a))
+    bm = create_block_mask(_doc_mod, None, None, 700, 700, "cuda")
+    i = torch.arange(700, device="cuda")
+    doc = _doc_mod.fn(0, 0, i[:, None], i[None, :])[None, None].expand(2, 4, 700, 700)
+    slopes = torch.rand(4, device="cuda") * 0.3
+    cases = [(dict(causal=True, window_size=(256, 0)), {}),
+             (dict(causal=True, alibi_slopes=slopes), {}),
+             (dict(block_mask=bm), dict(attn_mask=doc))]
+    for n, (opts, ref) in enumerate(cases):
+        for trial in range(2):
+            q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
+            check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **opts),
+                                    q, k, v, opts.get("causal", False),
+                                    **{**ref, **{n: x for n, x in opts.items()
+                                                 if n not in ("causal", "block_mask")}})
+            assert len(calls) == n + 1, (opts, trial)
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", True)
+    q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
+    check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **cases[0][0]),
+                            q, k, v, True, window_size=(256, 0))
+    assert len(calls) == 4
 
 
 @needs_hopper

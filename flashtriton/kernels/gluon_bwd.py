@@ -204,12 +204,13 @@ def _keep(keys, cols, SEQ, var, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr
     """Which (key, query) pairs of a masked step's S^T are kept. SEQ and the window's bounds
     are folded into each key's first and last query first (query i sees key j where
     j <= i + UPPER, i.e. i >= j - UPPER, and j >= i + LOWER, i.e. i <= j - LOWER; a key past
-    SEQ: none), so a score takes one compare a bound instead of one a condition. var[8]
-    (KEEP_LANES): the columns split as gluon_fwd.alibi_lanes does (cols = var[7] + offs,
-    offs = (offs & 6) + (offs & -7)): each key's bounds less the thread's lane part, one value
-    a thread a bound, compared with the register's constant part, an immediate."""
+    SEQ: none), so a score takes one compare a bound instead of one a condition; and the
+    columns are split as gluon_fwd.alibi_lanes does (cols = var[7] + offs, offs = (offs & 6)
+    + (offs & -7)): each key's bounds less the thread's lane part, one value a thread a
+    bound, compared with the register's constant part, an immediate (H200, session 21: the
+    window's step 4346 -> 4274 cycles, ALiBi's backward +2%)."""
     valid = keys < SEQ
-    if var[8] and (HAS_LOWER or HAS_UPPER):
+    if HAS_LOWER or HAS_UPPER:
         offs = cols - var[7]
         reg = (offs & -7)[None, :]
         lane = (var[7] + (offs & 6))[None, :]
@@ -222,12 +223,6 @@ def _keep(keys, cols, SEQ, var, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr
                 keep = reg >= first
         else:
             keep = reg <= gl.where(valid, keys - var[0], -1)[:, None] - lane
-    elif HAS_UPPER:
-        keep = cols[None, :] >= gl.where(valid, keys - var[1], 1 << 30)[:, None]
-        if HAS_LOWER:
-            keep = keep & (cols[None, :] <= (keys - var[0])[:, None])
-    elif HAS_LOWER:
-        keep = cols[None, :] <= gl.where(valid, keys - var[0], -1)[:, None]
     else:  # keys past SEQ only (a ragged key block)
         keep = valid[:, None]
     if MASK_MOD is not None:
@@ -240,23 +235,18 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
                    var, st_layout: gl.constexpr, a_layout: gl.constexpr, MASK: gl.constexpr,
                    HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr,
-                   S_DONE: gl.constexpr, LATE_DV: gl.constexpr, MASK_LATE: gl.constexpr,
-                   part):
+                   S_DONE: gl.constexpr, LATE_DV: gl.constexpr):
     """dP^T = V dO^T issued behind S^T = K Q^T (st: in flight, or S_DONE complete); P^T
     while dP^T runs; dV += P^T dO issued, dS^T = P^T (dP^T - delta) while it runs;
     dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor, the step's first
-    query, KEEP_LANES: _keep); lse_s and
+    query: _keep); lse_s and
     delta_s: the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key
     at or left of the diagonal): the keys' part of the bias (common.alibi_part relative to
     the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). LATE_DV
     (consumer 1: the worker partition, 240 registers against the default partition's 248,
     spills where consumer 0 does not): dV's product issued after dS^T is formed, so that
     the bf16 P^T it reads from registers is not held through dS^T's arithmetic (fewer live
-    registers, less overlap; +3-4% causal at 8K-16K on the H200, session 20). MASK_LATE
-    (with LATE_DV, a window's or causal bound, no MASK_MOD): the mask applied after dP^T's
-    wait, where no product of this group is in flight, and only where `part` (the step's
-    tile is not whole inside the bounds): a branch, so the steps of a walk in one loop
-    that need no mask skip its arithmetic. Returns
+    registers, less overlap; +3-4% causal at 8K-16K on the H200, session 20). Returns
     dS^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
@@ -273,18 +263,13 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
         pt = gl.exp2(s2 - lse2[None, :])
     else:
         pt = gl.exp2(st * qk_scale - lse2[None, :])
-    if MASK and not MASK_LATE:  # keys past SEQ (a ragged key block), the window, MASK_MOD
+    if MASK:  # keys past SEQ (a ragged key block), the window, MASK_MOD
         pt = gl.where(_keep(keys, cols, SEQ, var, HAS_LOWER, HAS_UPPER, MASK_MOD), pt, 0.0)
     pg = pt  # P^T times the scores' derivative (softcap * tanh(x / softcap): 1 - tanh^2),
     if HAS_SOFTCAP:  # formed now so that the tanh is not kept through dP^T's wait
         pg = pt * (1.0 - tc * tc)
     if LATE_DV:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
-        if MASK and MASK_LATE:
-            if part:  # (warp-uniform; nothing of this group in flight across the branch)
-                keep = _keep(keys, cols, SEQ, var, HAS_LOWER, HAS_UPPER, None)
-                pt = gl.where(keep, pt, 0.0)
-                pg = gl.where(keep, pg, 0.0)
     else:
         dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_s, dv,
                            is_async=True)
@@ -303,13 +288,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound and three loops (causal, softcap), as options() says. ONE_LOOP: the
 # walk in one loop, every step masked, rather than masked, unmasked and masked loops; None:
-# with ALiBi or a lower bound (a window's), as options() says. MASK_LATE (walks in one loop):
-# consumer 1 (1) or both (2, with dV's product after dS^T in both) mask a step after dP^T's
-# wait and only where the step's tile needs it (_dkdv_products); 0 off (until measured on
-# the H200). KEEP_LANES: a masked step's bounds compared per score with one compare a bound
-# against an immediate (_keep; off until measured on the H200).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               MASK_LATE=0, KEEP_LANES=False)
+# with ALiBi or a lower bound (a window's), as options() says.
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -348,8 +328,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
           ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, MASK_LATE: gl.constexpr,
-          TL):
+          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
     """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
@@ -359,7 +338,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     delta come from the slot's shared tiles (stats_smem, loaded by the producer with Q and
     dO). dQ's product: each group its column half (k_cols) over both groups' dS^T (they meet
     at ds_ready every step)."""
-    ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor, LANES = cfg
+    ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
@@ -381,27 +360,14 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(ALIBI + off_b * stride_ab + h * stride_ah) * LOG2E
-    # MASK_LATE (consumer 1, or both at 2: dV's product after dS^T then, as LATE_DV; a bound,
-    # no MASK_MOD): whether the step's tile needs its mask
-    late_dv: gl.constexpr = W == 1 or MASK_LATE == 2
-    late: gl.constexpr = (MASK_LATE >= 1 and late_dv and MASK_MOD is None
-                          and (HAS_LOWER or HAS_UPPER))
-    key0 = anchor + W * KEYS
-    part = key0 + KEYS > SEQ
-    if late:
-        if HAS_UPPER:  # some query of the block before the last key's first one
-            part = part | (m * BLOCK_M < key0 + KEYS - 1 - UPPER)
-        if HAS_LOWER:  # some query of the block past the first key's last one
-            part = part | (m * BLOCK_M + BLOCK_M - 1 > key0 - LOWER)
     s_now = st
     if not EARLY_S:
         s_now = _issue_s(t, q_smem, k_w, full, st_layout, None, t, W)
     dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, stats_smem[0].index(slot),
                                  stats_smem[1].index(slot), keys, cols, SEQ, qk_scale,
-                                 (LOWER, UPPER, cap2, slope2, off_b, h, anchor, m * BLOCK_M,
-                                  LANES), st_layout,
-                                 a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                 MASK_MOD, EARLY_S, late_dv, late, part)
+                                 (LOWER, UPPER, cap2, slope2, off_b, h, anchor, m * BLOCK_M),
+                                 st_layout, a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                                 HAS_ALIBI, MASK_MOD, EARLY_S, W == 1)
     _mark_step(TL, t, W, 1)  # dS^T formed, dK's product issued
     # This group's rows of dS^T; dQ's product needs the other group's too.
     ds_s = ds_smem.index(slot)
@@ -437,14 +403,13 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, d
            empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, MASK_LATE: gl.constexpr,
-           TL):
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
     """_step over steps lo .. hi - 1, masked or not."""
     for t in range(lo, hi):
         dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w,
                            full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
                            cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                           MASK_MOD, EARLY_S, MASK_LATE, TL)
+                           MASK_MOD, EARLY_S, TL)
     return dk, dv, st
 
 
@@ -454,11 +419,11 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             ONE_LOOP: gl.constexpr, MASK_LATE: gl.constexpr, TL):
+             ONE_LOOP: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
-    key: one-sided ALiBi's anchor, KEEP_LANES)."""
+    key: one-sided ALiBi's anchor)."""
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -487,19 +452,19 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         if ONE_LOOP:  # every step masked: one loop body (OPTIONS)
             dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                                EARLY_S, MASK_LATE, TL)
+                                EARLY_S, TL)
         else:
             for g in range(GROUP):
                 if HAS_UPPER:  # query blocks across the causal / window upper bound
                     dk, dv, st = _steps(g * cnt, g * cnt + a, last, st, *ring, dk, dv, keys, cfg, W,
                                         True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                        MASK_MOD, EARLY_S, MASK_LATE, TL)
+                                        MASK_MOD, EARLY_S, TL)
                 dk, dv, st = _steps(g * cnt + a, g * cnt + b, last, st, *ring, dk, dv, keys, cfg, W,
                                     False, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, MASK_LATE, TL)
+                                    MASK_MOD, EARLY_S, TL)
                 dk, dv, st = _steps(g * cnt + b, (g + 1) * cnt, last, st, *ring, dk, dv, keys, cfg,
                                     W, True, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                                    MASK_MOD, EARLY_S, MASK_LATE, TL)
+                                    MASK_MOD, EARLY_S, TL)
     _mark(TL, 3 + 2 * W)  # the walk is done
     # Through shared memory (store_rows): dV into this group's rows of V (read by its own
     # products only), dK into the slot of Q (consumer 0) or dO (consumer 1) that the last
@@ -566,7 +531,6 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
-                           MASK_LATE: gl.constexpr, KEEP_LANES: gl.constexpr,
                            num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
@@ -601,7 +565,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     total = GROUP * cnt
     walk = (cnt, m_lo, off_hk * GROUP, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, lst)
     cfg = (ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER,
-           n * BLOCK_N, KEEP_LANES)
+           n * BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -645,14 +609,14 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, MASK_LATE if ONE_LOOP else 0, TL)),
+                     EARLY_S, ONE_LOOP, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
                      stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
                      HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, MASK_LATE if ONE_LOOP else 0, TL)),
+                     EARLY_S, ONE_LOOP, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
