@@ -184,6 +184,12 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # ONE_LOOP the other way round (gluon_bwd.options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
                     ("causal one loop", dict(causal=True, ONE_LOOP=True)),
+                    # a group's steps that see none of its keys: no products but dQ's
+                    ("window skip empty", dict(lower=True, upper=True, SKIP_EMPTY=True)),
+                    ("causal one loop skip empty", dict(causal=True, ONE_LOOP=True,
+                                                        SKIP_EMPTY=True)),
+                    ("one-sided alibi causal skip empty", dict(alibi=2, causal=True,
+                                                               SKIP_EMPTY=True)),
                     # the timing-only marks (scripts/probe_timeline.py)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)

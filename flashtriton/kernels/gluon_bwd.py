@@ -112,15 +112,20 @@ def _mark_step(TL, t, W: gl.constexpr, k: gl.constexpr):
 
 
 @gluon.jit
-def _block_coords(t, walk, BLOCK_M: gl.constexpr, LISTED: gl.constexpr):
+def _block_coords(t, walk, BLOCK_M: gl.constexpr, LISTED: gl.constexpr, g=None):
     """Step t of a program's walk (cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
     lst): query head h0 + t // cnt and its query block, m_lo + t % cnt or (LISTED; lst = (the
     key block's row of the transposed lists, n_full, BM_N)) the (t % cnt)-th 64-row half of
     its full, then partial 128-blocks. Returns the block's first row in q's and dO's 2-D
-    views (launch._token_rows), their columns, h and m."""
+    views (launch._token_rows), their columns, h and m. g: t // cnt where the caller knows it
+    (no division)."""
     cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b, lst = walk
-    h = h0 + t // cnt
-    i = t % cnt
+    if g is None:
+        h = h0 + t // cnt
+        i = t % cnt
+    else:
+        h = h0 + g
+        i = t - g * cnt
     if LISTED:
         SUB: gl.constexpr = 128 // BLOCK_M
         j = i // SUB
@@ -172,6 +177,19 @@ def _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
         a = (full_lo - lo) // BLOCK_M
         b = (full_hi - lo) // BLOCK_M
     return m_lo, cnt, a, b
+
+
+@gluon.jit
+def _empty_steps(key0, cnt, m_lo, cfg, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr):
+    """The steps [e0, e1) of a walk (query blocks m_lo .. m_lo + cnt - 1 of a query head)
+    whose queries see some key of key0 .. key0 + KEYS - 1 (q_range of the group's keys); none
+    where every one of them is past SEQ. cfg: _consume's."""
+    SEQ = cfg[3]
+    lo, _, _, hi = q_range(key0, SEQ, SEQ, cfg[7], cfg[8], HAS_LOWER, HAS_UPPER, BLOCK_M, KEYS)
+    e0 = gl.minimum(gl.maximum(lo // BLOCK_M - m_lo, 0), cnt)
+    e1 = gl.minimum(gl.maximum(gl.cdiv(hi, BLOCK_M) - m_lo, e0), cnt)
+    return e0, gl.where(key0 < SEQ, e1, e0)
 
 
 @gluon.jit
@@ -288,8 +306,11 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
 # walk has an upper bound and three loops (causal, softcap), as options() says. ONE_LOOP: the
 # walk in one loop, every step masked, rather than masked, unmasked and masked loops; None:
-# with ALiBi or a lower bound (a window's), as options() says.
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None)
+# with ALiBi or a lower bound (a window's), as options() says. SKIP_EMPTY: in walks in one
+# loop with a bound, a group's steps whose queries see none of its keys issue none of its
+# products but dQ's (_consume; off until measured on the H200).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
+               SKIP_EMPTY=False)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -328,7 +349,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
           ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
+          MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL, g=None):
     """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
     returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
     issued by the step before, and this step issues the next one's (step last: its own
@@ -337,7 +358,10 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     ptxas serializes the products for want of registers: session 19.) The rows' LSE and
     delta come from the slot's shared tiles (stats_smem, loaded by the producer with Q and
     dO). dQ's product: each group its column half (k_cols) over both groups' dS^T (they meet
-    at ds_ready every step)."""
+    at ds_ready every step); g: t // cnt, or None (_block_coords). MASK: 0 none, 1 the
+    step masked (_keep), 2 none of the group's keys seen by the step's queries (SKIP_EMPTY):
+    its rows of dS^T are zeros, and S^T, dP^T, dV's and dK's products are not issued (the
+    step still meets the other group, adds its part of dQ and stages it)."""
     ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -351,7 +375,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
     _mark_step(TL, t, W, 0)  # (timing only: marks 0-12 of the step)
     off_b = walk[9]
-    _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
+    _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED, g)
     slot = t % 2
     phase = (t // 2) & 1
     q_s = q_smem.index(slot)
@@ -360,14 +384,18 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(ALIBI + off_b * stride_ab + h * stride_ah) * LOG2E
-    s_now = st
-    if not EARLY_S:
-        s_now = _issue_s(t, q_smem, k_w, full, st_layout, None, t, W)
-    dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, stats_smem[0].index(slot),
-                                 stats_smem[1].index(slot), keys, cols, SEQ, qk_scale,
-                                 (LOWER, UPPER, cap2, slope2, off_b, h, anchor, m * BLOCK_M),
-                                 st_layout, a_layout, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                 HAS_ALIBI, MASK_MOD, EARLY_S, W == 1)
+    if MASK == 2:  # (Q and dO unread: the other group waited for them)
+        dst = gl.zeros([KEYS, BLOCK_M], k_w.dtype, layout=st_layout)
+    else:
+        s_now = st
+        if not EARLY_S:
+            s_now = _issue_s(t, q_smem, k_w, full, st_layout, None, t, W)
+        dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv,
+                                     stats_smem[0].index(slot), stats_smem[1].index(slot), keys,
+                                     cols, SEQ, qk_scale,
+                                     (LOWER, UPPER, cap2, slope2, off_b, h, anchor, m * BLOCK_M),
+                                     st_layout, a_layout, MASK == 1, HAS_LOWER, HAS_UPPER,
+                                     HAS_SOFTCAP, HAS_ALIBI, MASK_MOD, EARLY_S, W == 1)
     _mark_step(TL, t, W, 1)  # dS^T formed, dK's product issued
     # This group's rows of dS^T; dQ's product needs the other group's too.
     ds_s = ds_smem.index(slot)
@@ -382,7 +410,10 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_cols, dq, use_acc=False, is_async=True)
     _mark_step(TL, t, W, 5)  # dQ's product issued
-    dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
+    if MASK == 2:
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    else:
+        dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
     _mark_step(TL, t, W, 6)  # the step's products complete
     mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
     if EARLY_S:  # (mark 7: the next step's Q and dO landed)
@@ -403,13 +434,14 @@ def _steps(lo, hi, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, d
            empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys, cfg, W: gl.constexpr,
            MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
-           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL):
-    """_step over steps lo .. hi - 1, masked or not."""
+           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL, g=None):
+    """_step over steps lo .. hi - 1 (MASK: none, masked or empty, as _step's; g: the query
+    head's index in the group where the caller loops over them)."""
     for t in range(lo, hi):
         dk, dv, st = _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w,
                            full, empty, ds_ready, dq_full, dq_empty, stats_smem, dk, dv, keys,
                            cfg, W, MASK, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
-                           MASK_MOD, EARLY_S, TL)
+                           MASK_MOD, EARLY_S, TL, g)
     return dk, dv, st
 
 
@@ -419,11 +451,13 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             ONE_LOOP: gl.constexpr, TL):
+             ONE_LOOP: gl.constexpr, SKIP_EMPTY: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
-    key: one-sided ALiBi's anchor)."""
+    key: one-sided ALiBi's anchor). SKIP_EMPTY (a walk in one loop with a bound, not listed):
+    the steps whose queries see none of this group's keys (_empty_steps: outside [e0, e1))
+    run empty (_step's MASK 2), in loops of their own."""
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -449,7 +483,21 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
                 dq_full, dq_empty, stats_smem)
-        if ONE_LOOP:  # every step masked: one loop body (OPTIONS)
+        skips: gl.constexpr = SKIP_EMPTY and ONE_LOOP and (HAS_LOWER or HAS_UPPER) and not LISTED
+        if skips:
+            e0, e1 = _empty_steps(key0, cnt, walk[1], cfg, KEYS, BLOCK_M, HAS_LOWER, HAS_UPPER)
+        if skips:  # per query head: empty, masked, empty
+            for g in range(GROUP):
+                dk, dv, st = _steps(g * cnt, g * cnt + e0, last, st, *ring, dk, dv, keys, cfg, W,
+                                    2, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
+                                    MASK_MOD, EARLY_S, TL, g)
+                dk, dv, st = _steps(g * cnt + e0, g * cnt + e1, last, st, *ring, dk, dv, keys,
+                                    cfg, W, 1, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                    LISTED, MASK_MOD, EARLY_S, TL, g)
+                dk, dv, st = _steps(g * cnt + e1, (g + 1) * cnt, last, st, *ring, dk, dv, keys,
+                                    cfg, W, 2, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                    LISTED, MASK_MOD, EARLY_S, TL, g)
+        elif ONE_LOOP:  # every step masked: one loop body (OPTIONS)
             dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
                                 EARLY_S, TL)
@@ -531,7 +579,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           SKIP_EMPTY: gl.constexpr, num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -609,14 +657,14 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, TL)),
+                     EARLY_S, ONE_LOOP, SKIP_EMPTY, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
                      v_smem.slice(KEYS, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
                      stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
                      HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, TL)),
+                     EARLY_S, ONE_LOOP, SKIP_EMPTY, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
