@@ -180,6 +180,38 @@ def _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
 
 
 @gluon.jit
+def _program(SEQ, LOWER, ORDER: gl.constexpr):
+    """This program's key block n and batch * KV head of the grid (key blocks, batch * KV
+    heads), taken in launch order (program_id(0) fastest): ORDER 0 as the grid lays them out
+    (a head's key blocks in turn); 1 pairs of heads, their key blocks in turn, both heads'
+    block n before block n + 1 (causal walks shorten with n: each pair's longest walks start
+    together, and the grid's tail holds the short ones of the last pair, as the longest
+    first rule would); 2 the key blocks whose walks run whole (the window's, up to SEQ:
+    n < (SEQ + LOWER) // 128) head by head, then the shorter ones of every head, block by
+    block (the tail short walks only). The walk order within a program is unchanged."""
+    nb = gl.num_programs(0)
+    P = gl.num_programs(1)
+    if ORDER == 0:
+        n = gl.program_id(0)
+        bh = gl.program_id(1)
+    else:
+        L = gl.program_id(1) * nb + gl.program_id(0)
+        if ORDER == 1:
+            g = L // (2 * nb)
+            r = L % (2 * nb)
+            pair = gl.minimum(P - 2 * g, 2)  # (an odd count's last group: one head)
+            n = r // pair
+            bh = 2 * g + r % pair
+        else:
+            whole = gl.minimum(gl.maximum((SEQ + LOWER) // 128, 0), nb)
+            first = L < P * whole
+            r = L - P * whole
+            n = gl.where(first, L % gl.maximum(whole, 1), whole + r // P)
+            bh = gl.where(first, L // gl.maximum(whole, 1), r % P)
+    return n, bh
+
+
+@gluon.jit
 def _empty_steps(key0, cnt, m_lo, cfg, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
                  HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr):
     """The steps [e0, e1) of a walk (query blocks m_lo .. m_lo + cnt - 1 of a query head)
@@ -308,9 +340,11 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # walk in one loop, every step masked, rather than masked, unmasked and masked loops; None:
 # with ALiBi or a lower bound (a window's), as options() says. SKIP_EMPTY: in walks in one
 # loop with a bound, a group's steps whose queries see none of its keys issue none of its
-# products but dQ's (_consume; off until measured on the H200).
+# products but dQ's (_consume; off until measured on the H200). ORDER: the order in which
+# the programs take the grid's key blocks and heads (_program: 0 the grid's, 1 pairs of heads
+# block by block, 2 whole walks first; 0 until measured on the H200).
 OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               SKIP_EMPTY=False)
+               SKIP_EMPTY=False, ORDER=0)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -579,7 +613,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
-                           SKIP_EMPTY: gl.constexpr, num_warps: gl.constexpr):
+                           SKIP_EMPTY: gl.constexpr, ORDER: gl.constexpr,
+                           num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
@@ -600,9 +635,9 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
 
     _mark(TL, 0)  # the program starts
     _mark(TL, 1)
-    n = gl.program_id(0)
-    off_b = gl.program_id(1) // (H // GROUP)
-    off_hk = gl.program_id(1) % (H // GROUP)
+    n, bh = _program(SEQ, LOWER, ORDER)
+    off_b = bh // (H // GROUP)
+    off_hk = bh % (H // GROUP)
     if LISTED:
         row = BMASK + off_b * stride_bb + off_hk * GROUP * stride_bh + n * stride_bq
         lst = (row, gl.load(row + 1), BM_N)
