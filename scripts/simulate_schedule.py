@@ -1,60 +1,72 @@
+"""The Gluon backward's grid as the GPU's block scheduler would run it, in each program order
+of gluon_bwd._program (ORDER 0, 1, and groups of 2-16 heads): programs dispatched in launch
+order to the first SM that frees up (greedy list scheduling), each taking steps * s + o
+microseconds (its walk's steps as gluon_bwd._walk_bounds counts them; s and o from
+docs/perf.md's fit, session 17). Prints the makespan of each order and the ideal (every SM
+busy to the end). Memory is not modelled: larger groups of heads read more distinct Q, dO
+and dQ rows at a time (L2)."""
+
+    python scripts/simulate_schedule.py [--seqlen 8192] [--heads 32] [--sms 132]
+"""
+import argparse
 import heapq
-N, BN, BM = 8192, 128, 64
-nb = N // BN
-def cnt(n, win=1024):
-    lo = n * BN; hi = min(N, n * BN + BN - 1 + win)
-    return (hi - lo + BM - 1) // BM
-step, o = 2.36, 4.5
-heads = 32
-def makespan(order, sms=132):
+
+BLOCK_M, BLOCK_N = 64, 128
+
+
+def steps(n, N, window):
+    """Key block n's walk: the 64-row query blocks that see some of its keys (causal, and a
+    window of `window` keys to the left where given)."""
+    hi = N if window is None else min(N, n * BLOCK_N + BLOCK_N - 1 + window)
+    return max(-(-hi // BLOCK_M) - n * BLOCK_N // BLOCK_M, 0)
+
+
+def order(kind, nb, P, N, window):
+    """(n, bh) in launch order, as _program maps the launch-linear id for ORDER `kind`."""
+    out = []
+    for L in range(nb * P):
+        if kind == 0:
+            out.append((L % nb, L // nb))
+        elif kind == 1:
+            whole = min(max((N - window) // BLOCK_N, 0), nb) if window else nb
+            r = L - P * whole
+            out.append((L % whole, L // whole) if L < P * whole else (whole + r // P, r % P))
+        else:
+            g, r = divmod(L, kind * nb)
+            width = min(P - kind * g, kind)
+            out.append((r // width, kind * g + r % width))
+    return out
+
+
+def makespan(progs, cost, sms):
     free = [0.0] * sms
-    heapq.heapify(free)
-    end = 0
-    for n in order:
-        t = heapq.heappop(free)
-        t += cnt(n) * step + o
+    end = 0.0
+    for n, _ in progs:
+        t = heapq.heappop(free) + cost(n)
         end = max(end, t)
         heapq.heappush(free, t)
     return end
-default = [n for h in range(heads) for n in range(nb)]
-longfirst = sorted(default, key=lambda n: -cnt(n))
-total = sum(cnt(n) * step + o for n in default)
-print("ideal", total / 132)
-print("default", makespan(default))
-print("long first", makespan(longfirst))
-rev = [n for h in range(heads) for n in reversed(range(nb))]
-print("reversed n", makespan(rev))
-nmajor = [n for n in range(nb) for h in range(heads)]
-print("n-major", makespan(nmajor))
-# causal walks
-def cnt_c(n):
-    return (N - n * BN) // BM
-def makespan2(order, f, sms=132):
-    free = [0.0] * sms; heapq.heapify(free); end = 0
-    for n in order:
-        t = heapq.heappop(free) + f(n) * step + o; end = max(end, t); heapq.heappush(free, t)
-    return end
-print("causal default", makespan2(default, cnt_c), "n-major", makespan2(nmajor, cnt_c),
-      "ideal", sum(cnt_c(n) * step + o for n in default) / 132)
-for G in (1, 2, 4, 8, 16, 32):
-    order = [n for g in range(heads // G) for n in range(nb) for h in range(G)]
-    print(f"groups of {G} heads n-major: window {makespan(order):.1f} causal {makespan2(order, cnt_c):.1f}")
-# the window: head-major for long programs, then the short ones of every head, longest first
-tail = sorted([n for h in range(heads) for n in range(nb) if cnt(n) < 18], key=lambda n: -cnt(n))
-order = [n for h in range(heads) for n in range(nb) if cnt(n) == 18] + tail
-print("window long head-major, then short", makespan(order))
-def trace(order, f, sms=132):
-    free = [0.0] * sms; heapq.heapify(free); end = 0; starts = []
-    for n in order:
-        t = heapq.heappop(free); starts.append(t)
-        t2 = t + f(n) * step + o; end = max(end, t2); heapq.heappush(free, t2)
-    return starts, end
-for G in (1, 2):
-    order = [n for g in range(heads // G) for n in range(nb) for h in range(G)]
-    s, e = trace(order, cnt_c)
-    idx = len(order) - G * nb
-    print(G, "last group's first start", s[idx], "end", e, "work of a head per SM", sum(cnt_c(n) * step + o for n in range(nb)) / 132)
-for G in (1, 2, 4):
-    nsorted = sorted(range(nb), key=lambda n: -cnt(n))
-    order = [n for g in range(heads // G) for n in nsorted for h in range(G)]
-    print(f"window G={G} sorted-n: {makespan(order):.1f}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=32, help="batch * KV heads")
+    p.add_argument("--sms", type=int, default=132)
+    p.add_argument("--step-us", type=float, default=2.36)
+    p.add_argument("--program-us", type=float, default=4.5)
+    args = p.parse_args()
+    N, P = args.seqlen, args.heads
+    nb = N // BLOCK_N
+    orders = (0, 1, 2, 4, 8, 16)
+    print("ORDER " + " / ".join(map(str, orders)) + " (makespan us)")
+    for name, window in (("causal", None), ("window 1024", 1023)):
+        def cost(n):
+            return steps(n, N, window) * args.step_us + args.program_us
+        ideal = sum(cost(n) for n in range(nb)) * P / args.sms
+        spans = [makespan(order(k, nb, P, N, window), cost, args.sms) for k in orders]
+        print(f"{name}: " + " / ".join(f"{s:.0f}" for s in spans) + f"; ideal {ideal:.0f}")
+
+
+if __name__ == "__main__":
+    main()

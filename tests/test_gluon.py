@@ -312,15 +312,15 @@ def _gluon_backward(**opts):
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
                         dict(ONE_LOOP=False), dict(SKIP_EMPTY=True),
-                        dict(SKIP_EMPTY=True, ONE_LOOP=True), dict(ORDER=1), dict(ORDER=2)],
-                ids=["s0", "s1", "one", "split", "skip", "skipone", "order1", "order2"])
+                        dict(SKIP_EMPTY=True, ONE_LOOP=True), dict(ORDER=1), dict(ORDER=3)],
+                ids=["s0", "s1", "one", "split", "skip", "skipone", "order1", "order3"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
     step masked, or masked, unmasked and masked loops), SKIP_EMPTY (in a walk in one loop,
     a group's steps that see none of its keys run without its products) with the default
-    walks and with every walk in one loop, ORDER 1 and 2 (the programs' order over the
-    grid)."""
+    walks and with every walk in one loop, ORDER 1 and 3 (the programs' order over the
+    grid: whole walks first; groups of 3 heads, which leave a last group of 1 or 2)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
         monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)

@@ -182,13 +182,14 @@ def _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
 @gluon.jit
 def _program(SEQ, LOWER, ORDER: gl.constexpr):
     """This program's key block n and batch * KV head of the grid (key blocks, batch * KV
-    heads), taken in launch order (program_id(0) fastest): ORDER 0 as the grid lays them out
-    (a head's key blocks in turn); 1 pairs of heads, their key blocks in turn, both heads'
-    block n before block n + 1 (causal walks shorten with n: each pair's longest walks start
-    together, and the grid's tail holds the short ones of the last pair, as the longest
-    first rule would); 2 the key blocks whose walks run whole (the window's, up to SEQ:
-    n < (SEQ + LOWER) // 128) head by head, then the shorter ones of every head, block by
-    block (the tail short walks only). The walk order within a program is unchanged."""
+    heads), taken in launch order (program_id(0) fastest). ORDER 0: as the grid lays them
+    out, a head's key blocks in turn. 1: the key blocks whose walks run whole (a window's, up
+    to SEQ: n < (SEQ + LOWER) // 128) head by head, then the shorter ones of every head,
+    block by block, so that the grid's tail holds short walks only. G >= 2: groups of G heads,
+    their key blocks in turn, the group's block n before its block n + 1: causal walks
+    shorten with n, so each group's longest walks start together and the tail holds the
+    last group's short ones, as the longest-first rule would
+    (scripts/simulate_schedule.py). The walk order within a program is unchanged."""
     nb = gl.num_programs(0)
     P = gl.num_programs(1)
     if ORDER == 0:
@@ -197,17 +198,17 @@ def _program(SEQ, LOWER, ORDER: gl.constexpr):
     else:
         L = gl.program_id(1) * nb + gl.program_id(0)
         if ORDER == 1:
-            g = L // (2 * nb)
-            r = L % (2 * nb)
-            pair = gl.minimum(P - 2 * g, 2)  # (an odd count's last group: one head)
-            n = r // pair
-            bh = 2 * g + r % pair
-        else:
             whole = gl.minimum(gl.maximum((SEQ + LOWER) // 128, 0), nb)
             first = L < P * whole
             r = L - P * whole
             n = gl.where(first, L % gl.maximum(whole, 1), whole + r // P)
             bh = gl.where(first, L // gl.maximum(whole, 1), r % P)
+        else:
+            g = L // (ORDER * nb)
+            r = L % (ORDER * nb)
+            width = gl.minimum(P - ORDER * g, ORDER)  # (the last group: what is left)
+            n = r // width
+            bh = ORDER * g + r % width
     return n, bh
 
 
@@ -341,8 +342,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # with ALiBi or a lower bound (a window's), as options() says. SKIP_EMPTY: in walks in one
 # loop with a bound, a group's steps whose queries see none of its keys issue none of its
 # products but dQ's (_consume; off until measured on the H200). ORDER: the order in which
-# the programs take the grid's key blocks and heads (_program: 0 the grid's, 1 pairs of heads
-# block by block, 2 whole walks first; 0 until measured on the H200).
+# the programs take the grid's key blocks and heads (_program: 0 the grid's, 1 whole walks
+# first, G >= 2 groups of G heads block by block; 0 until measured on the H200).
 OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
                SKIP_EMPTY=False, ORDER=0)
 
