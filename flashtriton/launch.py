@@ -516,8 +516,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     if SK == 0 or k.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     signature = _signature("fwd", variant, varlen, q, k, v)
+    if signature is None and varlen is None:  # ALiBi or a block mask: the Gluon forward's
+        signature = _gluon_signature("gluon_fwd", variant, variant.kv_blocks, q, k, v)
     replays = recall(signature)
-    ptrs = pointers(q, k, v, out, lse) if replays is not None else None
+    ptrs = (pointers(q, k, v, out, lse, variant.alibi_slopes, variant.kv_blocks)
+            if replays is not None else None)
     if ptrs is not None:
         replays[0](*ptrs)
         return out, lse
@@ -531,6 +534,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
             and gluon_misfit(q, k, v, variant, varlen, variants=GLUON_VARIANTS) is None):
         remember(signature, _gluon_forward(q, k, v, out, lse, variant))
         return out, lse
+    if signature is not None and signature[0] == "gluon_fwd":
+        signature = None  # (the Triton forward's replays take other leading tensors)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     common, key = _common(q, varlen, SQ, SK, variant)
@@ -568,14 +573,27 @@ class _TmaView(NamedTuple):
 
 
 class GluonReplay(NamedTuple):
-    """A compiled Gluon forward and its launch: called with the data pointers of q, k, v, out
-    and lse (as a Replay), it builds q's, k's and v's descriptors over the new pointers."""
+    """A compiled Gluon forward and its launch: called with the data pointers of q, k, v, out,
+    lse and (where the call has them) ALiBi's slopes and the block mask's lists (as a
+    Replay), it builds q's, k's and v's descriptors over the new pointers."""
     replay: Replay
     views: tuple  # (shape, strides) of q's, k's and v's 2-D views
 
-    def __call__(self, q, k, v, out, lse) -> None:
+    def __call__(self, q, k, v, out, lse, alibi=None, bmask=None) -> None:
         self.replay(*[_TmaView(_Addr(p), *view) for p, view in zip((q, k, v), self.views)],
-                    out, lse)
+                    out, lse, alibi, bmask)
+
+
+def _gluon_signature(site: str, variant: Variant, blocks, *tensors) -> Optional[tuple]:
+    """The signature (call_signature) of a Gluon kernel's call, ALiBi and block masks
+    included: its replay takes the slopes and the lists (blocks: the forward's kv_blocks, the
+    backward's q_blocks) by pointer, so the signature holds their shapes, strides and dtypes
+    as the tensors'; None for what the Gluon kernels do not run (an SDPA mask, dropout, a
+    score_mod)."""
+    if variant.attn_mask is not None or variant.dropout_p or variant.score_mod is not None:
+        return None
+    scalars = variant._replace(alibi_slopes=None, kv_blocks=None, q_blocks=None)
+    return call_signature(site, scalars, *tensors, variant.alibi_slopes, blocks)
 
 
 def _token_rows(t: torch.Tensor):
@@ -765,28 +783,20 @@ class GluonBwdReplay(NamedTuple):
                     dk, dv, alibi, bmask)
 
 
-def _gluon_bwd_signature(dout, q, k, v, out, lse, variant: Variant, dq_mode, timeline):
-    """The signature (call_signature) under which a Gluon backward's launches are replayed:
-    the variant's scalars, the tensors' shapes, strides and dtypes (ALiBi's slopes and the
-    block mask's lists too: their data is read by pointer); None for timing runs."""
-    if timeline is not None or dq_mode != 2:
-        return None
-    scalars = variant._replace(alibi_slopes=None, kv_blocks=None, q_blocks=None)
-    return call_signature("gluon_bwd", scalars, dout, q, k, v, out, lse, variant.alibi_slopes,
-                          variant.q_blocks)
-
-
 def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
                     timeline=None):
     """Launch kernels.gluon_bwd on tensors that gluon_backward_misfit passed: the prep kernel
     (the log2 LSE and delta, each head's rows padded to a multiple of 128, and a zeroed fp32
     dQ buffer), the backward, and dQ's copy into q's layout; a call whose signature
-    (_gluon_bwd_signature) was seen replays the first two (GluonBwdReplay). The variant's
-    window, softcap and ALiBi arguments come from _common (as the forward's). timeline: None,
-    or (timing only) an int64 tensor of gluon_bwd.TL_ROW per program (gluon_bwd._mark,
-    _mark_step)."""
+    (_gluon_signature; none for timing runs) was seen replays the first two
+    (GluonBwdReplay). The variant's window, softcap and ALiBi arguments come from _common
+    (as the forward's). timeline: None, or (timing only) an int64 tensor of gluon_bwd.TL_ROW
+    per program (gluon_bwd._mark, _mark_step)."""
     B, N, H, D = q.shape
-    signature = _gluon_bwd_signature(dout, q, k, v, out, lse, variant, dq_mode, timeline)
+    signature = None
+    if timeline is None and dq_mode == 2:
+        signature = _gluon_signature("gluon_bwd", variant, variant.q_blocks, dout, q, k, v, out,
+                                     lse)
     replays = recall(signature)
     dk, dv = _empty_like(k), _empty_like(v)
     dq_acc = _empty((B, H, N, D), torch.float32, q.device)

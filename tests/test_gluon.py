@@ -160,6 +160,7 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
     """flash_attention at D=128 on Hopper runs the Gluon forward (its replay on the second
     call), the backward on its output and LSE; FLASHTRITON_GLUON=0 or a variant runs the
     Triton forward; both against the float64 reference, gradients included."""
+    monkeypatch.setattr(launch, "_CALLS", {})  # no replay of another test's calls
     calls = []
     real = launch._gluon_forward
     monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
@@ -189,6 +190,7 @@ def test_variants_run_on_gluon_as_switched(monkeypatch, site, switch, counts):
     with GLUON_VARIANTS, the backwards with GLUON_BWD_VARIANTS (both on by default; a block
     mask's backward runs on Gluon either way; GLUON_BWD_MIN_SEQLEN lowered to reach it at test
     size); switched off, the Triton kernels."""
+    monkeypatch.setattr(launch, "_CALLS", {})  # no replay of another test's calls
     calls = []
     real = getattr(launch, site)
     monkeypatch.setattr(launch, site, lambda *a: calls.append(1) or real(*a))
@@ -485,11 +487,39 @@ def test_bench_gluon_ab_settings():
 
 
 @needs_hopper
+def test_gluon_forward_replays_alibi_and_block_masks(monkeypatch):
+    """A Gluon forward with ALiBi or a block mask whose signature was seen replays over new
+    tensors, new slopes and a new block mask of the same shapes included (their pointers
+    handed over: the second slopes differ, and the output follows them; against the float64
+    reference each time): _gluon_forward runs once a variant."""
+    monkeypatch.setattr(launch, "_CALLS", {})  # no replay of another test's calls
+    from flashtriton.block_mask import create_block_mask
+    calls = []
+    real = launch._gluon_forward
+    monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
+    cases = [lambda: dict(causal=True, alibi_slopes=torch.rand(4, device="cuda") * 0.3),
+             lambda: dict(block_mask=create_block_mask(_doc_mod, None, None, 700, 700, "cuda"))]
+    i = torch.arange(700, device="cuda")
+    doc = _doc_mod.fn(0, 0, i[:, None], i[None, :])[None, None].expand(2, 4, 700, 700)
+    for n, case in enumerate(cases):
+        for trial in range(2):
+            opts = case()
+            ref = dict(attn_mask=doc) if "block_mask" in opts else dict(opts)
+            ref.pop("causal", None)
+            q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
+            check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **opts),
+                                    q, k, v, opts.get("causal", False), check_grads=False,
+                                    **ref)
+            assert len(calls) == n + 1, (n, trial)
+
+
+@needs_hopper
 def test_gluon_backward_replays(monkeypatch):
     """A Gluon backward whose signature was seen replays its prep kernel and kernel over new
     tensors (a window, ALiBi and a block mask; gradients against the float64 reference both
     times): _gluon_bwd_launch runs once a variant, and again after a gluon_bwd.OPTIONS
     change (part of the signature)."""
+    monkeypatch.setattr(launch, "_CALLS", {})  # no replay of another test's calls
     from flashtriton.block_mask import create_block_mask
     from flashtriton.kernels import gluon_bwd
     monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
