@@ -4,7 +4,7 @@ order to the first SM that frees up (greedy list scheduling), each taking steps 
 microseconds (its walk's steps as gluon_bwd._walk_bounds counts them; s and o from
 docs/perf.md's fit, session 17). Prints the makespan of each order and the ideal (every SM
 busy to the end). Memory is not modelled: larger groups of heads read more distinct Q, dO
-and dQ rows at a time (L2)."""
+and dQ rows at a time (L2).
 
     python scripts/simulate_schedule.py [--seqlen 8192] [--heads 32] [--sms 132]
 """
