@@ -159,7 +159,11 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi causal", dict(alibi=True, causal=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
-                    ("block mask", dict(mask_mod=causal_mod))):
+                    ("block mask", dict(mask_mod=causal_mod)),
+                    # the programs' order over the grid (grid_order)
+                    ("causal order groups of 8 heads", dict(causal=True, ORDER=8)),
+                    ("window order whole windows first", dict(lower=True, upper=True,
+                                                              ORDER=1))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
 # The Gluon backward (kernels.gluon_bwd): dQ added by TMA bulk reductions (two UTMAREDG a
@@ -190,7 +194,7 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                                                         SKIP_EMPTY=True)),
                     ("one-sided alibi causal skip empty", dict(alibi=2, causal=True,
                                                                SKIP_EMPTY=True)),
-                    # the programs' order over the grid (_program)
+                    # the programs' order over the grid (gluon_fwd.grid_order)
                     ("causal order groups of 8 heads", dict(causal=True, ORDER=8)),
                     ("window order whole walks first", dict(lower=True, upper=True, ORDER=1)),
                     # the timing-only marks (scripts/probe_timeline.py)

@@ -1,5 +1,5 @@
 """The Gluon backward's grid as the GPU's block scheduler would run it, in each program order
-of gluon_bwd._program (ORDER 0, 1, and groups of 2-16 heads): programs dispatched in launch
+of gluon_fwd.grid_order (ORDER 0, 1, and groups of 2-16 heads): programs dispatched in launch
 order to the first SM that frees up (greedy list scheduling), each taking steps * s + o
 microseconds (its walk's steps as gluon_bwd._walk_bounds counts them; s and o from
 docs/perf.md's fit, session 17). Prints the makespan of each order and the ideal (every SM
@@ -22,7 +22,7 @@ def steps(n, N, window):
 
 
 def order(kind, nb, P, N, window):
-    """(n, bh) in launch order, as _program maps the launch-linear id for ORDER `kind`."""
+    """(n, bh) in launch order, as grid_order maps the launch-linear id for ORDER `kind`."""
     out = []
     for L in range(nb * P):
         if kind == 0:

@@ -98,15 +98,19 @@ def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
 
 @needs_hopper
 @pytest.mark.parametrize("heavy_first", [False, True])
+@pytest.mark.parametrize("order", [0, 1, 3])
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, 50)),
                                            (True, (100, 0))],
                          ids=["causal", "upper-bound", "causal-window"])
-def test_gluon_forward_query_block_order(heavy_first, causal, window, monkeypatch):
+def test_gluon_forward_query_block_order(heavy_first, order, causal, window, monkeypatch):
     """gluon_fwd.OPTIONS["HEAVY_FIRST"] both ways (a walk with an upper bound and no lower one
     takes each head's query blocks last first; a window with both bounds keeps the order)
-    against the float64 reference: ragged, GQA, several heads."""
+    and ORDER 0, 1 and 3 (grid_order: the grid's order, whole windows first, groups of 3
+    heads: the last group of 8 is 2) against the float64 reference: ragged, GQA, several
+    heads."""
     from flashtriton.kernels import gluon_fwd
     monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", heavy_first)
+    monkeypatch.setitem(gluon_fwd.OPTIONS, "ORDER", order)
     q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
     check_against_reference(
         lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal, window_size=window),

@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from .common import LOG2E, alibi_part, q_range, scores
-from .gluon_fwd import store_rows
+from .gluon_fwd import grid_order, store_rows
 
 
 @builtin
@@ -177,39 +177,6 @@ def _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
         a = (full_lo - lo) // BLOCK_M
         b = (full_hi - lo) // BLOCK_M
     return m_lo, cnt, a, b
-
-
-@gluon.jit
-def _program(SEQ, LOWER, ORDER: gl.constexpr):
-    """This program's key block n and batch * KV head of the grid (key blocks, batch * KV
-    heads), taken in launch order (program_id(0) fastest). ORDER 0: as the grid lays them
-    out, a head's key blocks in turn. 1: the key blocks whose walks run whole (a window's, up
-    to SEQ: n < (SEQ + LOWER) // 128) head by head, then the shorter ones of every head,
-    block by block, so that the grid's tail holds short walks only. G >= 2: groups of G heads,
-    their key blocks in turn, the group's block n before its block n + 1: causal walks
-    shorten with n, so each group's longest walks start together and the tail holds the
-    last group's short ones, as the longest-first rule would
-    (scripts/simulate_schedule.py). The walk order within a program is unchanged."""
-    nb = gl.num_programs(0)
-    P = gl.num_programs(1)
-    if ORDER == 0:
-        n = gl.program_id(0)
-        bh = gl.program_id(1)
-    else:
-        L = gl.program_id(1) * nb + gl.program_id(0)
-        if ORDER == 1:
-            whole = gl.minimum(gl.maximum((SEQ + LOWER) // 128, 0), nb)
-            first = L < P * whole
-            r = L - P * whole
-            n = gl.where(first, L % gl.maximum(whole, 1), whole + r // P)
-            bh = gl.where(first, L // gl.maximum(whole, 1), r % P)
-        else:
-            g = L // (ORDER * nb)
-            r = L % (ORDER * nb)
-            width = gl.minimum(P - ORDER * g, ORDER)  # (the last group: what is left)
-            n = r // width
-            bh = ORDER * g + r % width
-    return n, bh
 
 
 @gluon.jit
@@ -342,8 +309,8 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # with ALiBi or a lower bound (a window's), as options() says. SKIP_EMPTY: in walks in one
 # loop with a bound, a group's steps whose queries see none of its keys issue none of its
 # products but dQ's (_consume; off until measured on the H200). ORDER: the order in which
-# the programs take the grid's key blocks and heads (_program: 0 the grid's, 1 whole walks
-# first, G >= 2 groups of G heads block by block; 0 until measured on the H200).
+# the programs take the grid's key blocks and heads (gluon_fwd.grid_order: 0 the grid's, 1
+# whole walks first, G >= 2 groups of G heads block by block; 0 until measured on the H200).
 OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
                SKIP_EMPTY=False, ORDER=0)
 
@@ -636,7 +603,9 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
 
     _mark(TL, 0)  # the program starts
     _mark(TL, 1)
-    n, bh = _program(SEQ, LOWER, ORDER)
+    # (ORDER 1: the key blocks whose window walks run whole, to SEQ: n < (SEQ + LOWER) / 128)
+    n, bh = grid_order(gl.minimum(gl.maximum((SEQ + LOWER) // BLOCK_N, 0), gl.num_programs(0)),
+                       ORDER)
     off_b = bh // (H // GROUP)
     off_hk = bh % (H // GROUP)
     if LISTED:

@@ -289,7 +289,9 @@ def _bounds(start_m, SEQ, var, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 # HEAVY_FIRST: under a causal bound (no lower one) the programs of a head take its query
 # blocks last first, so the blocks that see the most keys start first and the grid's tail
 # holds the light ones (as the Triton kernels' common.heavy_first).
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True)
+# ORDER: the programs' order over the grid's query blocks and heads (grid_order: 0 the
+# grid's, 1 whole windows first, G >= 2 groups of G heads block by block; 0 until measured).
+OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True, ORDER=0)
 
 
 @gluon.jit
@@ -312,6 +314,36 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_f
 
 
 @gluon.jit
+def grid_order(whole, ORDER: gl.constexpr):
+    """The grid's (block, batch * head) that this program takes, in launch order
+    (program_id(0) fastest) and ORDER: 0 as the grid lays them out, a head's blocks in turn;
+    1 blocks 0 .. whole - 1 of each head head by head, then the other blocks of every head,
+    block by block (the walks that run whole first: the grid's tail holds the short ones);
+    G >= 2 groups of G heads, the group's block i before its block i + 1 (walks that shorten
+    with i: each group's longest start together, and the tail holds the last group's short
+    ones, as the longest-first rule would: scripts/simulate_schedule.py)."""
+    nb = gl.num_programs(0)
+    P = gl.num_programs(1)
+    if ORDER == 0:
+        i = gl.program_id(0)
+        bh = gl.program_id(1)
+    else:
+        L = gl.program_id(1) * nb + gl.program_id(0)
+        if ORDER == 1:
+            first = L < P * whole
+            r = L - P * whole
+            i = gl.where(first, L % gl.maximum(whole, 1), whole + r // P)
+            bh = gl.where(first, L // gl.maximum(whole, 1), r % P)
+        else:
+            g = L // (ORDER * nb)
+            r = L % (ORDER * nb)
+            width = gl.minimum(P - ORDER * g, ORDER)  # (the last group: what is left)
+            i = r // width
+            bh = ORDER * g + r % width
+    return i, bh
+
+
+@gluon.jit
 def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_ob, stride_ot,
                            stride_oh, stride_lb, stride_lh, stride_ab, stride_ah, stride_bb,
                            stride_bh, stride_bq, BM_N, H, GROUP, SEQ, q_rb, q_rh, q_ch, kv_rb,
@@ -321,7 +353,7 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
-                           HEAVY_FIRST: gl.constexpr,
+                           HEAVY_FIRST: gl.constexpr, ORDER: gl.constexpr,
                            num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
@@ -340,11 +372,22 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     HALF: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    start_m = gl.program_id(0)
-    if HEAVY_FIRST and (IS_CAUSAL or (HAS_UPPER and not HAS_LOWER)):  # (OPTIONS)
-        start_m = gl.num_programs(0) - 1 - start_m
-    off_b = gl.program_id(1) // H
-    off_h = gl.program_id(1) % H
+    heavy_first: gl.constexpr = HEAVY_FIRST and (IS_CAUSAL or (HAS_UPPER and not HAS_LOWER))
+    if ORDER == 0:
+        start_m = gl.program_id(0)
+        if heavy_first:  # (OPTIONS)
+            start_m = gl.num_programs(0) - 1 - start_m
+        off_b = gl.program_id(1) // H
+        off_h = gl.program_id(1) % H
+    else:  # (OPTIONS) ORDER 1: the query blocks that see a whole window (m >= -LOWER / 128)
+        # first, taken last block first as heavy_first takes causal ones (reversed indices)
+        nb = gl.num_programs(0)
+        whole = nb - gl.minimum(gl.maximum(gl.cdiv(-LOWER, BLOCK_M), 0), nb)
+        start_m, bh = grid_order(whole, ORDER)
+        if ORDER == 1 or heavy_first:
+            start_m = nb - 1 - start_m
+        off_b = bh // H
+        off_h = bh % H
     off_hk = off_h // GROUP  # K and V: the query head's KV head (GQA)
     col = off_hk * kv_ch
     slope2 = 0.0
