@@ -55,7 +55,14 @@ def main():
     p.add_argument("--sms", type=int, default=132)
     p.add_argument("--step-us", type=float, default=2.36)
     p.add_argument("--program-us", type=float, default=4.5)
+    p.add_argument("--forward", action="store_true",
+                   help="the causal forward instead: 128-row query blocks, query block m "
+                        "walking m + 1 key blocks, taken last first (HEAVY_FIRST); the "
+                        "forward's fit (1.52 us a step, 7.1 a program) unless given")
     args = p.parse_args()
+    if args.forward:
+        forward(args)
+        return
     N, P = args.seqlen, args.heads
     nb = N // BLOCK_N
     orders = (0, 1, 2, 4, 8, 16)
@@ -66,6 +73,23 @@ def main():
         ideal = sum(cost(n) for n in range(nb)) * P / args.sms
         spans = [makespan(order(k, nb, P, N, window), cost, args.sms) for k in orders]
         print(f"{name}: " + " / ".join(f"{s:.0f}" for s in spans) + f"; ideal {ideal:.0f}")
+
+
+def forward(args):
+    """The causal forward's grid in each order (grid_order's index i is query block
+    nb - 1 - i: HEAVY_FIRST)."""
+    N, P = args.seqlen, args.heads
+    nb = N // BLOCK_N
+    step = 1.52 if args.step_us == 2.36 else args.step_us
+    prog = 7.1 if args.program_us == 4.5 else args.program_us
+
+    def cost(i):
+        return (nb - i) * step + prog
+    orders = (0, 2, 4, 8, 16)
+    ideal = sum(cost(i) for i in range(nb)) * P / args.sms
+    spans = [makespan(order(k, nb, P, N, None), cost, args.sms) for k in orders]
+    print("ORDER " + " / ".join(map(str, orders)) + " (makespan us)")
+    print("causal forward: " + " / ".join(f"{s:.0f}" for s in spans) + f"; ideal {ideal:.0f}")
 
 
 if __name__ == "__main__":
