@@ -241,6 +241,76 @@ def test_dropout_and_tensor_variants_are_not_replayed(fake_attention):
     assert not launch._CALLS
 
 
+def test_gluon_forward_replays_alibi_and_block_masks(fake_attention, monkeypatch):
+    """Where the Gluon forward runs (stood in for here), a call with ALiBi or a block mask
+    whose signature was seen replays with this call's pointers, its slopes' and lists'
+    included, in the kernel's order (q, k, v, out, lse, slopes, lists); another shape of
+    slopes is another signature; and the Triton forward, whose leading tensors differ, never
+    records under such a signature."""
+    replays = []
+    monkeypatch.setattr(launch, "gluon_misfit", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "_gluon_forward",
+                        lambda *a: lambda *ptrs: replays.append(ptrs))
+
+    def lists():
+        return torch.zeros(1, 1, 1, 4, dtype=torch.int32)
+    for variant in (lambda: launch.Variant(0.125, alibi_slopes=torch.ones(2)),
+                    lambda: launch.Variant(0.125, kv_blocks=lists(), q_blocks=lists())):
+        launch._CALLS.clear()
+        for call in range(3):
+            var = variant()
+            q, k, v = (torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+            out, lse = launch.attention_forward(q, k, v, var)
+            assert len(launch._CALLS) == 1
+            if call:  # the first call launched; the others replayed with their own tensors
+                extra = var.alibi_slopes if var.alibi_slopes is not None else var.kv_blocks
+                assert replays[-1] == (*[t.data_ptr() for t in (q, k, v, out, lse)],
+                                       *((extra.data_ptr(), None) if var.kv_blocks is None
+                                         else (None, extra.data_ptr())))
+        assert len(replays) == 2
+        replays.clear()
+    var = launch.Variant(0.125, alibi_slopes=torch.ones(1, 2))  # (B, H) slopes: another call
+    launch.attention_forward(*(torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16)
+                               for _ in range(3)), var)
+    assert not replays and len(launch._CALLS) == 2
+    monkeypatch.setattr(launch, "gluon_misfit", lambda *a, **k: "the Triton forward")
+    launch._CALLS.clear()
+    for _ in range(3):
+        launch.attention_forward(*(torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16)
+                                   for _ in range(3)), var)
+    assert not launch._CALLS and not replays
+
+
+def test_gluon_replays_hand_each_pointer_to_its_kernel_argument():
+    """GluonReplay and GluonBwdReplay put each pointer where the Gluon kernels (and the
+    backward's prep kernel) take it: descriptors over q, k, v (and dO, the fp32 dQ buffer,
+    the log2 LSE and delta) by their views, then the plain pointers, named as the kernels
+    name their leading arguments."""
+    from flashtriton.kernels import gluon_bwd, gluon_fwd
+    from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
+    views = tuple(([40 + i, 128], [128 + i, 1]) for i in range(7))
+
+    def named(args, names):
+        return {n: (int(a.base), a.shape, a.strides) if hasattr(a, "base") else a
+                for n, a in zip(names, args)}
+    got = []
+    launch.GluonReplay(lambda *a: got.append(a), views[:3])(*[16 * i for i in range(1, 8)])
+    assert named(got[0], gluon_fwd._attn_fwd_gluon_kernel.arg_names) == {
+        "q_desc": (16, *views[0]), "k_desc": (32, *views[1]), "v_desc": (48, *views[2]),
+        "O": 64, "LSE": 80, "ALIBI": 96, "BMASK": 112}
+    prep, kernel = [], []
+    ptrs = dict(out=1, dout=2, lse=3, lse2=4, delta=5, dq_acc=6, q=7, k=8, v=9, dk=10, dv=11,
+                alibi=12, bmask=None)
+    launch.GluonBwdReplay(lambda *a: prep.append(a), lambda *a: kernel.append(a),
+                          views)(**ptrs)
+    assert named(prep[0], _attn_bwd_prep_kernel.arg_names) == dict(
+        O=1, DO=2, LSE=3, LSE2=4, DELTA=5, DQ=6)
+    assert named(kernel[0], gluon_bwd._attn_bwd_gluon_kernel.arg_names) == {
+        "q_desc": (7, *views[0]), "k_desc": (8, *views[1]), "v_desc": (9, *views[2]),
+        "do_desc": (2, *views[3]), "dq_desc": (6, *views[4]), "lse_desc": (4, *views[5]),
+        "delta_desc": (5, *views[6]), "DK": 10, "DV": 11, "ALIBI": 12, "BMASK": None}
+
+
 def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
     from flashtriton import decode
     monkeypatch.setattr(decode, "check_qkv", lambda *args, **kw: None)  # CPU, no interpreter
