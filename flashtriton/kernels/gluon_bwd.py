@@ -486,9 +486,8 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
                 dq_full, dq_empty, stats_smem)
         skips: gl.constexpr = SKIP_EMPTY and ONE_LOOP and (HAS_LOWER or HAS_UPPER) and not LISTED
-        if skips:
-            e0, e1 = _empty_steps(key0, cnt, walk[1], cfg, KEYS, BLOCK_M, HAS_LOWER, HAS_UPPER)
         if skips:  # per query head: empty, masked, empty
+            e0, e1 = _empty_steps(key0, cnt, walk[1], cfg, KEYS, BLOCK_M, HAS_LOWER, HAS_UPPER)
             for g in range(GROUP):
                 dk, dv, st = _steps(g * cnt, g * cnt + e0, last, st, *ring, dk, dv, keys, cfg, W,
                                     2, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
