@@ -825,8 +825,8 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
     from .kernels import gluon_bwd
     B, N, H, D = q.shape
     common, _ = _common(q, None, N, N, variant)
-    alibi, stride_ab, stride_ah = _alibi_args(variant)
-    bmask, *bmask_args = _block_args(variant.q_blocks)
+    _, stride_ab, stride_ah = _alibi_args(variant)  # (alibi, bmask: the variant's, given)
+    _, *bmask_args = _block_args(variant.q_blocks)
     pad = lse2.numel() // (B * H)
     prep = launch_jit(
         _attn_bwd_prep_kernel, (pad // 64, B * H), out, dout, lse, lse2, delta, dq_acc,
