@@ -114,11 +114,13 @@ def _flex(name, B, H, N, device):
 
 def option_value(current, value):
     """A Gluon kernel option's new value (text or int) typed as its current one: integer
-    options (CONSUMER_REGS) stay integers, the rest (booleans, or None: chosen by the
-    kernel's options()) become booleans."""
+    options (CONSUMER_REGS) stay integers, booleans become booleans, and so do 0 and 1 for
+    an option that is None (chosen by the kernel's options()); its other values (ORDER 2)
+    stay integers."""
     if isinstance(current, int) and not isinstance(current, bool):
         return int(value)
-    return bool(int(value))
+    value = int(value)
+    return bool(value) if current is not None or value in (0, 1) else value
 
 
 def option_tables(name: str):

@@ -683,7 +683,8 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
     consts = dict(IS_CAUSAL=bool(variant.causal) and not windowed, NUM_STAGES=2,
                   HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
                   HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=_gluon_alibi(common, alibi),
-                  LISTED=bmask is not None, MASK_MOD=variant.mask_mod, **gluon_fwd.OPTIONS)
+                  LISTED=bmask is not None, MASK_MOD=variant.mask_mod,
+                  **gluon_fwd.options(common["HAS_LOWER"]))
     grid = (configs.cdiv(N, 128), B * H, 1)
     kernel = gluon_fwd._attn_fwd_gluon_kernel
     compiled = kernel[grid](*descs, out, lse, alibi, bmask, *args, **consts)

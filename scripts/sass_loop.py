@@ -108,7 +108,7 @@ def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
     desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
     consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, HAS_LOWER=lower, HAS_UPPER=upper,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
-                  MASK_MOD=mask_mod, **{**gluon_fwd.OPTIONS, **options})
+                  MASK_MOD=mask_mod, **{**gluon_fwd.options(lower), **options})
     return _gluon_compile(gluon_fwd._attn_fwd_gluon_kernel, consts, dict(
         q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
         BMASK="*i32", qk_scale="fp32", cap2="fp32"))

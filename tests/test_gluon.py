@@ -318,14 +318,16 @@ def _gluon_backward(**opts):
 
 @pytest.fixture(params=[dict(EARLY_S=False), dict(EARLY_S=True), dict(ONE_LOOP=True),
                         dict(ONE_LOOP=False), dict(SKIP_EMPTY=True),
-                        dict(SKIP_EMPTY=True, ONE_LOOP=True), dict(ORDER=1), dict(ORDER=3)],
-                ids=["s0", "s1", "one", "split", "skip", "skipone", "order1", "order3"])
+                        dict(SKIP_EMPTY=True, ONE_LOOP=True), dict(SKIP_EMPTY=False, ORDER=0),
+                        dict(ORDER=1), dict(ORDER=3)],
+                ids=["s0", "s1", "one", "split", "skip", "skipone", "plain", "order1", "order3"])
 def bwd_options(request, monkeypatch):
     """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
     step masked, or masked, unmasked and masked loops), SKIP_EMPTY (in a walk in one loop,
     a group's steps that see none of its keys run without its products) with the default
-    walks and with every walk in one loop, ORDER 1 and 3 (the programs' order over the
+    walks and with every walk in one loop, and off with ORDER 0 (the window's walks as they
+    were before options() chose both for them), ORDER 1 and 3 (the programs' order over the
     grid: whole walks first; groups of 3 heads, which leave a last group of 1 or 2)."""
     from flashtriton.kernels import gluon_bwd
     for name, value in request.param.items():
@@ -454,11 +456,11 @@ def test_gluon_backward_timeline_rows_and_step_parts():
     assert rate == pytest.approx((4 * 200 + (n - 1) * n // 2) / 500)
 
 
-def test_bench_gluon_ab_settings():
+def test_bench_gluon_ab_settings(monkeypatch):
     """bench_gluon --ab NAME[=A,B]: a boolean option (or one left None for options() to
-    choose) off and on, an integer option at A and B (CONSUMER_REGS=232,240), several joined
-    by + together, fwd. / bwd. naming one kernel's (left out of the other kernel's A/B, an
-    error where nothing is left), bench_variants.ab_side's items for either side, and an error
+    choose) off and on (a None one's other values integers: ORDER=0,2), an integer option at
+    A and B (CONSUMER_REGS=232,240), several joined by + together, fwd. / bwd. naming one
+    kernel's (left out of the other kernel's A/B, an error where nothing is left), bench_variants.ab_side's items for either side, and an error
     for an unknown name or a third value."""
     import importlib.util
     from flashtriton.kernels import gluon_bwd, gluon_fwd
@@ -473,6 +475,9 @@ def test_bench_gluon_ab_settings():
                                                                {"EARLY_S": True}]
     assert bench.ab_settings("ONE_LOOP=1,0", gluon_bwd.OPTIONS) == [{"ONE_LOOP": True},
                                                                     {"ONE_LOOP": False}]
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "ORDER", None)  # (options() chooses; 2: groups)
+    order = bench.ab_settings("ORDER=0,2", gluon_bwd.OPTIONS)
+    assert order == [{"ORDER": False}, {"ORDER": 2}] and type(order[1]["ORDER"]) is int
     both = "fwd.CONSUMER_REGS=232,240+fwd.PRODUCER_REGS=40,24"
     assert bench.ab_settings(both, gluon_fwd.OPTIONS) == [
         {"CONSUMER_REGS": 232, "PRODUCER_REGS": 40}, {"CONSUMER_REGS": 240, "PRODUCER_REGS": 24}]
@@ -672,3 +677,25 @@ def test_gluon_backward_one_loop_follows_the_variant(monkeypatch):
     assert gluon_bwd.options(False)["ONE_LOOP"] is False
     monkeypatch.setitem(gluon_bwd.OPTIONS, "ONE_LOOP", False)
     assert gluon_bwd.options(True, alibi=True)["ONE_LOOP"] is False
+
+
+def test_gluon_window_walks_skip_empty_steps_and_run_whole_walks_first(monkeypatch):
+    """kernels.gluon_bwd.options and gluon_fwd.options: SKIP_EMPTY and ORDER None (the
+    defaults) are on (ORDER 1, whole walks first) for walks with a lower bound (a window's:
+    measured faster there) and off (ORDER 0) otherwise, ALiBi's and causal ones included;
+    a set value stays."""
+    from flashtriton.kernels import gluon_bwd, gluon_fwd
+    assert gluon_bwd.OPTIONS["SKIP_EMPTY"] is None and gluon_bwd.OPTIONS["ORDER"] is None
+    assert gluon_fwd.OPTIONS["ORDER"] is None
+    window = gluon_bwd.options(True, has_lower=True)
+    assert window["SKIP_EMPTY"] is True and window["ORDER"] == 1
+    for opts in (gluon_bwd.options(True), gluon_bwd.options(True, alibi=True),
+                 gluon_bwd.options(False)):
+        assert opts["SKIP_EMPTY"] is False and opts["ORDER"] == 0
+    assert gluon_fwd.options(True)["ORDER"] == 1 and gluon_fwd.options(False)["ORDER"] == 0
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "SKIP_EMPTY", False)
+    monkeypatch.setitem(gluon_bwd.OPTIONS, "ORDER", 3)
+    monkeypatch.setitem(gluon_fwd.OPTIONS, "ORDER", 0)
+    window = gluon_bwd.options(True, has_lower=True)
+    assert window["SKIP_EMPTY"] is False and window["ORDER"] == 3
+    assert gluon_fwd.options(True)["ORDER"] == 0

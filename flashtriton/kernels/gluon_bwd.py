@@ -308,11 +308,12 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
 # walk in one loop, every step masked, rather than masked, unmasked and masked loops; None:
 # with ALiBi or a lower bound (a window's), as options() says. SKIP_EMPTY: in walks in one
 # loop with a bound, a group's steps whose queries see none of its keys issue none of its
-# products but dQ's (_consume; off until measured on the H200). ORDER: the order in which
-# the programs take the grid's key blocks and heads (gluon_fwd.grid_order: 0 the grid's, 1
-# whole walks first, G >= 2 groups of G heads block by block; 0 until measured on the H200).
+# products but dQ's (_consume); None: with a lower bound, as options() says. ORDER: the
+# order in which the programs take the grid's key blocks and heads (gluon_fwd.grid_order: 0
+# the grid's, 1 whole walks first, G >= 2 groups of G heads block by block); None: 1 with a
+# lower bound, else 0, as options() says.
 OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               SKIP_EMPTY=False, ORDER=0)
+               SKIP_EMPTY=None, ORDER=None)
 
 
 def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
@@ -323,8 +324,14 @@ def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> di
     ONE_LOOP (session 17; 3.3K instructions against 6.0K, no spills) ALiBi 450 -> 472 and
     the causal window 347 -> 354, but softcap 428 -> 393 and the block masks -2-3%. EARLY_S
     on one loop (session 20, five rounds): ALiBi 494 with it off against 483 on, the window
-    363 against 359 (and off with three loops, ALiBi 401: ONE_LOOP stays)."""
+    363 against 359 (and off with three loops, ALiBi 401: ONE_LOOP stays). SKIP_EMPTY and
+    ORDER 1 (session 22, six rounds, the causal window): 369 -> 381 and 369 -> 374 TFLOP/s;
+    ORDER 1 on causal walks 503 -> 478 (it is for walks with a lower bound)."""
     opts = dict(OPTIONS)
+    if opts["SKIP_EMPTY"] is None:
+        opts["SKIP_EMPTY"] = bool(has_lower)
+    if opts["ORDER"] is None:
+        opts["ORDER"] = 1 if has_lower else 0
     if opts["ONE_LOOP"] is None:
         opts["ONE_LOOP"] = bool(has_lower or alibi)
     if opts["EARLY_S"] is None:
