@@ -800,7 +800,7 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
                                      lse)
     replays = recall(signature)
     dk, dv = _empty_like(k), _empty_like(v)
-    dq_acc = _empty((B, H, N, D), torch.float32, q.device)
+    dq_acc = _dq_buffer(q)
     # (128: a block mask's walk reads both 64-row halves of its last query block)
     pad = configs.cdiv(N, 128) * 128
     lse2, delta = _empty((2, B * H * pad), torch.float32, q.device)
@@ -815,8 +815,20 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
         if pointers(*tensors) is not None:  # as a replay's tensors must be
             remember(signature, replay)
     dq = _empty_like(q)
-    dq.copy_(dq_acc.transpose(1, 2))
+    dq.copy_(dq_acc)
     return dq, dk, dv
+
+
+def _dq_buffer(q: torch.Tensor) -> torch.Tensor:
+    """The Gluon backward's fp32 dQ buffer, (B, N, H, D) in q's layout (_token_rows: its
+    rows and columns are q's, so the kernel's reductions use q's coordinates): tokens-major
+    or heads-major memory, dense. dQ's copy out of it into a gradient of q's layout then
+    keeps the order of memory (a transposing copy ran at half the rate: docs/perf.md,
+    session 22)."""
+    B, N, H, D = q.shape
+    if _token_rows(q)[1] == 0:  # tokens-major (rh 0)
+        return _empty((B, N, H, D), torch.float32, q.device)
+    return _empty((B, H, N, D), torch.float32, q.device).transpose(1, 2)
 
 
 def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alibi, bmask,
@@ -832,14 +844,14 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
     prep = launch_jit(
         _attn_bwd_prep_kernel, (pad // 64, B * H), out, dout, lse, lse2, delta, dq_acc,
         out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), lse.stride(0), lse.stride(1), H, N, pad, HEAD_DIM=D, BLOCK_M=64,
-        num_warps=4)
+        dout.stride(2), lse.stride(0), lse.stride(1), dq_acc.stride(0), dq_acc.stride(1),
+        dq_acc.stride(2), H, N, pad, HEAD_DIM=D, BLOCK_M=64, num_warps=4)
     q_desc, q_rows = _gluon_descriptor(q, [64, D])
     do_desc, do_rows = _gluon_descriptor(dout, [64, D])
     k_desc, kv_rows = _gluon_descriptor(k, [128, D])
     v_desc, _ = _gluon_descriptor(v, [128, D])
     # Each of the kernel's two consumers reduces half the head dim.
-    dq_desc, _ = _gluon_descriptor(dq_acc.view(B * H, N, 1, D), [64, D // 2])
+    dq_desc, _ = _gluon_descriptor(dq_acc, [64, D // 2])
     descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, 64),
              _gluon_flat_descriptor(delta, 64))
     args = (dk.stride(0), dk.stride(1), dk.stride(2), stride_ab, stride_ah, *bmask_args, H,

@@ -240,12 +240,15 @@ def test_gluon_forward_raises_off_hopper():
         launch.attention_forward_gluon(q, k, v)
 
 
-def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer():
+@pytest.mark.parametrize("dq_layout", ["tokens-major", "heads-major"])
+def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer(dq_layout):
     """kernels.attn_bwd._attn_bwd_prep_kernel (the Gluon backward's first launch, a Triton
     kernel: runs in the interpreter): the log2 LSE (+inf where it is -inf) and delta =
     rowsum(dO * O) of each head's rows, padded to 128 rows (N = 70: not a multiple of 4, so
     unpadded rows would start off the 16-byte alignment TMA needs) with +inf and 0, and the
-    fp32 dQ buffer (B, H, N, D) zeroed, from O and dO in any strided (B, N, H, D) layout."""
+    fp32 dQ buffer zeroed in q's layout (launch._dq_buffer: tokens-major or heads-major; the
+    kernel goes by its strides and writes nothing else), from O and dO in any strided (B, N,
+    H, D) layout."""
     from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
     B, N, H, D = 2, 70, 3, 64
     out = torch.randn(B, H, N, D, dtype=torch.bfloat16, device=DEVICE).transpose(1, 2)
@@ -253,17 +256,27 @@ def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer():
     lse = torch.randn(B, H, N, device=DEVICE)
     lse[0, 1, 5] = -float("inf")  # a row that sees no key
     lse2, delta = torch.full((2, B, H, 128), float("nan"), device=DEVICE)
-    dq = torch.full((B, H, N, D), float("nan"), device=DEVICE)
+    q = out if dq_layout == "heads-major" else dout
+    buffer = launch._dq_buffer(q)
+    assert buffer.shape == (B, N, H, D) and buffer.stride() == q.stride()
+    # the kernel zeroes by the strides it is given: here a buffer with a spare head between
+    # batches, which it must leave alone
+    if dq_layout == "heads-major":
+        memory = torch.full((B, H + 1, N, D), 7.0, device=DEVICE)
+        dq, spare = memory[:, :H].transpose(1, 2), memory[:, H]
+    else:
+        memory = torch.full((B, N, H + 1, D), 7.0, device=DEVICE)
+        dq, spare = memory[:, :, :H], memory[:, :, H]
     _attn_bwd_prep_kernel[(2, B * H)](out, dout, lse, lse2, delta, dq, *out.stride()[:3],
-                                      *dout.stride()[:3], *lse.stride()[:2], H, N, 128,
-                                      HEAD_DIM=D, BLOCK_M=64)
+                                      *dout.stride()[:3], *lse.stride()[:2], *dq.stride()[:3],
+                                      H, N, 128, HEAD_DIM=D, BLOCK_M=64)
     expect = (out.double() * dout.double()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(delta[..., :N].double(), expect, rtol=1e-5, atol=1e-5)
     expect = torch.where(lse == -float("inf"), float("inf"), lse * math.log2(math.e))
     torch.testing.assert_close(lse2[..., :N], expect)
     assert lse2[0, 1, 5] == float("inf")
     assert bool((lse2[..., N:] == float("inf")).all()) and bool((delta[..., N:] == 0).all())
-    assert bool((dq == 0).all())
+    assert bool((dq == 0).all()) and bool((spare == 7).all())
 
 
 @triton.jit

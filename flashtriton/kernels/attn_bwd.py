@@ -435,13 +435,15 @@ def _attn_bwd_dq_kernel(
 
 @triton.jit
 def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_dob,
-                          stride_dot, stride_doh, stride_lb, stride_lh, H, SQ, SQ_PAD,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                          stride_dot, stride_doh, stride_lb, stride_lh, stride_qb, stride_qt,
+                          stride_qh, H, SQ, SQ_PAD, HEAD_DIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr):
     """Program (row block, batch * head): the rows' LSE in the log2 domain (+inf for rows
     that see no key) and delta = rowsum(dO * O), fp32, into LSE2 and DELTA (B * H rows of
     SQ_PAD, a multiple of BLOCK_M: padding rows get +inf and 0, so P = dS = 0 there, and every
     head's rows start aligned for the Gluon backward's TMA), and zeros into the rows of the
-    fp32 dQ buffer (B, H, SQ, HEAD_DIM). The grid covers SQ_PAD rows."""
+    fp32 dQ buffer (B, SQ, H, HEAD_DIM; strides stride_q*: q's layout, so that dQ's copy
+    out of it keeps the order of memory). The grid covers SQ_PAD rows."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -457,5 +459,5 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
     padded = off_bh.to(tl.int64) * SQ_PAD + rows
     tl.store(LSE2 + padded, _lse2(LSE + off_b * stride_lb + off_h * stride_lh, rows, SQ))
     tl.store(DELTA + padded, delta)
-    tl.store(DQ + (off_bh.to(tl.int64) * SQ + r64) * HEAD_DIM + cols[None, :],
+    tl.store(DQ + off_b * stride_qb + off_h * stride_qh + r64 * stride_qt + cols[None, :],
              tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)

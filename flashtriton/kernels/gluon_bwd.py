@@ -541,17 +541,16 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
 
 
 @gluon.jit
-def _reduce(dq_desc, dq_smem, dq_full, t, walk, H, SEQ, DQ_MODE: gl.constexpr,
-            LISTED: gl.constexpr):
-    """Step t's dQ: both groups' staged column halves, each by one TMA reduction."""
+def _reduce(dq_desc, dq_smem, dq_full, t, walk, DQ_MODE: gl.constexpr, LISTED: gl.constexpr):
+    """Step t's dQ: both groups' staged column halves, each by one TMA reduction (the fp32
+    buffer has q's layout: its rows and columns are q's)."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
     HALF_D: gl.constexpr = dq_desc.block_type.shape[1]
-    _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
-    row = (walk[9] * H + h) * SEQ + m * BLOCK_M
+    row, col, _, _, _, _ = _block_coords(t, walk, BLOCK_M, LISTED)
     for w in gl.static_range(2):
         mbarrier.wait(dq_full.index(w * 2 + t % 2), (t // 2) & 1)
         if DQ_MODE == 2:
-            _tma_reduce_add(dq_desc, [row, w * HALF_D], dq_smem.index(w * 2 + t % 2))
+            _tma_reduce_add(dq_desc, [row, col + w * HALF_D], dq_smem.index(w * 2 + t % 2))
 
 
 @gluon.jit
@@ -567,7 +566,7 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
             _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED)
         if t >= 1:
-            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, H, SEQ, DQ_MODE, LISTED)
+            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, DQ_MODE, LISTED)
             if t >= 2:
                 tma.store_wait(2)  # step t - 2's reductions are done: free its staging slots
                 for w in gl.static_range(2):
@@ -591,8 +590,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            num_warps: gl.constexpr):
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
-    h * ch); dq_desc views the fp32 dQ buffer (B, H, SEQ, D) as (B * H * SEQ) x D in blocks of
-    64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
+    h * ch); dq_desc views the fp32 dQ buffer, in q's layout (its rows and columns are q's),
+    in blocks of 64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
     delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
     stride_k*) take k's layout; TL: None, or (timing only) rows of TL_ROW int64 per program
     (_mark, _mark_step). Variants as the module docstring (qk_scale, cap2, LOWER, UPPER,
