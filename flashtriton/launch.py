@@ -824,7 +824,7 @@ def _dq_buffer(q: torch.Tensor) -> torch.Tensor:
     rows and columns are q's, so the kernel's reductions use q's coordinates): tokens-major
     or heads-major memory, dense. dQ's copy out of it into a gradient of q's layout then
     keeps the order of memory (a transposing copy ran at half the rate: docs/perf.md,
-    session 22)."""
+    session 23)."""
     B, N, H, D = q.shape
     if _token_rows(q)[1] == 0:  # tokens-major (rh 0)
         return _empty((B, N, H, D), torch.float32, q.device)
