@@ -135,7 +135,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         try:
             signature = launch.call_signature(
                 "decode-step", (softmax_scale, causal, window_size, softcap, num_splits),
-                *tensors)
+                *tensors, gluon=False)
         except AttributeError:  # not a tensor where one belongs: the checks below say so
             step = False
         known = launch.recall(signature)
@@ -232,7 +232,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi)
     if not step:  # appends, rotary: the same call but for the data replays after them
         signature = launch.call_signature("decode", (scale, left, right, softcap, num_splits),
-                                          *tensors)
+                                          *tensors, gluon=False)
         known = launch.recall(signature)
         if known is not None and _replay(known, tensors, out, lse):
             return AttentionOutput(out, lse)

@@ -197,16 +197,19 @@ _CALLS = {}
 _CALLS_MAX = 512
 
 
-def call_signature(site: str, scalars, *tensors) -> Optional[tuple]:
+def call_signature(site: str, scalars, *tensors, gluon: bool = True) -> Optional[tuple]:
     """The signature of a call at ``site`` (None: do not replay): its Python scalars (hashable),
-    the switches and Gluon kernel options that choose its kernels, and the shape, strides,
-    dtype and device index of each tensor argument (None where absent)."""
+    the switches and (gluon: a site that may run a Gluon kernel) the Gluon kernel options that
+    choose its kernels, and the shape, strides, dtype and device index of each tensor argument
+    (None where absent)."""
     if not _env.FAST_LAUNCH or _env.INTERPRET:
         return None
-    from .kernels import gluon_bwd, gluon_fwd
-    return (site, scalars, _env.TMA, _env.AUTOTUNE, _env.PDL, _env.GLUON, GLUON_VARIANTS,
-            GLUON_ALIBI_ONE_SIDED, tuple(gluon_fwd.OPTIONS.items()),
-            tuple(gluon_bwd.OPTIONS.items()),
+    options = ()
+    if gluon:
+        from .kernels import gluon_bwd, gluon_fwd
+        options = (GLUON_VARIANTS, GLUON_ALIBI_ONE_SIDED, tuple(gluon_fwd.OPTIONS.items()),
+                   tuple(gluon_bwd.OPTIONS.items()))
+    return (site, scalars, _env.TMA, _env.AUTOTUNE, _env.PDL, _env.GLUON, *options,
             *[None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
               for t in tensors])
 
