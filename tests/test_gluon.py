@@ -473,8 +473,9 @@ def test_bench_gluon_ab_settings(monkeypatch):
     """bench_gluon --ab NAME[=A,B]: a boolean option (or one left None for options() to
     choose) off and on (a None one's other values integers: ORDER=0,2), an integer option at
     A and B (CONSUMER_REGS=232,240), several joined by + together, fwd. / bwd. naming one
-    kernel's (left out of the other kernel's A/B, an error where nothing is left), bench_variants.ab_side's items for either side, and an error
-    for an unknown name or a third value."""
+    kernel's (left out of the other kernel's A/B, an error where nothing is left),
+    bench_variants.ab_side's items for either side, and an error for an unknown name or a
+    third value."""
     import importlib.util
     from flashtriton.kernels import gluon_bwd, gluon_fwd
     path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gluon.py")

@@ -591,10 +591,10 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
     token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
     h * ch); dq_desc views the fp32 dQ buffer, in q's layout (its rows and columns are q's),
-    in blocks of 64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep kernel's log2 LSE and
-    delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
-    stride_k*) take k's layout; TL: None, or (timing only) rows of TL_ROW int64 per program
-    (_mark, _mark_step). Variants as the module docstring (qk_scale, cap2, LOWER, UPPER,
+    in blocks of 64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep
+    kernel's log2 LSE and delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks
+    of 64. dK and dV (strides stride_k*) take k's layout; TL: None, or (timing only) rows of
+    TL_ROW int64 per program (_mark, _mark_step). Variants as the module docstring (qk_scale, cap2, LOWER, UPPER,
     ALIBI as the forward's; BMASK: the block mask's transposed lists, one row per key block,
     shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
