@@ -594,9 +594,9 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     in blocks of 64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep
     kernel's log2 LSE and delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks
     of 64. dK and dV (strides stride_k*) take k's layout; TL: None, or (timing only) rows of
-    TL_ROW int64 per program (_mark, _mark_step). Variants as the module docstring (qk_scale, cap2, LOWER, UPPER,
-    ALIBI as the forward's; BMASK: the block mask's transposed lists, one row per key block,
-    shared by the group's query heads).
+    TL_ROW int64 per program (_mark, _mark_step). Variants as the module docstring
+    (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the block mask's transposed
+    lists, one row per key block, shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
     warps."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
