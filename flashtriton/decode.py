@@ -16,6 +16,34 @@ from .api import AttentionOutput, _check_alibi, _check_scale, _check_softcap, _c
 from .kernels.decode import _attn_merge_kernel
 
 
+# Eager steps that read at most _MERGE_BYTES of cache, with splits that the merge loads at once,
+# merge them in the split kernel (MERGE: one launch, ~7 us less host time a step on the H200's
+# host); other steps and CUDA graph captures take the merge kernel (1-8 us less GPU time a
+# step; docs/perf.md, session 24). The split kernel's counts and partials live in a workspace
+# per (device, stream): steps on one stream run in order. MERGE_IN_KERNEL off: never (tests).
+MERGE_IN_KERNEL = True
+_MERGE_BYTES = 40 << 20
+_COUNTS = 4096  # counters at a workspace's head: one per (sequence, KV head) of a launch
+_WORKSPACES = {}  # (device index, stream) -> (workspace, its fp32 elements, its address)
+
+
+def _eager(q: torch.Tensor) -> bool:
+    """Not under a CUDA graph's capture (whose replays may run on several streams at once)."""
+    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _workspace(x: torch.Tensor, elements: int) -> tuple:
+    """The workspace of x's device's current stream, with room for ``elements`` fp32 partials
+    after its counters (zero between steps: the split that merges sets its count back)."""
+    index = x.get_device()  # -1: the CPU (the interpreter), whose steps run in order
+    key = (index, launch.driver.active.get_current_stream(index) if index >= 0 else 0)
+    entry = _WORKSPACES.get(key)
+    if entry is None or entry[1] < _COUNTS + elements:
+        buf = torch.zeros(_COUNTS + elements, dtype=torch.float32, device=x.device)
+        entry = _WORKSPACES[key] = (buf, buf.numel(), buf.data_ptr())
+    return entry
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -134,8 +162,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if step:
         try:
             signature = launch.call_signature(
-                "decode-step", (softmax_scale, causal, window_size, softcap, num_splits),
-                *tensors, gluon=False)
+                "decode-step", (softmax_scale, causal, window_size, softcap, num_splits,
+                                MERGE_IN_KERNEL and _eager(q)), *tensors, gluon=False)
         except AttributeError:  # not a tensor where one belongs: the checks below say so
             step = False
         known = launch.recall(signature)
@@ -230,60 +258,92 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.stride(-1) != 1:
         q = q.contiguous()
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi)
+    eager = MERGE_IN_KERNEL and _eager(q)
     if not step:  # appends, rotary: the same call but for the data replays after them
-        signature = launch.call_signature("decode", (scale, left, right, softcap, num_splits),
-                                          *tensors, gluon=False)
+        signature = launch.call_signature(
+            "decode", (scale, left, right, softcap, num_splits, eager), *tensors, gluon=False)
         known = launch.recall(signature)
         if known is not None and _replay(known, tensors, out, lse):
             return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
     splits = _splits(num_splits, B, HKV, capacity, granule, q.device, block_table is not None)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
-    parts = (0, 0)  # the partials' layout (_partials): none with one split
-    if splits == 1:  # the split's normalised result and LSE are the output
-        o_part, lse_part = out, lse
-        o_strides = (0, out.stride(0), out.stride(2), out.stride(1))  # (split, b, h, t)
-        lse_strides = (0, lse.stride(0), lse.stride(1))
-    else:
-        o_part, lse_part, parts = _partials(splits, B, H, SQ, D, q.device)
-        o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
-    block_m = max(16, configs.next_pow2((H // HKV) * SQ))
+    block_r = configs.next_pow2((H // HKV) * SQ)
     bd = configs.block_d(D)
+    block_c = max(1, 8192 // (block_r * bd))  # splits the in-kernel merge loads at once
     has_softcap = softcap > 0
     flags = dict(BLOCK_D=bd, EVEN_D=bd == D, PAGED=paged,
                  SAME_LAYOUT=k_cache.stride()[:3] == v_cache.stride()[:3], HAS_LOWER=left >= 0,
                  HAS_UPPER=right >= 0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
                  HAS_BATCH_IDX=cache_batch_idx is not None,
                  HAS_LEFTPAD=cache_leftpad is not None, PDL=launch.use_pdl(q.device),
-                 BLOCK_M=block_m)
-    key = (q.dtype, configs.bucket(split_size), *flags.values())
-    run_decode = launch._launch(
-        launch._decode, (splits, B * HKV), key, *tensors, o_part, lse_part,
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_table.stride(0) if paged else 0,
-        (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
-        alibi.stride(-1) if alibi is not None else 0,
-        *o_strides, *lse_strides,
-        HKV, H // HKV, SQ, D, left, right,
-        scale * (1.0 / softcap if has_softcap else math.log2(math.e)), softcap * math.log2(math.e),
-        split_size, k_cache.shape[1] if paged else 1, configs.bucket(split_size),
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags,
-        **launch.pdl_option(flags["PDL"]),
-    )
-    run_merge = () if splits == 1 else merge_partials(o_part, lse_part, out, lse)  # (): none
-    launch.remember(signature, run_decode, run_merge, splits, parts)
+                 BLOCK_M=max(16, block_r))
+    key = (q.dtype, configs.bucket(split_size), *flags.values())  # one tile for both merges
+
+    def split_kernel(o_part, lse_part, merge_args=(None, None, None, 0, 0, 0)):
+        """Launch the split kernel; merge_args: MERGE's OUT, LSE, COUNTERS, OUT's strides."""
+        merge = merge_args[0] is not None
+        o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
+        if o_part is out:  # one split: (split, b, h, t) of the output and its LSE
+            o_strides = (0, out.stride(0), out.stride(2), out.stride(1))
+            lse_strides = (0, lse.stride(0), lse.stride(1))
+        return launch._launch(
+            launch._decode, (splits, B * HKV), key, *tensors, o_part, lse_part, *merge_args[:3],
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            block_table.stride(0) if paged else 0,
+            (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
+            alibi.stride(-1) if alibi is not None else 0,
+            *o_strides, *lse_strides, *merge_args[3:],
+            HKV, H // HKV, SQ, D, left, right,
+            scale * (1.0 / softcap if has_softcap else math.log2(math.e)),
+            softcap * math.log2(math.e),
+            split_size, k_cache.shape[1] if paged else 1, configs.bucket(split_size),
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags, MERGE=merge,
+            BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,
+            **launch.pdl_option(flags["PDL"]))
+
+    if splits == 1:  # the split's normalised result and LSE are the output
+        launch.remember(signature, split_kernel(out, lse), (), 0, (0, 0))
+        return AttentionOutput(out, lse)
+    parts = _partials_layout(splits, B, H, SQ, D)
+    in_kernel = (eager and splits <= block_c and B * HKV <= _COUNTS
+                 and 2 * B * capacity * HKV * D * q.element_size() <= _MERGE_BYTES)
+    # The merge kernel's way, into spare outputs before an eager merge in the kernel: a
+    # capture of the same step takes that way, and finds its kernels compiled and tuned.
+    o_part, lse_part = _partials(
+        splits, B, H, SQ, D, torch.empty(parts[0], dtype=torch.float32, device=q.device))
+    run_decode = split_kernel(o_part, lse_part)
+    run_merge = merge_partials(o_part, lse_part, *((torch.empty_like(out), torch.empty_like(lse))
+                                                   if in_kernel else (out, lse)))
+    if in_kernel:
+        ws = _workspace(q, parts[0])[0]
+        o_part, lse_part = _partials(splits, B, H, SQ, D, ws[_COUNTS:])
+        run_decode = split_kernel(o_part, lse_part,
+                                  (out, lse, ws[:_COUNTS].view(torch.int32), *out.stride()[:3]))
+        launch.remember(signature, run_decode, (), 2, parts)
+    else:
+        launch.remember(signature, run_decode, run_merge, 1, parts)
     return AttentionOutput(out, lse)
 
 
 def _replay(known, tensors, out, lse) -> bool:
-    """Launch a remembered call's kernels on new tensors (False: not 16-byte aligned)."""
-    run_decode, run_merge, splits, (size, lse_at) = known
-    if splits == 1:
+    """Launch a remembered call's kernels on new tensors (False: not 16-byte aligned). Its
+    mode: 0 one split, 1 splits and the merge kernel, 2 splits merged in the split kernel."""
+    run_decode, run_merge, mode, (size, lse_at) = known
+    if mode == 0:
         ptrs = launch.pointers(*tensors, out, lse)
         if ptrs is None:
             return False
         run_decode(*ptrs)
+        return True
+    if mode == 2:
+        ptrs = launch.pointers(*tensors, out, lse)
+        if ptrs is None:
+            return False
+        counts = _workspace(out, size)[2]  # 512-byte aligned (torch's allocator)
+        o_part = counts + 4 * _COUNTS
+        run_decode(*ptrs[:-2], o_part, o_part + 4 * lse_at, *ptrs[-2:], counts)
         return True
     # the partials as one allocation, passed as two addresses (see _partials)
     ptrs = launch.pointers(*tensors, torch.empty(size, dtype=torch.float32, device=out.device),
@@ -305,15 +365,12 @@ def _partials_layout(splits, B, H, SQ, D) -> Tuple[int, int]:
     return lse_at + n, lse_at
 
 
-def _partials(splits, B, H, SQ, D, device):
+def _partials(splits, B, H, SQ, D, buf):
     """The split kernel's fp32 partial outputs (S, B, H, SQ, D) and LSEs (S, B, H, SQ): views of
-    one allocation (a replayed step allocates it once, for host time), and its layout
-    (_partials_layout)."""
-    layout = _partials_layout(splits, B, H, SQ, D)
-    buf = torch.empty(layout[0], dtype=torch.float32, device=device)
+    one buffer laid out by _partials_layout (a replayed step passes its two addresses)."""
     n = splits * B * H * SQ
-    return (buf[:n * D].view(splits, B, H, SQ, D), buf[layout[1]:].view(splits, B, H, SQ),
-            layout)
+    lse_at = _partials_layout(splits, B, H, SQ, D)[1]
+    return buf[:n * D].view(splits, B, H, SQ, D), buf[lse_at:lse_at + n].view(splits, B, H, SQ)
 
 
 @launch.on_device_of
@@ -328,7 +385,8 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
         _attn_merge_kernel, (B * H * SQ,),
         o_part, lse_part, out, lse, o_part.stride(0), lse_part.stride(0),
         out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
-        BLOCK_S=max(2, configs.next_pow2(S)), BLOCK_D=configs.block_d(D), PDL=pdl,
+        BLOCK_C=min(configs.next_pow2(S), 8192 // configs.block_d(D)), BLOCK_D=configs.block_d(D),
+        PDL=pdl,
         **launch.pdl_option(pdl))
 
 
@@ -391,7 +449,8 @@ class PagedKVCache:
         return self._lengths[seq_id]
 
     def _reserve(self, seq_id, n_new: int) -> None:
-        need = configs.cdiv(self._lengths[seq_id] + n_new, self.page_size) - len(self._pages[seq_id])
+        pages = configs.cdiv(self._lengths[seq_id] + n_new, self.page_size)
+        need = pages - len(self._pages[seq_id])
         if need > len(self._free):
             raise MemoryError(f"PagedKVCache: {need} more pages needed for sequence {seq_id!r}, "
                               f"{len(self._free)} free")

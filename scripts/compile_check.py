@@ -103,15 +103,16 @@ for kname in ("fwd", "dkdv", "dq"):
 extra = [
     ("decode", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True, PAGE_SIZE=16, SAME_LAYOUT=True, HAS_LOWER=False, HAS_UPPER=True,
         HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=True, DOT_PREC="tf32", UPCAST=False,
-        PDL=True, BLOCK_M=16, BLOCK_N=64),
+        PDL=True, MERGE=True, BLOCK_R=4, BLOCK_C=16, BLOCK_M=16, BLOCK_N=64),  # eager: merges
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", ALIBI="*fp32",
-          O_PART="*fp32", LSE_PART="*fp32")),
+          O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32", COUNTERS="*i32")),
     ("decode-one-split", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=False, PAGE_SIZE=1, SAME_LAYOUT=False,
         HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False,
-        HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False, PDL=False, BLOCK_M=16, BLOCK_N=64),
+        HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False, PDL=False, MERGE=False, BLOCK_R=1,
+        BLOCK_C=1, BLOCK_M=16, BLOCK_N=64),
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32",
           LEFTPAD="*i32", ALIBI="*fp32", O_PART=bf, LSE_PART="*fp32")),  # writes out itself
-    ("merge", _attn_merge_kernel, dict(BLOCK_S=8, BLOCK_D=128, PDL=True), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32")),
+    ("merge", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32")),
     ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8")),
 ]
 # every decoding tile the autotuner may try, at each head-dim class

@@ -1,12 +1,12 @@
 """Host time of a repeated eager decoding step, on the CPU with the kernels faked (as in
 tests/test_launch.py): the step replay path of ``attention_with_kvcache`` alone, without a
 GPU. The fake compiled kernels do what Triton 3.6's do on the host but launch nothing:
-``launch_metadata`` is Triton's own, and ``run`` calls the launch hooks as Triton's C launcher
-does. B=1, one query token, 32 query heads, 8 KV heads, D=128, bf16, caches of 1K and 8K
-keys, 1 and 8 splits (the automatic count is 1 here: 4 SMs on a CPU); the best of 5 loops of
-5000 steps, in alternating rounds. Then the step taken apart: each piece timed alone. The
-noise of a shared host is high: many short loops (--calls 500 --repeats 40) give steadier
-minima.
+``launch_metadata`` is Triton's own, and ``run`` is Triton's launcher wrapper around a C
+launcher that does nothing. B=1, one query token, 32 query heads, 8 KV heads, D=128, bf16,
+caches of 1K and 8K keys, 1 and 8 splits (the automatic count is 1 here: 4 SMs on a CPU);
+the best of 5 loops of 5000 steps, in alternating rounds (scripts/probe_decode_host.py takes
+a step apart on the GPU). The noise of a shared host is high: many short loops (--calls 500
+--repeats 40) give steadier minima.
 
     PYTHONPATH=.:scripts python scripts/probe_step_host.py [--rounds 3] [--calls N --repeats R]
 """
@@ -23,22 +23,30 @@ from flashtriton import _env, decode, launch
 CALLS, REPEATS = 5000, 5  # --calls, --repeats
 
 
+def _launcher():
+    """Triton 3.6's launcher wrapper (CudaLauncher) around a C launcher that does nothing."""
+    from triton.backends.nvidia.driver import CudaLauncher
+    run = object.__new__(CudaLauncher)
+    run.launch = lambda *args: None
+    run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, True
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    return run
+
+
 class FakeCompiled:
-    packed_metadata = "packed"
-    function = "function"
+    packed_metadata = (4, 1, 0)
+    function = 77
     name = "fake"
     src = None
     metadata = types.SimpleNamespace(global_scratch_size=0)
     launch_metadata = CompiledKernel.launch_metadata
 
+    def __init__(self):
+        self.run = _launcher()
+
     def _init_handles(self):
         pass
-
-    def run(self, gx, gy, gz, stream, function, packed, meta, enter_hook, exit_hook, *args):
-        if enter_hook is not None:
-            enter_hook(meta)
-        if exit_hook is not None:
-            exit_hook(meta)
 
 
 class FakeJIT:
@@ -103,48 +111,12 @@ def step_fn(N, num_splits):
     return step
 
 
-def pieces(N, num_splits):
-    """Each piece of one replayed step, timed alone (us)."""
-    q, k_cache, v_cache, lens = inputs(N)
-    step = step_fn(N, num_splits)
-    tensors = (q, k_cache, v_cache, lens, None, None, None, None)
-    def signature_of():  # as attention_with_kvcache builds it
-        return launch.call_signature("decode-step", (None, False, (-1, -1), 0.0, num_splits),
-                                     *tensors)
-    signature = signature_of()
-    run_decode, run_merge, splits, (size, _) = launch.recall(signature)
-    assert splits == (num_splits or splits)
-    B, SQ, H, D = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((B, H, SQ), dtype=torch.float32)
-    o_part, lse_part, _ = decode._partials(splits, B, H, SQ, D, q.device)
-    parts = (o_part, lse_part) if splits > 1 else (out, lse)
-    nothing = launch.on_device_of(lambda x: None)
-    rows = {
-        "whole step": step,
-        "decorator (on_device_of)": lambda: nothing(q),
-        "signature": signature_of,
-        "lookup (recall)": lambda: launch.recall(signature),
-        "alloc out": lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
-        "alloc lse": lambda: torch.empty(B, H, SQ, dtype=torch.float32, device=q.device),
-    }
-    if splits > 1:
-        rows["alloc partials (one)"] = lambda: torch.empty(size, dtype=torch.float32,
-                                                           device=q.device)
-    rows["pointers"] = lambda: launch.pointers(*tensors, *parts, out, lse)
-    rows["split launch (Replay)"] = lambda: run_decode(*tensors, *parts)
-    if splits > 1:
-        rows["merge launch (Replay)"] = lambda: run_merge(o_part, lse_part, out, lse)
-    return {name: best_us(fn) for name, fn in rows.items()}
-
-
 def main():
     global CALLS, REPEATS
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=CALLS)
     parser.add_argument("--repeats", type=int, default=REPEATS)
-    parser.add_argument("--no-pieces", action="store_true")
     args = parser.parse_args()
     CALLS, REPEATS = args.calls, args.repeats
     fake_kernels()
@@ -159,16 +131,6 @@ def main():
     for (N, s), ts in times.items():
         name = "auto" if s == 0 else str(s)
         print(f"{N:6d} {name:>8s}  min {min(ts):5.2f}  " + " ".join(f"{t:5.2f}" for t in ts))
-    if args.no_pieces:
-        return
-    for N, s in ((8192, 8), (8192, 1)):
-        print(f"\npieces, cache {N}, {s} split(s) (us, each alone; the least of "
-              f"{args.rounds} rounds)")
-        rounds = [pieces(N, s) for _ in range(args.rounds)]
-        rows = {name: min(r[name] for r in rounds) for name in rounds[0]}
-        for name, us in rows.items():
-            print(f"  {name:28s} {us:6.2f}")
-        print(f"  {'sum of pieces':28s} {sum(rows.values()) - rows['whole step']:6.2f}")
 
 
 if __name__ == "__main__":

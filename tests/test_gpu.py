@@ -111,11 +111,17 @@ def test_patch_sdpa_same_result_and_faster_than_fa2():
     assert ours_ms < fa2_ms, (ours_ms, fa2_ms)
 
 
-def test_decode_step_replays_from_a_cuda_graph():
+def test_decode_step_replays_from_a_cuda_graph(monkeypatch):
     """Serving engines capture decoding steps in CUDA graphs: a captured step, replayed after
     new query values, new cache contents and new lengths are copied into its inputs, must
-    equal an eager call on those inputs (no host-side state baked into the graph)."""
+    equal an eager call on those inputs (no host-side state baked into the graph). A capture
+    merges the splits by the merge kernel, also where the eager calls before it merged them
+    in the split kernel (small caches; here all): equal to an eager call that takes the
+    merge kernel too, and close to one that merges in the split kernel (another order of the
+    same sums)."""
+    from flashtriton import decode
     from flashtriton.decode import attention_with_kvcache
+    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 40)
     B, N, H, HKV, D = 4, 4096, 32, 8, 128
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -132,19 +138,55 @@ def test_decode_step_replays_from_a_cuda_graph():
     kc.copy_(torch.randn_like(kc))
     lens.copy_(torch.tensor([4096, 1, 777, 2048], dtype=torch.int32))
     graph.replay()
+    in_kernel = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", False)
     eager = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
     torch.testing.assert_close(captured.out, eager.out, atol=0, rtol=0)
     torch.testing.assert_close(captured.lse, eager.lse, atol=0, rtol=0)
+    torch.testing.assert_close(in_kernel.out, eager.out, atol=2e-3, rtol=0)
+    torch.testing.assert_close(in_kernel.lse, eager.lse, atol=1e-5, rtol=0)
 
 
+def test_decode_merge_in_the_kernel_is_the_same_every_step(monkeypatch):
+    """Eager steps merge their splits in the split kernel: the split that counts itself done
+    last reads the others' partials. Were a partial read before it was written (memory order),
+    or a count left behind for the next step, repeated steps would differ: 300 steps over 16
+    splits (one wave of 128 programs) all equal the first, bit for bit, and the counts end at
+    zero."""
+    from flashtriton import decode
+    from flashtriton.decode import attention_with_kvcache
+    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 40)  # a 268 MB cache merged in the kernel
+    B, N, H, HKV, D = 1, 65536, 32, 8, 128
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
+    assert decode._splits(0, B, HKV, N, decode.configs.decode_split_granule(), q.device) == 16
+    monkeypatch.setattr(launch, "_CALLS", {})
+    first = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    (_, _, mode, _), = launch._CALLS.values()
+    assert mode == 2  # merged in the split kernel
+    steps = [attention_with_kvcache(q, kc, vc, cache_seqlens=lens) for _ in range(300)]
+    for step in steps:
+        torch.testing.assert_close(step.out, first.out, atol=0, rtol=0)
+        torch.testing.assert_close(step.lse, first.lse, atol=0, rtol=0)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                         enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(first.out, ref, atol=2e-2, rtol=0)
+    counts = decode._workspace(q, 0)[0][:decode._COUNTS].view(torch.int32)
+    assert int(counts.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["in-kernel", "merge-kernel"])
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
-def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl):
+def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl, in_kernel):
     """Launched as programmatic dependents (Hopper), the split and merge kernels may start
     before the kernel ahead of them on the stream ends: a cache rewritten by the kernel just
     before the step must be read whole, and the result must equal a synchronised call's."""
-    from flashtriton import _env, launch
+    from flashtriton import _env, decode, launch
     from flashtriton.decode import attention_with_kvcache
     monkeypatch.setattr(_env, "PDL", pdl)
+    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 40)
     monkeypatch.setattr(launch, "_CALLS", {})
     B, N, H, HKV, D = 1, 65536, 32, 8, 128
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
@@ -164,9 +206,10 @@ def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl):
         got = attention_with_kvcache(q, kv[0], kv[1], cache_seqlens=lens)
         torch.testing.assert_close(got.out, want.out, atol=0, rtol=0)
         torch.testing.assert_close(got.lse, want.lse, atol=0, rtol=0)
-    (run_split, run_merge, splits, _), = launch._CALLS.values()  # this step's launches
-    assert splits > 1 and launch.use_pdl(q.device) == pdl  # Hopper
-    assert run_split.compiled.metadata.launch_pdl == run_merge.compiled.metadata.launch_pdl == pdl
+    (run_split, run_merge, mode, _), = launch._CALLS.values()  # this step's launches
+    assert mode == (2 if in_kernel else 1) and launch.use_pdl(q.device) == pdl  # Hopper
+    assert run_split.compiled.metadata.launch_pdl == pdl
+    assert in_kernel or run_merge.compiled.metadata.launch_pdl == pdl
 
 
 def test_forward_replays_from_a_cuda_graph():

@@ -274,8 +274,10 @@ def test_k_and_v_caches_with_different_layouts(paged):
 
 def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     # One split (batches that fill the GPU, or num_splits=1) writes its result as the
-    # output: no partial buffers, no merge launch; more splits merge.
+    # output: no partial buffers, no merge launch; more splits merge (here by the merge
+    # kernel, as under a CUDA graph's capture).
     from flashtriton import decode
+    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", False)
     merges = []
     real = decode.merge_partials
     monkeypatch.setattr(decode, "merge_partials",
@@ -293,6 +295,64 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     assert merges == [2]
     torch.testing.assert_close(one.out, two.out, atol=2e-2, rtol=0)
     torch.testing.assert_close(one.lse, two.lse, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["in-kernel", "merge-kernel"])
+def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kernel):
+    # Eager steps over small caches merge their splits in the split kernel (the split that
+    # finishes last, found by a count per (sequence, KV head) in the stream's workspace) where
+    # it loads them at once (4 here: 16 rows of 128); with the switch off (or under a capture,
+    # over large caches, over more splits) the merge kernel does. Both match the reference,
+    # and the counts end at zero.
+    from flashtriton import decode, launch
+    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 30)  # the GPU's caches are larger
+    merges = []  # the MERGE of each split kernel launch
+    real = launch._launch
+    monkeypatch.setattr(launch, "_launch",
+                        lambda *a, **kw: merges.append(kw["MERGE"]) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(5)
+    B, H, HKV, D, SQ = 2, 8, 2, 128, 4
+    k_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    v_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    q = torch.randn(B, SQ, H, D, generator=gen).to(DEVICE, DT)
+    lens = torch.tensor([CAP - 3, CAP // 2], dtype=torch.int32, device=DEVICE)
+    ref_out, ref_lse, pt_out, pt_lse = _reference(q, k_cache, v_cache, lens, True)
+    assert decode._splits(4, B, HKV, CAP, decode.configs.decode_split_granule(), q.device) == 4
+    for _ in range(2):  # the first call launches, the second replays (on the GPU)
+        out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
+                                          num_splits=4)
+        assert_rule("out", out, ref_out, pt_out, 2, DT)
+        assert_rule("lse", lse, ref_lse, pt_lse, 2, DT)
+    # a first call runs the merge kernel's way too (what a capture takes), a replay neither
+    assert merges[:2] == [False, True] if in_kernel else merges[0] is False and True not in merges
+    if in_kernel:
+        counts = decode._workspace(q, 0)[0][:decode._COUNTS].view(torch.int32)
+        assert int(counts.abs().sum()) == 0
+        merges.clear()
+        attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=5)
+        assert merges[0] is False and True not in merges  # 5 splits: two loads
+
+
+def test_merge_partials_over_many_splits():
+    # More splits than the merge kernel loads at once (64 of 128 columns), some empty (LSE
+    # -inf, weight 0), one row with every split empty (out 0, LSE -inf): against float64.
+    from flashtriton.decode import merge_partials
+    gen = torch.Generator().manual_seed(6)
+    S, B, H, SQ, D = 70, 1, 2, 1, 128
+    o_part = torch.randn(S, B, H, SQ, D, generator=gen).to(DEVICE)
+    lse_part = (4 * torch.randn(S, B, H, SQ, generator=gen)).to(DEVICE)
+    lse_part[::3] = float("-inf")
+    lse_part[:, :, 1] = float("-inf")
+    out = torch.empty(B, SQ, H, D, dtype=DT, device=DEVICE)
+    lse = torch.empty(B, H, SQ, device=DEVICE)
+    merge_partials(o_part, lse_part, out, lse)
+    w = torch.softmax(lse_part[:, :, 0].double(), 0)                  # (S, B, SQ)
+    want = (w[..., None] * o_part[:, :, 0].double()).sum(0)           # (B, SQ, D)
+    torch.testing.assert_close(out[:, :, 0].double(), want, atol=1e-2, rtol=0)
+    torch.testing.assert_close(lse[:, 0].double(), torch.logsumexp(lse_part[:, :, 0].double(), 0),
+                               atol=1e-5, rtol=0)
+    assert bool((out[:, :, 1] == 0).all()) and bool((lse[:, 1] == float("-inf")).all())
 
 
 @pytest.mark.parametrize("B, HKV, N, want", [(4, 8, 65536, 8), (1, 8, 65536, 16),

@@ -311,9 +311,16 @@ def test_gluon_replays_hand_each_pointer_to_its_kernel_argument():
         "delta_desc": (5, *views[6]), "DK": 10, "DV": 11, "ALIBI": 12, "BMASK": None}
 
 
-def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["merge-kernel", "in-kernel"])
+def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_kernel):
+    # Splits merged by the merge kernel (under a capture): both kernels replay, the partials
+    # one allocation; merged in the split kernel (eager, small caches): one launch, its
+    # partials and counts in the stream's workspace, the output and LSE its merge's (its
+    # first call also compiles the merge kernel's way, which a capture would take).
     from flashtriton import decode
     monkeypatch.setattr(decode, "check_qkv", lambda *args, **kw: None)  # CPU, no interpreter
+    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(decode, "_WORKSPACES", {})
     split = FakeAutotuner(launch._decode)
     split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
     merge = FakeJIT()
@@ -334,9 +341,17 @@ def test_repeated_decode_replays_both_kernels(fake_attention, monkeypatch):
         step()
     assert len(split.fn.slow) == len(merge.slow) == 1 and len(launch._CALLS) == 1
     q, cache, lens, out, lse = step()
-    (grid, _, args), = split.fn.compiled[0].runs
-    _, _, merge_args = merge.compiled[0].runs[-1]   # call 2 ran it cached, call 3 replayed
+    (grid, _, args) = split.fn.compiled[0].runs[-1]
+    assert len(split.fn.compiled[0].runs) == 1 + in_kernel  # call 2 replayed too
     assert grid == (3, 4, 1)                   # splits x (B * HKV)
+    if in_kernel:
+        (ws, _, counts), = decode._WORKSPACES.values()
+        assert counts == ws.data_ptr() and args[12] == counts  # the counts, then the partials
+        assert args[8] == counts + 4 * decode._COUNTS and args[9] - args[8] == 4 * 3 * 2 * 4 * 32
+        assert args[10:12] == (out.data_ptr(), lse.data_ptr())
+        return
+    _, _, merge_args = merge.compiled[0].runs[-1]   # call 2 ran it cached, call 3 replayed
+    assert args[10:13] == (None, None, None)   # no merge in the split kernel
     assert args[0] == q.data_ptr() and args[1] == cache.data_ptr() and args[3] == lens.data_ptr()
     assert args[8] == merge_args[0] and args[9] == merge_args[1]  # the partials merged
     # one allocation: the LSEs (16-byte aligned) after the 3 x 2 x 4 x 1 x 32 fp32 outputs

@@ -6,13 +6,18 @@ _attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP que
                       one tile (row r: head r // SQ, token r % SQ), so each K/V byte is read
                       once. Writes the split's normalised partial output and its LSE (with
                       one split, O_PART and LSE_PART are the output and LSE themselves).
+                      MERGE (eager steps): each split counts itself done in COUNTERS (one per
+                      program column, zero before the launch), and the one that counts last
+                      merges the column's partials into OUT and LSE and sets its count back to
+                      zero: one launch a step.
                       With PDL (Hopper), both kernels are launched as programmatic dependents:
                       each may start before the kernel ahead of it on the stream ends and
                       waits for it (griddepcontrol.wait) before reading what it wrote; the
                       split kernel lets the merge launch once its loop is done, so the merge's
                       launch overlaps the split kernel's stores.
 _attn_merge_kernel    one program per (batch * head * query token): out = sum_s w_s o_s with
-                      w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s).
+                      w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s) (merge_splits, which
+                      the split kernel's MERGE runs too).
 
 Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
 position SK - SQ + t: causal and window masks are aligned to the end of the cache.
@@ -28,19 +33,22 @@ from .common import LN2, LOG2E, NEG_BIG, load_tile, scores, visible
 @triton.jit
 def _attn_decode_kernel(
     Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, O_PART, LSE_PART,
+    OUT, LSE, COUNTERS,  # MERGE only: the output (B, SQ, H, D), its LSE (B, H, SQ), the counts
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ab, stride_ah,
     stride_os, stride_ob, stride_oh, stride_ot,
     stride_ls, stride_lb, stride_lh,
+    stride_Ob, stride_Ot, stride_Oh,
     HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE,
     PAGE_SIZE: tl.constexpr,  # a power of two: the page arithmetic is shifts and masks
     SPLIT_BUCKET,  # autotuning key only
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, SAME_LAYOUT: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,  # MERGE: pow2 >= GROUP * SQ; splits a load
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     if PDL:  # launched early (programmatic dependent launch): wait for the kernels before
@@ -132,16 +140,70 @@ def _attn_decode_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     o_ptrs = (O_PART + split * stride_os + off_b * stride_ob + heads[:, None] * stride_oh
               + t.to(tl.int64)[:, None] * stride_ot + offs_d[None, :])
-    tl.store(o_ptrs, acc * (1.0 / l_safe)[:, None], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(o_ptrs, acc * (1.0 / l_safe)[:, None],
+             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     tl.store(LSE_PART + split * stride_ls + off_b * stride_lb + heads * stride_lh + t, lse,
              mask=row_ok)
+    if MERGE:
+        tl.debug_barrier()  # every thread's stores above happen before the count
+        # acq_rel: the split that counts last sees every other split's partials
+        done = tl.atomic_add(COUNTERS + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            tl.store(COUNTERS + tl.program_id(1), 0)  # zero again for the next step
+            r2 = tl.arange(0, BLOCK_R)                               # unpadded (head, token) rows
+            g2 = r2 // SQ
+            t2 = (r2 % SQ).to(tl.int64)
+            heads2 = (off_hk * GROUP + g2).to(tl.int64)
+            d_ok = offs_d < HEAD_DIM
+            o_row, lse_row = merge_splits(
+                O_PART + off_b * stride_ob
+                + (heads2 * stride_oh + t2 * stride_ot)[:, None] + offs_d[None, :],
+                LSE_PART + off_b * stride_lb + heads2 * stride_lh + t2, stride_os, stride_ls,
+                g2 < GROUP, d_ok, tl.num_programs(0), BLOCK_R, BLOCK_D, BLOCK_C)
+            tl.store(OUT + off_b * stride_Ob + (t2 * stride_Ot + heads2 * stride_Oh)[:, None]
+                     + offs_d[None, :], o_row.to(OUT.dtype.element_ty),
+                     mask=(g2 < GROUP)[:, None] & d_ok[None, :])
+            tl.store(LSE + (off_b * HKV * GROUP + heads2) * SQ + t2, lse_row, mask=g2 < GROUP)
+
+
+@triton.jit
+def merge_splits(o_ptrs, lse_ptrs, stride_os, stride_ls, row_ok, d_ok, n_splits,
+                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows' partial outputs o_ptrs [BLOCK_R, BLOCK_D] and LSEs lse_ptrs [BLOCK_R] of split 0
+    (split s at + s * stride_os / stride_ls) merged over n_splits: (out, lse). BLOCK_C splits a
+    load, their weights rescaled online; empty splits (lse -inf) weigh 0, all empty gives out
+    0, lse -inf. Loads bypass L1 (.cg): under MERGE other programs wrote the partials."""
+    c = tl.arange(0, BLOCK_C)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_C):
+        s = s0 + c
+        s_ok = s < n_splits
+        lses = tl.load(lse_ptrs[None, :] + s[:, None] * stride_ls,
+                       mask=s_ok[:, None] & row_ok[None, :], other=float("-inf"),
+                       cache_modifier=".cg")                          # [BLOCK_C, BLOCK_R]
+        parts = tl.load(o_ptrs[None, :, :] + s[:, None, None] * stride_os,
+                        mask=s_ok[:, None, None] & row_ok[None, :, None] & d_ok[None, None, :],
+                        other=0.0, cache_modifier=".cg")              # [BLOCK_C, BLOCK_R, BLOCK_D]
+        m_new = tl.maximum(m, tl.max(lses, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)        # no -inf - -inf
+        alpha = tl.math.exp2((m - m_safe) * LOG2E)
+        w = tl.math.exp2((lses - m_safe[None, :]) * LOG2E)           # 0 for empty splits
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], 0)
+        m = m_new
+    total_safe = tl.where(total == 0.0, 1.0, total)                  # 0: every split empty
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return (acc / total_safe[:, None],
+            tl.where(total == 0.0, float("-inf"), m_safe + tl.log2(total_safe) * LN2))
 
 
 @triton.jit
 def _attn_merge_kernel(
     O_PART, LSE_PART, OUT, LSE,
     stride_os, stride_ls, stride_ob, stride_ot, stride_oh,
-    H, SQ, N_SPLITS, HEAD_DIM, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    H, SQ, N_SPLITS, HEAD_DIM, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Partials O_PART (S, B, H, SQ, D) fp32 and LSE_PART (S, B, H, SQ), contiguous; OUT
@@ -151,20 +213,14 @@ def _attn_merge_kernel(
     bh = pid // SQ
     b = bh // H
     h = bh % H
-    offs_s = tl.arange(0, BLOCK_S)
+    row = tl.arange(0, 1)
     offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
     if PDL:  # launched while the split kernel runs: wait until its partials are written
         gdc_wait()
-    lses = tl.load(LSE_PART + offs_s * stride_ls + pid, mask=offs_s < N_SPLITS,
-                   other=float("-inf"))                              # [BLOCK_S]
-    m = tl.max(lses, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2((lses - m_safe) * LOG2E)                        # 0 for empty splits
-    total = tl.sum(w, 0)
-    parts = tl.load(O_PART + offs_s[:, None] * stride_os + pid * HEAD_DIM + offs_d[None, :],
-                    mask=(offs_s[:, None] < N_SPLITS) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    total_safe = tl.where(total == 0.0, 1.0, total)                  # 0: every split empty
-    out = tl.sum(parts * w[:, None], 0) / total_safe
-    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d,
-             out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    tl.store(LSE + pid, tl.where(total == 0.0, float("-inf"), m_safe + tl.log2(total_safe) * LN2))
+    out, lse = merge_splits(O_PART + (pid + row)[:, None] * HEAD_DIM + offs_d[None, :],
+                            LSE_PART + pid + row, stride_os, stride_ls, row == 0, d_ok,
+                            N_SPLITS, 1, BLOCK_D, BLOCK_C)
+    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(OUT.dtype.element_ty), mask=d_ok[None, :])
+    tl.store(LSE + pid + row, lse)
