@@ -258,10 +258,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.stride(-1) != 1:
         q = q.contiguous()
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi)
-    eager = MERGE_IN_KERNEL and _eager(q)
+    merge_ok = MERGE_IN_KERNEL and _eager(q)  # may merge in the split kernel
     if not step:  # appends, rotary: the same call but for the data replays after them
         signature = launch.call_signature(
-            "decode", (scale, left, right, softcap, num_splits, eager), *tensors, gluon=False)
+            "decode", (scale, left, right, softcap, num_splits, merge_ok), *tensors, gluon=False)
         known = launch.recall(signature)
         if known is not None and _replay(known, tensors, out, lse):
             return AttentionOutput(out, lse)
@@ -307,15 +307,17 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         launch.remember(signature, split_kernel(out, lse), (), 0, (0, 0))
         return AttentionOutput(out, lse)
     parts = _partials_layout(splits, B, H, SQ, D)
-    in_kernel = (eager and splits <= block_c and B * HKV <= _COUNTS
+    in_kernel = (merge_ok and splits <= block_c and B * HKV <= _COUNTS
                  and 2 * B * capacity * HKV * D * q.element_size() <= _MERGE_BYTES)
-    # The merge kernel's way, into spare outputs before an eager merge in the kernel: a
-    # capture of the same step takes that way, and finds its kernels compiled and tuned.
-    o_part, lse_part = _partials(
-        splits, B, H, SQ, D, torch.empty(parts[0], dtype=torch.float32, device=q.device))
-    run_decode = split_kernel(o_part, lse_part)
-    run_merge = merge_partials(o_part, lse_part, *((torch.empty_like(out), torch.empty_like(lse))
-                                                   if in_kernel else (out, lse)))
+    if not in_kernel or signature is not None:
+        # The merge kernel's way; into spare outputs before a merge in the kernel whose step
+        # will replay: a capture of the same step takes this way, and finds its kernels
+        # compiled and its tile tuned.
+        o_part, lse_part = _partials(
+            splits, B, H, SQ, D, torch.empty(parts[0], dtype=torch.float32, device=q.device))
+        run_decode = split_kernel(o_part, lse_part)
+        run_merge = merge_partials(o_part, lse_part, *(
+            (torch.empty_like(out), torch.empty_like(lse)) if in_kernel else (out, lse)))
     if in_kernel:
         ws = _workspace(q, parts[0])[0]
         o_part, lse_part = _partials(splits, B, H, SQ, D, ws[_COUNTS:])
