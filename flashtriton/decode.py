@@ -25,6 +25,7 @@ MERGE_IN_KERNEL = True
 _MERGE_BYTES = 40 << 20
 _COUNTS = 4096  # counters at a workspace's head: one per (sequence, KV head) of a launch
 _WORKSPACES = {}  # (device index, stream) -> (workspace, its fp32 elements, its address)
+_WORKSPACES_MAX = 64  # more streams start over (torch reuses a freed block in its stream's order)
 
 
 def _eager(q: torch.Tensor) -> bool:
@@ -39,6 +40,8 @@ def _workspace(x: torch.Tensor, elements: int) -> tuple:
     key = (index, launch.driver.active.get_current_stream(index) if index >= 0 else 0)
     entry = _WORKSPACES.get(key)
     if entry is None or entry[1] < _COUNTS + elements:
+        if entry is None and len(_WORKSPACES) >= _WORKSPACES_MAX:
+            _WORKSPACES.clear()
         buf = torch.zeros(_COUNTS + elements, dtype=torch.float32, device=x.device)
         entry = _WORKSPACES[key] = (buf, buf.numel(), buf.data_ptr())
     return entry

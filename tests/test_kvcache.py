@@ -1,4 +1,5 @@
-"""KV-cache decoding: contiguous and paged caches, appends, splits, against the float64 reference."""
+"""KV-cache decoding: contiguous and paged caches, appends, splits, against the float64
+reference."""
 
 import pytest
 import torch
@@ -336,6 +337,20 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
         merges.clear()
         attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=5)
         assert merges[0] is False and True not in merges  # 5 splits: two loads
+
+
+def test_workspaces_of_many_streams_are_bounded(monkeypatch):
+    # A workspace per (device, stream) for the in-kernel merge: a program that makes streams
+    # without end must not keep one for each; a workspace grows (zeroed) for larger steps.
+    from flashtriton import decode
+    full = {(7, stream): None for stream in range(decode._WORKSPACES_MAX)}
+    monkeypatch.setattr(decode, "_WORKSPACES", full)
+    x = torch.zeros(1, device=DEVICE)
+    buf, n, ptr = decode._workspace(x, 100)
+    assert len(decode._WORKSPACES) == 1 and n == decode._COUNTS + 100 and ptr == buf.data_ptr()
+    assert decode._workspace(x, 50)[0] is buf  # room enough: the same one
+    bigger = decode._workspace(x, 200)[0]
+    assert bigger.numel() == decode._COUNTS + 200 and int(bigger.abs().sum()) == 0
 
 
 def test_merge_partials_over_many_splits():
