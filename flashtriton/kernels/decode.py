@@ -6,10 +6,10 @@ _attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP que
                       one tile (row r: head r // SQ, token r % SQ), so each K/V byte is read
                       once. Writes the split's normalised partial output and its LSE (with
                       one split, O_PART and LSE_PART are the output and LSE themselves).
-                      MERGE (eager steps): each split counts itself done in COUNTERS (one per
-                      program column, zero before the launch), and the one that counts last
-                      merges the column's partials into OUT and LSE and sets its count back to
-                      zero: one launch a step.
+                      MERGE (eager steps over small caches: decode.py's rule): each split
+                      counts itself done in COUNTERS (one per program column, zero before the
+                      launch), and the one that counts last merges the column's partials into
+                      OUT and LSE and sets its count back to zero: one launch a step.
                       With PDL (Hopper), both kernels are launched as programmatic dependents:
                       each may start before the kernel ahead of it on the stream ends and
                       waits for it (griddepcontrol.wait) before reading what it wrote; the
