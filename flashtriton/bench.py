@@ -287,15 +287,18 @@ def run_decode(batches, lens, meta, copy_gbps):
             try:
                 q, kc, vc, kp, vp, table, lens_t = decode_inputs(B, N, H, HKV, D, page)
                 qs, ks, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+                # out only, as SDPA returns (flash-attn's return_softmax_lse=False)
                 fns = {
-                    "flashtriton": lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens_t),
+                    "flashtriton": lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens_t,
+                                                                  return_lse=False),
                     "flashtriton_paged16": lambda: attention_with_kvcache(
-                        q, kp, vp, cache_seqlens=lens_t, block_table=table),
+                        q, kp, vp, cache_seqlens=lens_t, block_table=table, return_lse=False),
                     "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
                 }
                 ref = fns["sdpa"]().transpose(1, 2).float()
                 for prov, fn in fns.items():
                     row = dict(base, provider=prov)
+                    tuned_before = set(launch._TUNED)
                     err = float((fn()[0] if prov != "sdpa" else ref).float().sub(ref).norm()
                                 / ref.norm())
                     if err > 2e-2:
@@ -310,6 +313,7 @@ def run_decode(batches, lens, meta, copy_gbps):
                         row["loop_us"] = per_call_us(fn, calls=100, repeats=5)
                         if prov != "sdpa":  # replayed launches per call (1 or 2; 0: slow path)
                             row["replays_per_call"] = (launch.FAST_LAUNCHES - replays) / 500
+                            row["tiles"] = tiles_since(tuned_before)  # a tile tuned for this row
                         row.update(status="ok", decode_ms=ms, decode_GBps=nbytes / ms * 1e-6,
                                    pct_of_copy=100 * nbytes / ms * 1e-6 / copy_gbps,
                                    graph_ms=graph_ms, graph_GBps=nbytes / graph_ms * 1e-6,
@@ -609,7 +613,9 @@ def main(argv=None):
                       + (f"{row['decode_GBps']:7.0f} GB/s eager, {row['graph_GBps']:7.0f} GB/s "
                          f"graph ({row['graph_pct_of_copy']:.0f}% of copy), "
                          f"{row['loop_us']:.1f} us per call back to back"
-                         if row["status"] == "ok" else row["status"]), flush=True)
+                         if row["status"] == "ok" else row["status"])
+                      + "".join(f" {k} {v}" for k, v in row.get("tiles", {}).items()),
+                      flush=True)
     report(rows, providers, meta, args.out)
 
 

@@ -121,7 +121,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rotary_cos: Optional[torch.Tensor] = None,
                            rotary_sin: Optional[torch.Tensor] = None,
                            rotary_interleaved: bool = True,
-                           num_splits: int = 0) -> AttentionOutput:
+                           num_splits: int = 0, return_lse: bool = True) -> AttentionOutput:
     """Attention of a few query tokens over a KV cache, after appending k, v to it.
 
     Args:
@@ -148,9 +148,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            rule); rotary_interleaved as in flash-attn.
         num_splits: KV splits per sequence (0: enough to fill the GPU); partial results
            are merged by their LSEs.
+        return_lse: False: no LSE is stored or allocated (lse None), a step's host time ~2 us
+           shorter (as flash-attn's ``return_softmax_lse=False``).
 
     Returns ``AttentionOutput(out, lse)``: out (batch, seqlen_q, nheads, headdim), lse
-    (batch, nheads, seqlen_q) float32. Not differentiable.
+    (batch, nheads, seqlen_q) float32 or None. Not differentiable.
     """
     # A plain step (no append, no rotary, per-sequence lengths) whose arguments match an
     # earlier call's in everything but the data replays that call's launches before the
@@ -164,9 +166,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     signature = None
     if step:
         try:
-            signature = launch.call_signature(
-                "decode-step", (softmax_scale, causal, window_size, softcap, num_splits,
-                                MERGE_IN_KERNEL and _eager(q)), *tensors, gluon=False)
+            signature = step_signature(q, k_cache, v_cache, cache_seqlens, block_table,
+                                       cache_batch_idx, cache_leftpad, alibi_slopes, softmax_scale,
+                                       causal, window_size, softcap, num_splits, return_lse)
         except AttributeError:  # not a tensor where one belongs: the checks below say so
             step = False
         known = launch.recall(signature)
@@ -174,7 +176,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             B, SQ, H, _ = q.shape
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
             # sizes as separate arguments: torch.empty parses them ~1 us faster than a tuple
-            lse = torch.empty(B, H, SQ, dtype=torch.float32, device=q.device)
+            lse = torch.empty(B, H, SQ, dtype=torch.float32, device=q.device) if return_lse \
+                else None
             if _replay(known, tensors, out, lse):
                 return AttentionOutput(out, lse)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
@@ -255,7 +258,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     alibi = _check_alibi(alibi_slopes, B, H, q.device)
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(B, H, SQ, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, SQ, dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:
         return AttentionOutput(out, lse)
     if q.stride(-1) != 1:
@@ -264,7 +267,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     merge_ok = MERGE_IN_KERNEL and _eager(q)  # may merge in the split kernel
     if not step:  # appends, rotary: the same call but for the data replays after them
         signature = launch.call_signature(
-            "decode", (scale, left, right, softcap, num_splits, merge_ok), *tensors, gluon=False)
+            "decode", (scale, left, right, softcap, num_splits, return_lse, merge_ok), *tensors,
+            gluon=False)
         known = launch.recall(signature)
         if known is not None and _replay(known, tensors, out, lse):
             return AttentionOutput(out, lse)
@@ -286,10 +290,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     def split_kernel(o_part, lse_part, merge_args=(None, None, None, 0, 0, 0)):
         """Launch the split kernel; merge_args: MERGE's OUT, LSE, COUNTERS, OUT's strides."""
         merge = merge_args[0] is not None
-        o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
-        if o_part is out:  # one split: (split, b, h, t) of the output and its LSE
+        if o_part is out:  # one split: (split, b, h, t) of the output and its LSE (or None)
             o_strides = (0, out.stride(0), out.stride(2), out.stride(1))
-            lse_strides = (0, lse.stride(0), lse.stride(1))
+            lse_strides = (0, 0, 0) if lse is None else (0, lse.stride(0), lse.stride(1))
+        else:
+            o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
         return launch._launch(
             launch._decode, (splits, B * HKV), key, *tensors, o_part, lse_part, *merge_args[:3],
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -320,7 +325,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             splits, B, H, SQ, D, torch.empty(parts[0], dtype=torch.float32, device=q.device))
         run_decode = split_kernel(o_part, lse_part)
         run_merge = merge_partials(o_part, lse_part, *(
-            (torch.empty_like(out), torch.empty_like(lse)) if in_kernel else (out, lse)))
+            (torch.empty_like(out), lse if lse is None else torch.empty_like(lse)) if in_kernel
+            else (out, lse)))
     if in_kernel:
         ws = _workspace(q, parts[0])[0]
         o_part, lse_part = _partials(splits, B, H, SQ, D, ws[_COUNTS:])
@@ -330,6 +336,17 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         launch.remember(signature, run_decode, run_merge, 1, parts)
     return AttentionOutput(out, lse)
+
+
+def step_signature(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_batch_idx=None,
+                   cache_leftpad=None, alibi_slopes=None, softmax_scale=None, causal=False,
+                   window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=True):
+    """What a plain step of attention_with_kvcache with these arguments is remembered under
+    (``launch.recall`` of it: the step's Replays; the probes in scripts/ read them)."""
+    return launch.call_signature(
+        "decode-step", (softmax_scale, causal, window_size, softcap, num_splits, return_lse,
+                        MERGE_IN_KERNEL and _eager(q)), q, k_cache, v_cache, cache_seqlens,
+        block_table, cache_batch_idx, cache_leftpad, alibi_slopes, gluon=False)
 
 
 def _replay(known, tensors, out, lse) -> bool:
@@ -381,8 +398,8 @@ def _partials(splits, B, H, SQ, D, buf):
 @launch.on_device_of
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor) -> Optional[launch.Replay]:
-    """out (B, SQ, H, D), lse (B, H, SQ) <- S partial results o_part (S, B, H, SQ, D) fp32
-    and lse_part (S, B, H, SQ), weighted by exp(lse_s - lse). Empty partials (lse -inf)
+    """out (B, SQ, H, D), lse (B, H, SQ) or None <- S partial results o_part (S, B, H, SQ, D)
+    fp32 and lse_part (S, B, H, SQ), weighted by exp(lse_s - lse). Empty partials (lse -inf)
     weigh 0; all empty gives out 0, lse -inf. Returns the launch's Replay, if any."""
     S, B, H, SQ, D = o_part.shape
     pdl = launch.use_pdl(out.device)
@@ -477,7 +494,8 @@ class PagedKVCache:
         lens = torch.tensor([self._lengths[s] for s in seq_ids], dtype=torch.int32,
                             device=self.k.device)
         out, _ = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=lens,
-                                        block_table=self.block_table(seq_ids), **options)
+                                        block_table=self.block_table(seq_ids), return_lse=False,
+                                        **options)
         for s in seq_ids:
             self._lengths[s] += n_new
         return out

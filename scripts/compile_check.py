@@ -109,10 +109,19 @@ extra = [
     ("decode-one-split", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=False, PAGE_SIZE=1, SAME_LAYOUT=False,
         HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False,
         HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False, PDL=False, MERGE=False, BLOCK_R=1,
-        BLOCK_C=1, BLOCK_M=16, BLOCK_N=64),
+        BLOCK_C=1, BLOCK_M=16, BLOCK_N=64, LSE_PART=None),  # return_lse=False
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32",
-          LEFTPAD="*i32", ALIBI="*fp32", O_PART=bf, LSE_PART="*fp32")),  # writes out itself
+          LEFTPAD="*i32", ALIBI="*fp32", O_PART=bf)),  # writes out itself
+    ("decode-no-lse", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=False, PAGE_SIZE=1,
+        SAME_LAYOUT=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
+        HAS_BATCH_IDX=False, HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False, PDL=True, MERGE=True,
+        BLOCK_R=4, BLOCK_C=16, BLOCK_M=16, BLOCK_N=64, LSE=None),  # return_lse=False, merging
+     dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32",
+          LEFTPAD="*i32", ALIBI="*fp32", O_PART="*fp32", LSE_PART="*fp32", OUT=bf,
+          COUNTERS="*i32")),
     ("merge", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32")),
+    ("merge-no-lse", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True, LSE=None),
+     dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf)),
     ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8")),
 ]
 # every decoding tile the autotuner may try, at each head-dim class

@@ -16,7 +16,6 @@ def main():
     q, kc, vc, _, _, _, lens = decode_inputs(B, N)
     qs, ks, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
     tensors = (q, kc, vc, lens, None, None, None, None)
-    scalars = (None, False, (-1, -1), 0.0, 0, True)
     step = lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens)  # noqa: E731
 
     def merge_kernel_step():  # the merge kernel's path (as under a capture), own signature
@@ -28,7 +27,7 @@ def main():
     for _ in range(3):  # the first call tunes (nothing to replay), the next remembers
         step()
         merge_kernel_step()
-    sig = launch.call_signature("decode-step", scalars, *tensors, gluon=False)
+    sig = decode.step_signature(q, kc, vc, lens)
     run_decode, _, mode, (size, lse_at) = launch.recall(sig)
     assert mode == 2, mode  # splits merged in the split kernel
     _, SQ, H, _ = q.shape
@@ -46,8 +45,7 @@ def main():
                                                                    num_splits=1),
         "sdpa step": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
         "on_device_of (nothing inside)": lambda: nothing(q),
-        "call_signature": lambda: launch.call_signature("decode-step", scalars, *tensors,
-                                                        gluon=False),
+        "step_signature": lambda: decode.step_signature(q, kc, vc, lens),
         "recall": lambda: launch.recall(sig),
         "torch.empty_like(q)": lambda: torch.empty_like(q, memory_format=torch.contiguous_format),
         "torch.empty(lse)": lambda: torch.empty(B, H, SQ, dtype=torch.float32, device=q.device),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from flashtriton import launch
+from flashtriton import decode, launch
 from flashtriton.bench import _graph
 from flashtriton.decode import attention_with_kvcache
 
@@ -44,9 +44,9 @@ def main():
                 for _ in range(3):  # tune, compile, remember
                     step()
                 # the remembered step, under the signature attention_with_kvcache gave it
-                signature = launch.call_signature("decode-step", (None, False, (-1, -1), 0.0, s),
-                                                  q, kc, vc, lens, None, None, None, None)
-                run_split, _, splits, _ = launch.recall(signature)
+                signature = decode.step_signature(q, kc, vc, lens, num_splits=s)
+                run_split = launch.recall(signature)[0]
+                splits = run_split.grid[0]
                 meta = run_split.compiled.metadata
                 cells.append(f"{s}->{splits}: {graph_gbps(step, nbytes):.0f} "
                              f"({meta.num_warps}w, {meta.shared // 1024} KB)")

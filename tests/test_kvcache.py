@@ -339,6 +339,40 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
         assert merges[0] is False and True not in merges  # 5 splits: two loads
 
 
+@pytest.mark.parametrize("splits,in_kernel", [(1, False), (4, False), (4, True)],
+                         ids=["one-split", "merge-kernel", "in-kernel"])
+def test_without_lse_the_output_is_the_same(monkeypatch, splits, in_kernel):
+    # return_lse=False (flash-attn's return_softmax_lse=False) stores and allocates no LSE:
+    # the output is the one with the LSE, bit for bit, on each way a step can take (on the GPU
+    # also when replayed), and the LSE's own calls still return it.
+    from flashtriton import decode, launch
+    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 30)
+    merges = []  # the MERGE of each split kernel launch
+    real = launch._launch
+    monkeypatch.setattr(launch, "_launch",
+                        lambda *a, **kw: merges.append(kw["MERGE"]) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(8)
+    B, H, HKV, D = 2, 8, 2, 32
+    k_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    v_cache = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    q = torch.randn(B, 1, H, D, generator=gen).to(DEVICE, DT)
+    lens = torch.tensor([CAP - 1, CAP // 3], dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # the first call launches, the second replays (on the GPU)
+        with_lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                          num_splits=splits)
+        out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                          num_splits=splits, return_lse=False)
+        assert lse is None and with_lse.lse is not None
+        assert torch.equal(out, with_lse.out)
+        compat = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                            num_splits=splits)
+        assert isinstance(compat, torch.Tensor) and torch.equal(compat, with_lse.out)
+    assert in_kernel == (True in merges)
+    ref_out, _, pt_out, _ = _reference(q, k_cache, v_cache, lens, False)
+    assert_rule("out", out, ref_out, pt_out, 2, DT)
+
+
 def test_workspaces_of_many_streams_are_bounded(monkeypatch):
     # A workspace per (device, stream) for the in-kernel merge: a program that makes streams
     # without end must not keep one for each; a workspace grows (zeroed) for larger steps.

@@ -166,5 +166,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       alibi_slopes=alibi_slopes, rotary_cos=rotary_cos,
                                       rotary_sin=rotary_sin,
                                       rotary_interleaved=rotary_interleaved,
-                                      num_splits=num_splits)
+                                      num_splits=num_splits, return_lse=return_softmax_lse)
     return (out, lse) if return_softmax_lse else out

@@ -5,7 +5,8 @@ _attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP que
                       sharing the kv head and the SQ query tokens are packed into the rows of
                       one tile (row r: head r // SQ, token r % SQ), so each K/V byte is read
                       once. Writes the split's normalised partial output and its LSE (with
-                      one split, O_PART and LSE_PART are the output and LSE themselves).
+                      one split, O_PART and LSE_PART are the output and LSE themselves; LSE_PART
+                      None: no LSE wanted).
                       MERGE (eager steps over small caches: decode.py's rule): each split
                       counts itself done in COUNTERS (one per program column, zero before the
                       launch), and the one that counts last merges the column's partials into
@@ -142,8 +143,9 @@ def _attn_decode_kernel(
               + t.to(tl.int64)[:, None] * stride_ot + offs_d[None, :])
     tl.store(o_ptrs, acc * (1.0 / l_safe)[:, None],
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    tl.store(LSE_PART + split * stride_ls + off_b * stride_lb + heads * stride_lh + t, lse,
-             mask=row_ok)
+    if LSE_PART is not None:  # None: one split, and the caller wants no LSE
+        tl.store(LSE_PART + split * stride_ls + off_b * stride_lb + heads * stride_lh + t, lse,
+                 mask=row_ok)
     if MERGE:
         tl.debug_barrier()  # every thread's stores above happen before the count
         # acq_rel: the split that counts last sees every other split's partials
@@ -163,7 +165,8 @@ def _attn_decode_kernel(
             tl.store(OUT + off_b * stride_Ob + (t2 * stride_Ot + heads2 * stride_Oh)[:, None]
                      + offs_d[None, :], o_row.to(OUT.dtype.element_ty),
                      mask=(g2 < GROUP)[:, None] & d_ok[None, :])
-            tl.store(LSE + (off_b * HKV * GROUP + heads2) * SQ + t2, lse_row, mask=g2 < GROUP)
+            if LSE is not None:  # None: no LSE wanted
+                tl.store(LSE + (off_b * HKV * GROUP + heads2) * SQ + t2, lse_row, mask=g2 < GROUP)
 
 
 @triton.jit
@@ -207,7 +210,7 @@ def _attn_merge_kernel(
     PDL: tl.constexpr,
 ):
     """Partials O_PART (S, B, H, SQ, D) fp32 and LSE_PART (S, B, H, SQ), contiguous; OUT
-    (B, SQ, H, D) strided; LSE (B, H, SQ) contiguous."""
+    (B, SQ, H, D) strided; LSE (B, H, SQ) contiguous, or None (no LSE wanted)."""
     pid = tl.program_id(0).to(tl.int64)                              # ((b * H) + h) * SQ + t
     t = pid % SQ
     bh = pid // SQ
@@ -223,4 +226,5 @@ def _attn_merge_kernel(
                             N_SPLITS, 1, BLOCK_D, BLOCK_C)
     tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(OUT.dtype.element_ty), mask=d_ok[None, :])
-    tl.store(LSE + pid + row, lse)
+    if LSE is not None:
+        tl.store(LSE + pid + row, lse)
