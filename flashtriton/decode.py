@@ -88,11 +88,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device,
             paged: bool = False) -> int:
-    """One program per SM (one wave) where that makes >= 8 splits of >= 2048 keys each of a
+    """One program per SM (one wave) where that makes >= 8 splits of >= 256 keys each of a
     contiguous cache, else at most two programs per SM (the decode tiles fit two per SM).
     H200, 8 KV heads, graph replays (docs/perf.md, session 12): one wave beat two programs per
     SM by 1-3% from 32K keys (B=1 64K 16 splits 3441-3507 GB/s in four runs against 33 splits'
-    3384-3395); with fewer, longer splits the tuner's tile was not stable (B=8 64K, 2 splits:
+    3384-3395); session 25, one tile (64 keys, 4 warps): also below, from 256 keys a split (B=1
+    4K 16 splits 1118 GB/s against 33's 1051, 8K 1649 / 1603, 16K 2189 / 2178; B=2 2K 8 splits
+    1116 / 1090, 4K 1657 / 1636, 8K 2185 / 2196), not at 128 (B=1 2K: 672 / 701); one wave's
+    16 splits also merge in the kernel (eager: one launch). With fewer, longer splits the
+    tuner's tile was not stable (B=8 64K, 2 splits:
     4422-4457 GB/s, then 3301 in a run where it picked another tile), and paged caches ran
     12-19% behind contiguous with one wave. Rounding up past two per SM left a nearly empty
     second wave (B=4, 64K: 9 splits 3353 GB/s, 8 splits 4219). One tile per split at least.
@@ -103,7 +107,7 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
         return min(num_splits, max_splits)
     sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
     one_wave = sms // (B * HKV)
-    if not paged and one_wave >= 8 and capacity >= 2048 * one_wave:
+    if not paged and one_wave >= 8 and capacity >= 256 * one_wave:
         return min(max_splits, one_wave, 128)
     return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 

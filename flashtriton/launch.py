@@ -97,17 +97,17 @@ def _live(hook):
     return hook if getattr(hook, "calls", hook) else None
 
 
-def pointers(*tensors) -> Optional[tuple]:
+def pointers(*tensors) -> Optional[list]:
     """The tensors' data pointers as ints (None stays None), or None where one is not 16-byte
     aligned (what Triton specialises pointers on). Replays hand these to the compiled kernel:
     for an int, Triton's launcher skips the data_ptr() call and the cuPointerGetAttribute
     check it makes for each tensor (the tensors passed the check on the call that compiled)."""
-    ptrs = tuple(None if t is None else t.data_ptr() for t in tensors)
+    ptrs = [None if t is None else t.data_ptr() for t in tensors]  # a list: ~0.2 us less
     bits = 0
     for p in ptrs:
-        if p is not None:
+        if p:
             bits |= p
-    return None if bits % 16 else ptrs
+    return None if bits & 15 else ptrs
 
 
 def _plan(fn, args):
