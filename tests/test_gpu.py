@@ -111,6 +111,28 @@ def test_patch_sdpa_same_result_and_faster_than_fa2():
     assert ours_ms < fa2_ms, (ours_ms, fa2_ms)
 
 
+def test_decode_tuner_times_the_gpu_not_the_host():
+    """The decoding tuner's benchmarker (launch.gpu_time_ms) times the GPU: a call that spends
+    ~300 us of host time after launching a ~20 us kernel times as the kernel alone, where
+    do_bench (Triton's tuner's default) times the host."""
+    import time
+
+    import triton
+
+    def kernel():
+        torch.cuda._sleep(40_000)  # ~20 us at the H200's ~2 GHz
+
+    def slow_host():
+        kernel()
+        t = time.perf_counter()
+        while time.perf_counter() - t < 300e-6:
+            pass
+    alone = launch.gpu_time_ms(kernel)[0]
+    assert 0.005 < alone < 0.1, alone
+    assert launch.gpu_time_ms(slow_host)[0] < 1.5 * alone, alone
+    assert triton.testing.do_bench(slow_host, warmup=5, rep=20) > 0.25  # the host's 300 us
+
+
 def test_decode_step_replays_from_a_cuda_graph(monkeypatch):
     """Serving engines capture decoding steps in CUDA graphs: a captured step, replayed after
     new query values, new cache contents and new lengths are copied into its inputs, must
