@@ -1,8 +1,10 @@
 """GB/s of one decoding step against the number of KV splits (a tuning aid for docs/perf.md).
 
     python scripts/sweep_decode.py [--batches 1 4] [--lens 8192 65536] [--splits 0 16 33 64]
+                                   [--paged]
 
-bf16, 32 query heads, 8 KV heads of 128, one query token; contiguous cache. For each split
+bf16, 32 query heads, 8 KV heads of 128, one query token; contiguous cache (--paged: the same
+keys and values in shuffled 16-token pages, bench.decode_inputs'). For each split
 count (0: the heuristic's) the step replayed from a CUDA graph (no host time: what the kernels
 reach), with the tuned split kernel's tile and shared memory (programs per SM follow from it),
 then SDPA's graph on the same shape; GB/s of K and V read.
@@ -10,12 +12,11 @@ then SDPA's graph on the same shape; GB/s of K and V read.
 
 import argparse
 
-import torch
 import torch.nn.functional as F
 import triton
 
 from flashtriton import decode, launch
-from flashtriton.bench import _graph
+from flashtriton.bench import _graph, decode_bytes, decode_inputs
 from flashtriton.decode import attention_with_kvcache
 
 
@@ -29,22 +30,24 @@ def main():
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--lens", type=int, nargs="+", default=[8192, 65536])
     p.add_argument("--splits", type=int, nargs="+", default=[0, 8, 16, 32, 33, 64, 128])
+    p.add_argument("--paged", action="store_true", help="16-token pages in a shuffled order")
     args = p.parse_args()
     for B in args.batches:
         for N in args.lens:
-            q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-            kc, vc = (torch.randn(B, N, 8, 128, device="cuda", dtype=torch.bfloat16)
-                      for _ in range(2))
-            lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
-            nbytes = 2 * B * N * 8 * 128 * 2
+            q, kc, vc, kp, vp, table, lens = decode_inputs(B, N)
+            cache = (kp, vp) if args.paged else (kc, vc)
+            table = table if args.paged else None
+            nbytes = decode_bytes(B, N)
             cells = []
             for s in args.splits:
                 def step(s=s):
-                    return attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s)
+                    return attention_with_kvcache(q, *cache, cache_seqlens=lens, num_splits=s,
+                                                  block_table=table)
                 for _ in range(3):  # tune, compile, remember
                     step()
                 # the remembered step, under the signature attention_with_kvcache gave it
-                signature = decode.step_signature(q, kc, vc, lens, num_splits=s)
+                signature = decode.step_signature(q, *cache, lens, block_table=table,
+                                                  num_splits=s)
                 run_split = launch.recall(signature)[0]
                 splits = run_split.grid[0]
                 meta = run_split.compiled.metadata
@@ -53,7 +56,8 @@ def main():
             qs, ks, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
             sdpa = graph_gbps(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
                               nbytes)
-            print(f"B={B} N={N} graph GB/s by splits: " + ", ".join(cells)
+            kind = " paged" if args.paged else ""
+            print(f"B={B} N={N}{kind} graph GB/s by splits: " + ", ".join(cells)
                   + f" | SDPA {sdpa:.0f}", flush=True)
 
 
