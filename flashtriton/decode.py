@@ -26,6 +26,9 @@ _MERGE_BYTES = 40 << 20
 _COUNTS = 4096  # counters at a workspace's head: one per (sequence, KV head) of a launch
 _WORKSPACES = {}  # (device index, stream) -> (workspace, its fp32 elements, its address)
 _WORKSPACES_MAX = 64  # more streams start over (torch reuses a freed block in its stream's order)
+# Timing only (scripts/probe_decode_timeline.py): None, or the split and the merge kernel's int64
+# tables of (programs, 5) rows (kernels.common.mark); steps with a timeline are not remembered.
+TIMELINE = None
 
 
 def _eager(q: torch.Tensor) -> bool:
@@ -164,7 +167,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # and settings.
     step = (k is None and rotary_cos is None and isinstance(cache_seqlens, torch.Tensor)
             and isinstance(q, torch.Tensor) and q.stride(-1) == 1
-            and type(window_size) is tuple)
+            and type(window_size) is tuple and TIMELINE is None)
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
                alibi_slopes)
     signature = None
@@ -269,7 +272,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q = q.contiguous()
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi)
     merge_ok = MERGE_IN_KERNEL and _eager(q)  # may merge in the split kernel
-    if not step:  # appends, rotary: the same call but for the data replays after them
+    if not step and TIMELINE is None:  # appends, rotary: the same call but for the data replays
         signature = launch.call_signature(
             "decode", (scale, left, right, softcap, num_splits, return_lse, merge_ok), *tensors,
             gluon=False)
@@ -301,6 +304,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
         return launch._launch(
             launch._decode, (splits, B * HKV), key, *tensors, o_part, lse_part, *merge_args[:3],
+            None if TIMELINE is None else TIMELINE[0],
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             block_table.stride(0) if paged else 0,
             (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
@@ -409,7 +413,8 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tens
     pdl = launch.use_pdl(out.device)
     return launch.launch_jit(
         _attn_merge_kernel, (B * H * SQ,),
-        o_part, lse_part, out, lse, o_part.stride(0), lse_part.stride(0),
+        o_part, lse_part, out, lse, None if TIMELINE is None else TIMELINE[1],
+        o_part.stride(0), lse_part.stride(0),
         out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
         BLOCK_C=min(configs.next_pow2(S), 8192 // configs.block_d(D)), BLOCK_D=configs.block_d(D),
         PDL=pdl,

@@ -279,3 +279,20 @@ def dropout_keep(seed, rng_bh, rows, cols, dropout_p, TRANSPOSED: tl.constexpr):
         c = cols[None, :] + 0 * rows[:, None]
     r0, _, _, _ = tl.philox(seed, c, r, r * 0 + rng_bh, r * 0)
     return (r0 >> 8).to(tl.float32) * (1.0 / 16777216.0) >= dropout_p
+
+
+TL_COLUMNS = tl.constexpr(5)  # a timeline row: start, wait or loop end, stores, end, SM
+
+
+@triton.jit
+def mark(TL, row, slot: tl.constexpr):
+    """Timing only (TL not None; scripts/probe_decode_timeline.py): %globaltimer (ns) now into
+    TL[row, slot] of an int64 (programs, TL_COLUMNS) table; slot 4: the SM (%smid)."""
+    if TL is not None:
+        if slot == 4:
+            t = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1).to(tl.int64)
+        else:
+            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                          is_pure=False, pack=1)
+        tl.store(TL + row * TL_COLUMNS + slot, t)

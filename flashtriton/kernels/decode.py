@@ -21,20 +21,22 @@ _attn_merge_kernel    one program per (batch * head * query token): out = sum_s 
                       the split kernel's MERGE runs too).
 
 Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
-position SK - SQ + t: causal and window masks are aligned to the end of the cache.
+position SK - SQ + t: causal and window masks are aligned to the end of the cache. Both kernels
+take TL: None, or a timeline (timing only: common.mark, scripts/probe_decode_timeline.py).
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import LN2, LOG2E, NEG_BIG, load_tile, scores, visible
+from .common import LN2, LOG2E, NEG_BIG, load_tile, mark, scores, visible
 
 
 @triton.jit
 def _attn_decode_kernel(
     Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, O_PART, LSE_PART,
     OUT, LSE, COUNTERS,  # MERGE only: the output (B, SQ, H, D), its LSE (B, H, SQ), the counts
+    TL,  # None, or a timeline (common.mark): start, loop end, stores, end (after MERGE), SM
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -52,6 +54,9 @@ def _attn_decode_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,  # MERGE: pow2 >= GROUP * SQ; splits a load
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    mark(TL, program, 0)
+    mark(TL, program, 4)
     if PDL:  # launched early (programmatic dependent launch): wait for the kernels before
         gdc_wait()
     split = tl.program_id(0)
@@ -134,6 +139,7 @@ def _attn_decode_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
+    mark(TL, program, 1)
     if PDL:  # the merge kernel may launch now (it waits for this grid before its loads)
         gdc_launch_dependents()
     empty = l_i == 0.0
@@ -146,6 +152,7 @@ def _attn_decode_kernel(
     if LSE_PART is not None:  # None: one split, and the caller wants no LSE
         tl.store(LSE_PART + split * stride_ls + off_b * stride_lb + heads * stride_lh + t, lse,
                  mask=row_ok)
+    mark(TL, program, 2)
     if MERGE:
         tl.debug_barrier()  # every thread's stores above happen before the count
         # acq_rel: the split that counts last sees every other split's partials
@@ -167,6 +174,7 @@ def _attn_decode_kernel(
                      mask=(g2 < GROUP)[:, None] & d_ok[None, :])
             if LSE is not None:  # None: no LSE wanted
                 tl.store(LSE + (off_b * HKV * GROUP + heads2) * SQ + t2, lse_row, mask=g2 < GROUP)
+    mark(TL, program, 3)
 
 
 @triton.jit
@@ -205,6 +213,7 @@ def merge_splits(o_ptrs, lse_ptrs, stride_os, stride_ls, row_ok, d_ok, n_splits,
 @triton.jit
 def _attn_merge_kernel(
     O_PART, LSE_PART, OUT, LSE,
+    TL,  # None, or a timeline (common.mark): start, after the wait, stores, end, SM
     stride_os, stride_ls, stride_ob, stride_ot, stride_oh,
     H, SQ, N_SPLITS, HEAD_DIM, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
@@ -212,6 +221,8 @@ def _attn_merge_kernel(
     """Partials O_PART (S, B, H, SQ, D) fp32 and LSE_PART (S, B, H, SQ), contiguous; OUT
     (B, SQ, H, D) strided; LSE (B, H, SQ) contiguous, or None (no LSE wanted)."""
     pid = tl.program_id(0).to(tl.int64)                              # ((b * H) + h) * SQ + t
+    mark(TL, pid, 0)
+    mark(TL, pid, 4)
     t = pid % SQ
     bh = pid // SQ
     b = bh // H
@@ -221,6 +232,7 @@ def _attn_merge_kernel(
     d_ok = offs_d < HEAD_DIM
     if PDL:  # launched while the split kernel runs: wait until its partials are written
         gdc_wait()
+    mark(TL, pid, 1)
     out, lse = merge_splits(O_PART + (pid + row)[:, None] * HEAD_DIM + offs_d[None, :],
                             LSE_PART + pid + row, stride_os, stride_ls, row == 0, d_ok,
                             N_SPLITS, 1, BLOCK_D, BLOCK_C)
@@ -228,3 +240,5 @@ def _attn_merge_kernel(
              out.to(OUT.dtype.element_ty), mask=d_ok[None, :])
     if LSE is not None:
         tl.store(LSE + pid + row, lse)
+    mark(TL, pid, 2)
+    mark(TL, pid, 3)
