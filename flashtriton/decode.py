@@ -361,19 +361,16 @@ def _replay(known, tensors, out, lse) -> bool:
     """Launch a remembered call's kernels on new tensors (False: not 16-byte aligned). Its
     mode: 0 one split, 1 splits and the merge kernel, 2 splits merged in the split kernel."""
     run_decode, run_merge, mode, (size, lse_at) = known
-    if mode == 0:
+    if mode != 1:
         ptrs = launch.pointers(*tensors, out, lse)
         if ptrs is None:
             return False
-        run_decode(*ptrs)
-        return True
-    if mode == 2:
-        ptrs = launch.pointers(*tensors, out, lse)
-        if ptrs is None:
-            return False
-        counts = _workspace(out, size)[2]  # 512-byte aligned (torch's allocator)
-        o_part = counts + 4 * _COUNTS
-        run_decode(*ptrs[:-2], o_part, o_part + 4 * lse_at, *ptrs[-2:], counts)
+        if mode == 0:
+            run_decode(*ptrs)
+        else:
+            counts = _workspace(out, size)[2]  # 512-byte aligned (torch's allocator)
+            o_part = counts + 4 * _COUNTS
+            run_decode(*ptrs[:-2], o_part, o_part + 4 * lse_at, *ptrs[-2:], counts)
         return True
     # the partials as one allocation, passed as two addresses (see _partials)
     ptrs = launch.pointers(*tensors, torch.empty(size, dtype=torch.float32, device=out.device),
@@ -405,7 +402,7 @@ def _partials(splits, B, H, SQ, D, buf):
 
 @launch.on_device_of
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor) -> Optional[launch.Replay]:
+                   lse: Optional[torch.Tensor]) -> Optional[launch.Replay]:
     """out (B, SQ, H, D), lse (B, H, SQ) or None <- S partial results o_part (S, B, H, SQ, D)
     fp32 and lse_part (S, B, H, SQ), weighted by exp(lse_s - lse). Empty partials (lse -inf)
     weigh 0; all empty gives out 0, lse -inf. Returns the launch's Replay, if any."""
