@@ -30,8 +30,18 @@ _DECODE_KEY = ["SPLIT_BUCKET", "BLOCK_M", "BLOCK_D", "PAGED", "HAS_LOWER", "HAS_
                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_BATCH_IDX", "HAS_LEFTPAD"]
 
 
+def flush_l2(cache: torch.Tensor) -> None:
+    """Evict the L2 and leave it clean, before a timed call: read ``cache`` (256 MB, Triton's
+    benchmark buffer). do_bench's flush zeroes it instead, which leaves the L2 full of dirty
+    lines; the timed kernel's reads evict them, so the DRAM also writes up to the L2's 50 MB
+    during it. On the H200 that took 13% of a 268 MB decoding step's time (B=8 8K: 3446 GB/s
+    after the zeroing, 3902 after this read; SDPA 3462 and 3927; scripts/probe_decode_flush.py,
+    docs/perf.md session 26), a cost of the flush, not of the step."""
+    cache.view(torch.int32).sum()
+
+
 def gpu_time_ms(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 40):
-    """Quantiles of fn's GPU time in ms, each call after an L2 flush, with the host's time
+    """Quantiles of fn's GPU time in ms, each call after a clean L2 flush, with the host's time
     kept out: the GPU first sleeps while the host queues every call, so no call waits for its
     launch. The decoding tuner's benchmarker: its candidates run 5-25 us, while each tuning
     call goes through Triton's JITFunction.run (~60 us of host time on the H200's host, more
@@ -43,7 +53,7 @@ def gpu_time_ms(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 40):
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(3):
-        driver.active.clear_cache(cache)
+        flush_l2(cache)
         fn()
     host = (time.perf_counter() - t) / 3  # seconds of host time a call, flush included
     torch.cuda.synchronize()
@@ -51,7 +61,7 @@ def gpu_time_ms(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 40):
               for _ in range(reps)]
     torch.cuda._sleep(int(2 * reps * host * 2e9))  # cycles (<= 2 GHz): twice the host's time
     for start, end in events:
-        driver.active.clear_cache(cache)
+        flush_l2(cache)
         start.record()
         fn()
         end.record()

@@ -7,22 +7,20 @@ bf16, 32 query heads, 8 KV heads of 128, one query token; contiguous cache (--pa
 keys and values in shuffled 16-token pages, bench.decode_inputs'). For each split
 count (0: the heuristic's) the step replayed from a CUDA graph (no host time: what the kernels
 reach), with the tuned split kernel's tile and shared memory (programs per SM follow from it),
-then SDPA's graph on the same shape; GB/s of K and V read.
+then SDPA's graph on the same shape; GB/s of K and V read (bench.cold_ms: clean L2).
 """
 
 import argparse
 
 import torch.nn.functional as F
-import triton
 
 from flashtriton import decode, launch
-from flashtriton.bench import _graph, decode_bytes, decode_inputs
+from flashtriton.bench import _graph, cold_ms, decode_bytes, decode_inputs
 from flashtriton.decode import attention_with_kvcache
 
 
 def graph_gbps(fn, nbytes):
-    ms = triton.testing.do_bench(_graph(fn).replay, warmup=25, rep=100, return_mode="median")
-    return nbytes / ms * 1e-6
+    return nbytes / cold_ms(_graph(fn).replay) * 1e-6
 
 
 def main():
