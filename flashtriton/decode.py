@@ -51,8 +51,11 @@ def _workspace(x: torch.Tensor, elements: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _num_sms(device: torch.device) -> int:
+    """The device's SMs (the interpreter's CPU: 4)."""
+    if device.type == "cpu":
+        return 4
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx):
@@ -108,7 +111,7 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
     max_splits = max(1, configs.cdiv(capacity, block_n))
     if num_splits > 0:
         return min(num_splits, max_splits)
-    sms = 4 if device.type == "cpu" else _num_sms(device.index or 0)
+    sms = _num_sms(device)
     one_wave = sms // (B * HKV)
     if not paged and one_wave >= 8 and capacity >= 256 * one_wave:
         return min(max_splits, one_wave, 128)
@@ -292,7 +295,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                  HAS_BATCH_IDX=cache_batch_idx is not None,
                  HAS_LEFTPAD=cache_leftpad is not None, PDL=launch.use_pdl(q.device),
                  BLOCK_M=max(16, block_r))
-    key = (q.dtype, configs.bucket(split_size), *flags.values())  # one tile for both merges
+    # One tile for both merges, per split length and grid: a tile tuned for B=1 128K's one
+    # wave of 16 splits of 8K keys read B=64 8K's four waves (one split of 8K keys) at 0.995x
+    # SDPA; tuned there, 1.009x (session 26).
+    waves = min(4, configs.next_pow2(configs.cdiv(splits * B * HKV, _num_sms(q.device))))
+    key = (q.dtype, configs.bucket(split_size), waves, *flags.values())
 
     def split_kernel(o_part, lse_part, merge_args=(None, None, None, 0, 0, 0)):
         """Launch the split kernel; merge_args: MERGE's OUT, LSE, COUNTERS, OUT's strides."""
@@ -313,7 +320,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             HKV, H // HKV, SQ, D, left, right,
             scale * (1.0 / softcap if has_softcap else math.log2(math.e)),
             softcap * math.log2(math.e),
-            split_size, k_cache.shape[1] if paged else 1, configs.bucket(split_size),
+            split_size, k_cache.shape[1] if paged else 1, configs.bucket(split_size), waves,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags, MERGE=merge,
             BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,

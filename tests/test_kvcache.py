@@ -421,7 +421,7 @@ def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want)
     # at most two per SM, without a nearly empty extra wave, at most one 128-key tile each (a
     # 1K cache at B=1: 8 splits).
     from flashtriton import decode
-    monkeypatch.setattr(decode, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
     splits = decode._splits(0, B, HKV, N, 128, torch.device("cuda", 0))
     assert splits == want
     programs = splits * B * HKV
@@ -432,6 +432,27 @@ def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want)
     assert decode._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit
     paged = decode._splits(0, B, HKV, N, 128, torch.device("cuda", 0), paged=True)
     assert paged in (1, N // 128) or 132 < paged * B * HKV <= 2 * 132  # paged: two per SM
+
+
+def test_decode_tile_is_tuned_per_grid_waves(monkeypatch):
+    # Splits of the same length over grids of different sizes tune their own tiles (a tile
+    # tuned for one wave of programs read four waves 0.5% slower than SDPA, session 26): on
+    # 4 SMs, B=1 over 128 keys (8 splits of 16) and B=16 over 16 (one split each) share
+    # the split bucket, in 2 and 4 waves.
+    from flashtriton import decode, launch
+    monkeypatch.setattr(launch, "_TUNED", {})
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 4)
+    keys = []
+    for B, N in [(1, 128), (16, 16)]:
+        q = torch.randn(B, 1, 2, 16, device=DEVICE)
+        kc, vc = (torch.randn(B, N, 1, 16, device=DEVICE) for _ in range(2))
+        out = attention_with_kvcache(q, kc, vc, cache_seqlens=N, return_lse=False).out
+        ref = attention_reference(q.double(), kc.double(), vc.double()).out
+        low = attention_reference(q, kc, vc, dtype=torch.float32).out
+        assert_rule(f"out[B={B}]", out, ref, low, 2, torch.float32)
+        keys += [k[1] for k in launch._TUNED if k[0] == id(launch._decode) and k[1] not in keys]
+    assert len(keys) == 2 and keys[0][1] == keys[1][1], keys  # one split bucket
+    assert (keys[0][2], keys[1][2]) == (2, 4), keys  # waves
 
 
 @pytest.mark.parametrize("bad", ["k_cache", "block_table", "cache_seqlens", "k_cache_none"])

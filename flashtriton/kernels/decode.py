@@ -32,7 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .common import LN2, LOG2E, NEG_BIG, load_tile, mark, scores, visible
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["WAVES"])
 def _attn_decode_kernel(
     Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, O_PART, LSE_PART,
     OUT, LSE, COUNTERS,  # MERGE only: the output (B, SQ, H, D), its LSE (B, H, SQ), the counts
@@ -47,6 +47,7 @@ def _attn_decode_kernel(
     HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE,
     PAGE_SIZE: tl.constexpr,  # a power of two: the page arithmetic is shifts and masks
     SPLIT_BUCKET,  # autotuning key only
+    WAVES,  # autotuning key only: the grid's waves over the SMs (1, 2, 4 for 4 or more)
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, SAME_LAYOUT: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
