@@ -437,13 +437,14 @@ def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want)
 def test_decode_tile_is_tuned_per_grid_waves(monkeypatch):
     # Splits of the same length over grids of different sizes tune their own tiles (a tile
     # tuned for one wave of programs read four waves 0.5% slower than SDPA, session 26): on
-    # 4 SMs, B=1 over 128 keys (8 splits of 16) and B=16 over 16 (one split each) share
-    # the split bucket, in 2 and 4 waves.
-    from flashtriton import decode, launch
+    # 4 SMs, B=1 over 8 split granules (8 splits of one) and B=16 over one (one split each)
+    # share the split bucket, in 2 and 4 waves.
+    from flashtriton import configs, decode, launch
     monkeypatch.setattr(launch, "_TUNED", {})
     monkeypatch.setattr(decode, "_num_sms", lambda device: 4)
+    g = configs.decode_split_granule()  # 16 in the interpreter, 128 on a GPU
     keys = []
-    for B, N in [(1, 128), (16, 16)]:
+    for B, N in [(1, 8 * g), (16, g)]:
         q = torch.randn(B, 1, 2, 16, device=DEVICE)
         kc, vc = (torch.randn(B, N, 1, 16, device=DEVICE) for _ in range(2))
         out = attention_with_kvcache(q, kc, vc, cache_seqlens=N, return_lse=False).out
