@@ -10,6 +10,9 @@
 |                             |                              | kernels on Hopper and newer                                 |
 | ``FLASHTRITON_GLUON``       | ``1`` (default) / ``0``      | ``0``: no Gluon forward on Hopper (the Triton kernel runs   |
 |                             |                              | every forward)                                              |
+| ``FLASHTRITON_VALIDATE``    | ``0`` (default) / ``1``      | ``1``: validation mode, every call checks the contents of   |
+|                             |                              | its index tensors on the host (one sync a call; CPU index   |
+|                             |                              | tensors are always checked): ``validation.set_validation``  |
 | ``FLASHTRITON_LOG``         | ``debug`` / ``info`` / unset | log through ``logging`` (logger ``flashtriton``) to stderr; |
 |                             |                              | ``debug`` logs every launch and every autotuning decision   |
 
@@ -33,6 +36,7 @@ TMA: bool = _flag("FLASHTRITON_TMA", True)
 FAST_LAUNCH: bool = _flag("FLASHTRITON_FAST_LAUNCH", True)
 PDL: bool = _flag("FLASHTRITON_PDL", True)
 GLUON: bool = _flag("FLASHTRITON_GLUON", True)
+VALIDATE: bool = _flag("FLASHTRITON_VALIDATE", False)
 LOG_LEVEL: str = os.environ.get("FLASHTRITON_LOG", "").strip().lower()
 
 logger = logging.getLogger("flashtriton")

@@ -3,144 +3,21 @@
 Layout is flash-attn's: (batch, seqlen, nheads, headdim).
 """
 
-import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _env
 from .autograd import attention
 from .block_mask import BlockMask, create_block_mask
 from .launch import register_mods
-
-MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .validation import (check_alibi, check_cu_seqlens, check_dropout, check_max_seqlen,
+                         check_qkv, check_scale, check_softcap, check_varlen_indices,
+                         check_window, describe)
 
 
 class AttentionOutput(NamedTuple):
     out: torch.Tensor  # (batch, seqlen_q, nheads, headdim), dtype of q
     lse: torch.Tensor  # (batch, nheads, seqlen_q) float32, natural log; -inf for rows with no key
-
-
-def _describe(x: torch.Tensor) -> str:
-    return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
-
-
-def check_qkv(q, k, v, names=("q", "k", "v"), same_batch: bool = True) -> None:
-    """Raise TypeError/ValueError naming the argument for input the kernels cannot take.
-    same_batch=False: k and v may have another batch size than q (KV caches).
-
-    Every call pays for this (host time): valid input passes one combined test, reading
-    each attribute once; anything else goes through the checks one by one, which name
-    the problem."""
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
-        qs, ks, dtype = q.shape, k.shape, q.dtype
-        if (len(qs) == 4 and len(ks) == 4 and ks == v.shape and dtype in SUPPORTED_DTYPES
-                and k.dtype == dtype and v.dtype == dtype and 1 <= qs[3] <= MAX_HEAD_DIM
-                and ks[3] == qs[3] and (ks[0] == qs[0] or not same_batch)
-                and ks[2] > 0 and qs[2] % ks[2] == 0):
-            device = q.device
-            if (k.device == device and v.device == device
-                    and (device.type == "cuda" or (device.type == "cpu" and _env.INTERPRET))):
-                return
-    _diagnose_qkv(q, k, v, names, same_batch)
-
-
-def _diagnose_qkv(q, k, v, names, same_batch: bool) -> None:
-    """check_qkv's checks one by one: raises naming the first problem."""
-    for name, x in zip(names, (q, k, v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    nq, nk, nv = names
-    for name, x in zip(names, (q, k, v)):
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim); got {_describe(x)}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has unsupported dtype {x.dtype}; flashtriton computes in "
-                            f"float16, bfloat16 or float32 ({_describe(x)})")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{nq}, {nk}, {nv} must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    device = q.device  # each .device builds a torch.device: read once per tensor
-    if k.device != device or v.device != device:
-        raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {device}, {k.device}, {v.device}")
-    if device.type == "cpu" and not _env.INTERPRET:
-        raise ValueError(f"{nq} is a CPU tensor ({_describe(q)}); flashtriton runs on a GPU, or on "
-                         "the CPU through Triton's interpreter: set TRITON_INTERPRET=1 in the "
-                         "environment before importing flashtriton")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{nq} is on device {device}; flashtriton supports CUDA/ROCm GPUs "
-                         "(and the CPU with TRITON_INTERPRET=1)")
-    B, SQ, H, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"{nk} and {nv} must have the same shape; got {nk} {_describe(k)} and "
-                         f"{nv} {_describe(v)}")
-    if same_batch and k.shape[0] != B:
-        raise ValueError(f"batch mismatch: {nq} {_describe(q)}, {nk} {_describe(k)}")
-    if k.shape[3] != D:
-        raise ValueError(f"headdim mismatch: {nq} {_describe(q)}, {nk} {_describe(k)}")
-    if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"headdim must be in 1..{MAX_HEAD_DIM}; got {D} ({nq} {_describe(q)})")
-    HKV = k.shape[2]
-    if HKV == 0 or H % HKV != 0:
-        raise ValueError(f"nheads of {nq} ({H}) must be a multiple of nheads of {nk} ({HKV}); "
-                         f"{nq} {_describe(q)}, {nk} {_describe(k)}")
-
-
-def _check_scale(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    return float(softmax_scale)
-
-
-def _check_window(window_size) -> Tuple[int, int]:
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
-    for x in (left, right):
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
-        if x < -1:
-            raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
-    return int(left), int(right)
-
-
-def _check_softcap(softcap) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    if not softcap >= 0.0:
-        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
-    return float(softcap)
-
-
-def _check_alibi(alibi_slopes, B: int, H: int, device) -> Optional[torch.Tensor]:
-    if alibi_slopes is None:
-        return None
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got "
-                        f"{type(alibi_slopes).__name__}")
-    if alibi_slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must be float32, got {_describe(alibi_slopes)}")
-    if tuple(alibi_slopes.shape) not in ((H,), (B, H)):
-        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({H},) or (batch, nheads) = "
-                         f"({B}, {H}); got {_describe(alibi_slopes)}")
-    if alibi_slopes.device != device:
-        raise ValueError(f"alibi_slopes must be on q's device {device}; got {_describe(alibi_slopes)}")
-    return alibi_slopes
-
-
-def _check_dropout(dropout_p) -> Tuple[float, Optional[torch.Tensor]]:
-    """(p, seed): the seed is drawn from torch's default CPU generator, so
-    torch.manual_seed makes dropout reproducible; a CPU tensor, so no device sync."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p == 0.0:
-        return 0.0, None
-    return float(dropout_p), torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
 
 
 def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_p, score_mod,
@@ -175,8 +52,8 @@ def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_
         if (block_mask.seqlen_q, block_mask.seqlen_k) != (SQ, SK) or Bm not in (1, B) \
                 or Hm not in (1, H):
             raise ValueError(f"block_mask was made for (B, H, seqlen_q, seqlen_k) = ({Bm}, {Hm}, "
-                             f"{block_mask.seqlen_q}, {block_mask.seqlen_k}); q {_describe(q)}, "
-                             f"k {_describe(k)}")
+                             f"{block_mask.seqlen_q}, {block_mask.seqlen_k}); q {describe(q)}, "
+                             f"k {describe(k)}")
         if block_mask.kv_blocks.device != q.device:
             raise ValueError(f"block_mask is on {block_mask.kv_blocks.device}, q on {q.device}")
         mask_mod = block_mask.mask_mod
@@ -201,39 +78,17 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
          deterministic=False) -> AttentionOutput:
     """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
     check_qkv(q, k, v, names)
-    scale = _check_scale(softmax_scale, q.shape[-1])
-    left, right = _check_window(window_size)
-    softcap = _check_softcap(softcap)
-    alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    dropout_p, seed = _check_dropout(dropout_p)
+    scale = check_scale(softmax_scale, q.shape[-1])
+    left, right = check_window(window_size)
+    softcap = check_softcap(softcap)
+    alibi_slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    dropout_p, seed = check_dropout(dropout_p)
     blocks = _check_mods(q, k, causal, (left, right), softcap, alibi_slopes, attn_mask, dropout_p,
                          score_mod, score_mod_grad, mask_mod, block_mask)
     out, lse = attention(_unit_last(q), _unit_last(k), _unit_last(v), None, None, 0, 0,
                          alibi_slopes, attn_mask, scale, bool(causal), left, right, softcap,
                          dropout_p, seed, *blocks, _deterministic(deterministic))
     return AttentionOutput(out, lse)
-
-
-def _check_max_seqlen(name, value) -> int:
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype.is_floating_point:
-            raise TypeError(f"{name} must be an int or a 0-d integer tensor; got "
-                            f"{_describe(value)}")
-        value = int(value)  # a CUDA tensor costs a host sync here; pass an int to avoid it
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TypeError(f"{name} must be a non-negative int; got {value!r}")
-    return value
-
-
-def _check_cu(name, cu, device) -> torch.Tensor:
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dim() != 1 or cu.numel() < 1 or cu.dtype != torch.int32:
-        raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 cumulative lengths; "
-                         f"got {_describe(cu)}")
-    if cu.device != device:
-        raise ValueError(f"{name} must be on the device of q ({device}); got {_describe(cu)}")
-    return cu.contiguous()
 
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -244,24 +99,25 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, nheads, headdim) for packed "
-                             f"sequences; got {_describe(x)}")
+                             f"sequences; got {describe(x)}")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"{names[1]} and {names[2]} must have the same shape; got "
-                         f"{_describe(k)} and {_describe(v)}")
+                         f"{describe(k)} and {describe(v)}")
     # The dense checks on (1, total, H, D) views cover dtypes, devices, heads and head dims.
     check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
-    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.device)
-    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, q.device)
+    cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); "
-                         f"got {_describe(cu_q)} and {_describe(cu_k)}")
-    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    scale = _check_scale(softmax_scale, q.shape[-1])
-    left, right = _check_window(window_size)
-    softcap = _check_softcap(softcap)
-    alibi_slopes = _check_alibi(alibi_slopes, cu_q.numel() - 1, q.shape[1], q.device)
-    dropout_p, seed = _check_dropout(dropout_p)
+                         f"got {describe(cu_q)} and {describe(cu_k)}")
+    max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    check_varlen_indices(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    scale = check_scale(softmax_scale, q.shape[-1])
+    left, right = check_window(window_size)
+    softcap = check_softcap(softcap)
+    alibi_slopes = check_alibi(alibi_slopes, cu_q.numel() - 1, q.shape[1], q.device)
+    dropout_p, seed = check_dropout(dropout_p)
     out, lse = attention(_unit_last(q), _unit_last(k), _unit_last(v), cu_q, cu_k, max_q, max_k,
                          alibi_slopes, None, scale, bool(causal), left, right, softcap,
                          dropout_p, seed, None, None, 128, 0, _deterministic(deterministic))

@@ -105,6 +105,29 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
     return out
 
 
+# Query rows (query heads of a KV head x query tokens) that one decoding program packs: more
+# take several row blocks (a tile of 512 rows asked for 360 KB of shared memory at head dim
+# 128). Head dim 256 holds half as many.
+DECODE_MAX_ROWS = 128
+# From this many query tokens a KV-cache call over a contiguous cache runs the prefill
+# forward kernel (its tiles and pipelining; each query head reads K/V itself) instead of the
+# split kernel (every K/V byte read once per row block).
+KVCACHE_PREFILL_MIN_SQ = 128
+
+
+def decode_rows(group: int, sq: int, head_dim: int) -> Tuple[int, int]:
+    """(BLOCK_M, row blocks) of a decoding call: its group * sq packed query rows in tiles
+    of at most DECODE_MAX_ROWS (half at head dims over 128), at least 16 rows."""
+    cap = DECODE_MAX_ROWS if block_d(head_dim) <= 128 else DECODE_MAX_ROWS // 2
+    block_m = max(16, min(next_pow2(group * sq), cap))
+    return block_m, cdiv(group * sq, block_m)
+
+
+def kvcache_prefill(sq: int) -> bool:
+    """Whether a KV-cache call with sq query tokens runs the prefill forward kernel."""
+    return sq >= KVCACHE_PREFILL_MIN_SQ
+
+
 def decode_split_granule(interpret: bool = None) -> int:
     """Decoding splits are multiples of every candidate BLOCK_N."""
     return max(c[1] for c in candidates("decode", interpret))

@@ -6,14 +6,16 @@ Inference only (no autograd). Launcher and API in one module: the kernels live i
 
 import functools
 import math
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from . import _env, configs, launch
-from .api import AttentionOutput, _check_alibi, _check_scale, _check_softcap, _check_window, \
-    _describe, check_qkv
-from .kernels.decode import _attn_merge_kernel
+from . import _env, configs, launch, validation
+from .api import AttentionOutput
+from .kernels.decode import _attn_merge_kernel, _kv_append_kernel
+from .launch import Variant
+from .validation import (check_alibi, check_cache_indices, check_index_tensor, check_qkv,
+                         check_scale, check_softcap, check_window, describe)
 
 
 # Eager steps that read at most _MERGE_BYTES of cache, with splits that the merge loads at once,
@@ -56,22 +58,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cpu":
         return 4
     return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
-
-
-def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx):
-    """Write the new keys/values at positions cache_seqlens[b] + i, in place (no host sync)."""
-    B, S_new = k.shape[0], k.shape[1]
-    pos = cache_seqlens[:, None].long() + torch.arange(S_new, device=k.device)  # (B, S_new)
-    if block_table is None:
-        rows = (cache_batch_idx.long() if cache_batch_idx is not None
-                else torch.arange(B, device=k.device))[:, None].expand(B, S_new)
-        index = (rows.reshape(-1), pos.reshape(-1))
-    else:
-        page_size = k_cache.shape[1]
-        pages = torch.gather(block_table.long(), 1, pos // page_size)
-        index = (pages.reshape(-1), (pos % page_size).reshape(-1))
-    k_cache.index_put_(index, k.reshape(B * S_new, *k.shape[2:]))
-    v_cache.index_put_(index, v.reshape(B * S_new, *v.shape[2:]))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -135,8 +121,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Attention of a few query tokens over a KV cache, after appending k, v to it.
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), seqlen_q small (decoding, speculative
-           tokens, chunked prefill).
+        q: (batch, seqlen_q, nheads, headdim), any seqlen_q: decoding and speculative
+           tokens run the split-KV kernel; many query tokens over a contiguous cache
+           (chunked prefill, ``configs.kvcache_prefill``) run the prefill forward kernel.
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged:
            (num_blocks, page_size, nheads_k, headdim) with ``block_table``; any strides
            with a unit stride on headdim (e.g. K and V as views of one buffer).
@@ -148,14 +135,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            power of two >= 8.
         cache_batch_idx: (batch,) int32, the cache row of each sequence (contiguous caches).
         cache_leftpad: (batch,) int32, the first valid cache position of each sequence
-           (left-padded caches): keys before it are ignored and rotary positions count
-           from it.
+           (left-padded caches): keys before it are ignored; positions (rotary, appends)
+           stay the cache's indices, as in flash-attn.
         causal / window_size: aligned to the end of the cache: query token t sits at
            position cache_len - seqlen_q + t.
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotary embedding applied to
            the new k at positions cache_seqlens[b] + i and to q at the same positions if
            causal or windowed, else at cache_seqlens[b] for every query token (flash-attn's
-           rule); rotary_interleaved as in flash-attn.
+           rule: cache indices, left padding included); rotary_interleaved as in flash-attn.
         num_splits: KV splits per sequence (0: enough to fill the GPU); partial results
            are merged by their LSEs.
         return_lse: False: no LSE is stored or allocated (lse None), a step's host time ~2 us
@@ -163,6 +150,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Returns ``AttentionOutput(out, lse)``: out (batch, seqlen_q, nheads, headdim), lse
     (batch, nheads, seqlen_q) float32 or None. Not differentiable.
+
+    Index tensors are checked as ``flashtriton.validation`` says (their contents on the host
+    in validation mode, or when they live on the CPU); whatever they hold, nothing outside
+    the caches is read or written: a sequence whose length, row or left padding lies outside
+    its cache sees no keys (out 0, lse -inf), keys in pages outside the pool are not
+    attended, and appends outside the cache are dropped.
     """
     # A plain step (no append, no rotary, per-sequence lengths) whose arguments match an
     # earlier call's in everything but the data replays that call's launches before the
@@ -170,7 +163,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # and settings.
     step = (k is None and rotary_cos is None and isinstance(cache_seqlens, torch.Tensor)
             and isinstance(q, torch.Tensor) and q.stride(-1) == 1
-            and type(window_size) is tuple and TIMELINE is None)
+            and type(window_size) is tuple and TIMELINE is None
+            and not validation.validating())
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
                alibi_slopes)
     signature = None
@@ -184,12 +178,56 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         known = launch.recall(signature)
         if known is not None:
             B, SQ, H, _ = q.shape
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
-            # sizes as separate arguments: torch.empty parses them ~1 us faster than a tuple
-            lse = torch.empty(B, H, SQ, dtype=torch.float32, device=q.device) if return_lse \
-                else None
+            out = launch._empty(q.shape, q.dtype, q.device)
+            lse = launch._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
             if _replay(known, tensors, out, lse):
                 return AttentionOutput(out, lse)
+    checked = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                          cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, causal,
+                          window_size)
+    cache_seqlens = checked.cache_seqlens
+    B, SQ, H, D = q.shape
+    if rotary_cos is not None:  # positions: the cache's indices (left padding included)
+        steps = torch.arange(SQ, device=q.device)
+        local = causal or checked.window != (-1, -1)
+        q = apply_rotary(q, rotary_cos, rotary_sin,
+                         cache_seqlens[:, None] + (steps if local else 0 * steps),
+                         rotary_interleaved)
+        if k is not None:
+            k = apply_rotary(k, rotary_cos, rotary_sin,
+                             cache_seqlens[:, None] + torch.arange(k.shape[1], device=q.device),
+                             rotary_interleaved)
+    s_new = 0
+    if k is not None:
+        s_new = k.shape[1]
+        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
+    seqlens = cache_seqlens if s_new == 0 else (cache_seqlens + s_new).to(torch.int32)
+    scale = check_scale(softmax_scale, D)
+    left, right = checked.window
+    right = 0 if causal else right
+    softcap = check_softcap(softcap)
+    alibi = check_alibi(alibi_slopes, B, H, q.device)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if configs.kvcache_prefill(SQ) and block_table is None:
+        prefill = _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad,
+                           Variant(scale, causal, left, right, softcap, alibi), return_lse)
+        if prefill is not None:
+            return prefill
+    return _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
+                   alibi, scale, left, right, softcap, num_splits, return_lse,
+                   signature if step else None, step)
+
+
+class _Checked(NamedTuple):
+    cache_seqlens: torch.Tensor  # (B,) int32 on q's device
+    window: Tuple[int, int]
+
+
+def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
+                cache_leftpad, rotary_cos, rotary_sin, causal, window_size) -> _Checked:
+    """attention_with_kvcache's checks (validation.py's, and the index contents where
+    validation says so); raises TypeError / ValueError naming the argument."""
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                     ("cache_seqlens", cache_seqlens), ("block_table", block_table),
                     ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
@@ -202,21 +240,23 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     paged = block_table is not None
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must be 4-D of one shape; got k_cache "
-                         f"{_describe(k_cache)}, v_cache {_describe(v_cache)}")
+                         f"{describe(k_cache)}, v_cache {describe(v_cache)}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError("q must be a 4-D (batch, seqlen_q, nheads, headdim) tensor")
     B, SQ, H, D = q.shape
     # dtypes, devices, heads and head dim of q against the cache (whose batch may differ)
     check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), same_batch=False)
     HKV = k_cache.shape[2]
+    page_size = k_cache.shape[1]
     if paged:
-        page_size = k_cache.shape[1]
         if page_size < 8 or page_size & (page_size - 1):
             raise ValueError(f"page_size (k_cache.shape[1]) must be a power of two >= 8; got "
                              f"{page_size}")
-        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
-            raise ValueError(f"block_table must be (batch, max_blocks) int32; got "
-                             f"{_describe(block_table)}")
+        check_index_tensor("block_table", block_table, q.device, dims=2,
+                           what=" (batch, max_blocks)")
+        if block_table.shape[0] != B:
+            raise ValueError(f"block_table must be (batch, max_blocks) int32 with batch {B}; "
+                             f"got {describe(block_table)}")
         capacity = block_table.shape[1] * page_size
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx applies to contiguous caches, not paged ones")
@@ -229,52 +269,102 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         cache_seqlens = capacity
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (B,):
-        raise ValueError(f"cache_seqlens must be an int or (batch,) int32; got "
-                         f"{_describe(cache_seqlens)}")
+    check_index_tensor("cache_seqlens", cache_seqlens, q.device, (B,), what=" (or an int)")
+    if cache_batch_idx is not None:
+        check_index_tensor("cache_batch_idx", cache_batch_idx, q.device, (B,))
+    if cache_leftpad is not None:
+        check_index_tensor("cache_leftpad", cache_leftpad, q.device, (B,))
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
-    if cache_leftpad is not None and (cache_leftpad.dtype != torch.int32
-                                      or cache_leftpad.shape != (B,)):
-        raise ValueError(f"cache_leftpad must be (batch,) int32; got {_describe(cache_leftpad)}")
-    if rotary_cos is not None:
-        if rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2 \
-                or 2 * rotary_cos.shape[1] > D:
-            raise ValueError(f"rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) with "
-                             f"rotary_dim <= headdim {D}; got {_describe(rotary_cos)} and "
-                             f"{_describe(rotary_sin)}")
-        steps = torch.arange(SQ, device=q.device)
-        local = causal or tuple(window_size) != (-1, -1)
-        start = cache_seqlens if cache_leftpad is None else cache_seqlens - cache_leftpad
-        q_pos = start[:, None] + (steps if local else 0 * steps)
-        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-        if k is not None:
-            k_pos = start[:, None] + torch.arange(k.shape[1], device=q.device)
-            k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+    if rotary_cos is not None and (rotary_cos.shape != rotary_sin.shape or rotary_cos.dim() != 2
+                                   or 2 * rotary_cos.shape[1] > D):
+        raise ValueError(f"rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2) with "
+                         f"rotary_dim <= headdim {D}; got {describe(rotary_cos)} and "
+                         f"{describe(rotary_sin)}")
     s_new = 0
     if k is not None:
         check_qkv(q, k, v, ("q", "k", "v"))
         if k.shape[2] != HKV:
             raise ValueError(f"k has {k.shape[2]} heads, the cache {HKV}")
         s_new = k.shape[1]
-        _append(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
-    seqlens = cache_seqlens if s_new == 0 else (cache_seqlens + s_new).to(torch.int32)
-    scale = _check_scale(softmax_scale, D)
-    left, right = _check_window(window_size)
-    right = 0 if causal else right
-    softcap = _check_softcap(softcap)
-    alibi = _check_alibi(alibi_slopes, B, H, q.device)
+    window = check_window(window_size)
+    rotary_len = None
+    if rotary_cos is not None:  # the last position a rotary embedding is taken at, + 1
+        local = causal or window != (-1, -1)
+        rotary_len = (rotary_cos.shape[0], max(s_new, SQ if local else 1))
+    check_cache_indices(cache_seqlens, s_new, capacity, k_cache.shape[0], block_table,
+                        page_size, cache_batch_idx, cache_leftpad, rotary_len)
+    return _Checked(cache_seqlens, window)
 
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(B, H, SQ, dtype=torch.float32, device=q.device) if return_lse else None
+
+def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
+              cache_batch_idx=None) -> None:
+    """Write k, v (B, S_new, HKV, D) into the caches at positions cache_seqlens[b] + i, in
+    place (into pages with block_table; rows cache_batch_idx[b]); no host sync. Positions
+    past the cache's end, pages outside the pool and rows outside the cache are not written
+    (kernels.decode._kv_append_kernel)."""
+    B, S_new, HKV, D = k.shape
+    if B * S_new == 0:
+        return
+    paged = block_table is not None
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    launch.launch_jit(
+        _kv_append_kernel, (B * S_new, HKV), k, v, k_cache, v_cache, cache_seqlens,
+        block_table, cache_batch_idx, *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3],
+        *v_cache.stride()[:3], block_table.stride(0) if paged else 0, S_new, HKV, D,
+        k_cache.shape[0], capacity, PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
+        HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_D=configs.block_d(D), num_warps=1)
+
+
+def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, variant,
+             return_lse) -> Optional[AttentionOutput]:
+    """Many query tokens over a contiguous cache: the prefill forward kernel on packed views
+    (sequence b's keys are seqlens[b] - leftpad[b] rows from row cache_row(b) * S + leftpad[b]
+    of the cache as (rows * S, HKV, D); Varlen's seqused_k), with the prefill kernel's speed.
+    None where the cache's rows are not evenly spaced (the split kernel runs instead)."""
+    B, SQ, H, D = q.shape
+    rows, S = k_cache.shape[0], k_cache.shape[1]
+    flat = []
+    for c in (k_cache, v_cache):
+        if c.stride(0) != S * c.stride(1) or rows * S >= 2**31:
+            return None
+        flat.append(c.as_strided((rows * S, c.shape[2], D), (c.stride(1), c.stride(2), 1)))
+    device = q.device
+    row = (cache_batch_idx if cache_batch_idx is not None
+           else torch.arange(B, dtype=torch.int32, device=device)).long()
+    pad = cache_leftpad.long() if cache_leftpad is not None else torch.zeros_like(row)
+    n = seqlens.long()
+    # indices outside the cache: the sequence sees no keys (as the split kernel)
+    ok = (n >= 0) & (n <= S) & (row >= 0) & (row < rows) & (pad >= 0) & (pad <= n)
+    start = torch.where(ok, row * S + pad, 0).to(torch.int32)
+    used = torch.where(ok, n - pad, 0).to(torch.int32)
+    cu_q = torch.arange(0, (B + 1) * SQ, SQ, dtype=torch.int32, device=device)
+    out, lse = launch.attention_forward(q.reshape(B * SQ, H, D), *flat, variant,
+                                        launch.Varlen(cu_q, start, SQ, S, used))
+    out = out.view(B, SQ, H, D)
+    return AttentionOutput(out, lse.view(H, B, SQ).transpose(0, 1).contiguous()
+                           if return_lse else None)
+
+
+def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
+            scale, left, right, softcap, num_splits, return_lse, signature,
+            step) -> AttentionOutput:
+    """The split kernel (and the merge kernel, or its in-kernel merge) over checked
+    arguments; a plain step's launches are remembered under ``signature``."""
+    B, SQ, H, D = q.shape
+    HKV = k_cache.shape[2]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    out = launch._empty(q.shape, q.dtype, q.device)
+    lse = launch._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
     if out.numel() == 0:
         return AttentionOutput(out, lse)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi)
-    merge_ok = MERGE_IN_KERNEL and _eager(q)  # may merge in the split kernel
+    block_m, row_blocks = configs.decode_rows(H // HKV, SQ, D)
+    merge_ok = MERGE_IN_KERNEL and _eager(q) and row_blocks == 1  # may merge in the split kernel
     if not step and TIMELINE is None:  # appends, rotary: the same call but for the data replays
         signature = launch.call_signature(
             "decode", (scale, left, right, softcap, num_splits, return_lse, merge_ok), *tensors,
@@ -283,7 +373,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if known is not None and _replay(known, tensors, out, lse):
             return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
-    splits = _splits(num_splits, B, HKV, capacity, granule, q.device, block_table is not None)
+    splits = _splits(num_splits, B * row_blocks, HKV, capacity, granule, q.device, paged)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
     block_r = configs.next_pow2((H // HKV) * SQ)
     bd = configs.block_d(D)
@@ -294,11 +384,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                  HAS_UPPER=right >= 0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
                  HAS_BATCH_IDX=cache_batch_idx is not None,
                  HAS_LEFTPAD=cache_leftpad is not None, PDL=launch.use_pdl(q.device),
-                 BLOCK_M=max(16, block_r))
+                 BLOCK_M=block_m)
     # One tile for both merges, per split length and grid: a tile tuned for B=1 128K's one
     # wave of 16 splits of 8K keys read B=64 8K's four waves (one split of 8K keys) at 0.995x
-    # SDPA; tuned there, 1.009x (session 26).
-    waves = min(4, configs.next_pow2(configs.cdiv(splits * B * HKV, _num_sms(q.device))))
+    # SDPA; tuned there, 1.009x.
+    waves = min(4, configs.next_pow2(configs.cdiv(splits * B * HKV * row_blocks,
+                                                  _num_sms(q.device))))
     key = (q.dtype, configs.bucket(split_size), waves, *flags.values())
 
     def split_kernel(o_part, lse_part, merge_args=(None, None, None, 0, 0, 0)):
@@ -310,8 +401,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         else:
             o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
         return launch._launch(
-            launch._decode, (splits, B * HKV), key, *tensors, o_part, lse_part, *merge_args[:3],
-            None if TIMELINE is None else TIMELINE[0],
+            launch._decode, (splits, B * HKV, row_blocks), key, *tensors, o_part, lse_part,
+            *merge_args[:3], None if TIMELINE is None else TIMELINE[0],
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             block_table.stride(0) if paged else 0,
             (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
@@ -320,7 +411,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             HKV, H // HKV, SQ, D, left, right,
             scale * (1.0 / softcap if has_softcap else math.log2(math.e)),
             softcap * math.log2(math.e),
-            split_size, k_cache.shape[1] if paged else 1, configs.bucket(split_size), waves,
+            split_size, k_cache.shape[0], capacity, k_cache.shape[1] if paged else 1,
+            configs.bucket(split_size), waves,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags, MERGE=merge,
             BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,
@@ -477,19 +569,32 @@ class PagedKVCache:
         self._pages[seq_id], self._lengths[seq_id] = [], 0
 
     def free(self, seq_id) -> None:
+        self._known(seq_id)
         self._free.extend(reversed(self._pages.pop(seq_id)))
         del self._lengths[seq_id]
 
     def length(self, seq_id) -> int:
-        return self._lengths[seq_id]
+        return self._lengths[self._known(seq_id)]
 
-    def _reserve(self, seq_id, n_new: int) -> None:
-        pages = configs.cdiv(self._lengths[seq_id] + n_new, self.page_size)
-        need = pages - len(self._pages[seq_id])
-        if need > len(self._free):
-            raise MemoryError(f"PagedKVCache: {need} more pages needed for sequence {seq_id!r}, "
+    def _known(self, seq_id):
+        if seq_id not in self._pages:
+            raise KeyError(f"sequence {seq_id!r} is not in the cache (add() it first)")
+        return seq_id
+
+    def _reserve(self, seq_ids, n_new: int) -> None:
+        """Pages for n_new more tokens of every sequence of seq_ids, or none at all: a
+        MemoryError leaves the pool and the page lists as they were."""
+        need = {}
+        for s in seq_ids:
+            self._known(s)
+            pages = configs.cdiv(self._lengths[s] + n_new, self.page_size)
+            need[s] = max(need.get(s, 0), pages - len(self._pages[s]))
+        if sum(need.values()) > len(self._free):
+            short = ", ".join(f"{s!r}: {n}" for s, n in need.items() if n)
+            raise MemoryError(f"PagedKVCache: {sum(need.values())} more pages needed ({short}), "
                               f"{len(self._free)} free")
-        self._pages[seq_id].extend(self._free.pop() for _ in range(need))
+        for s, n in need.items():
+            self._pages[s].extend(self._free.pop() for _ in range(n))
 
     def block_table(self, seq_ids) -> torch.Tensor:
         """(batch, max_pages) int32 on the cache's device (unused slots 0)."""
@@ -502,13 +607,21 @@ class PagedKVCache:
         batch row) and attend q (batch, seqlen_q, nheads, headdim) over their caches.
         ``options`` go to ``attention_with_kvcache`` (causal, window_size, softcap, ...)."""
         n_new = 0 if k is None else k.shape[1]
-        for s in seq_ids:
-            self._reserve(s, n_new)
-        lens = torch.tensor([self._lengths[s] for s in seq_ids], dtype=torch.int32,
-                            device=self.k.device)
-        out, _ = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=lens,
-                                        block_table=self.block_table(seq_ids), return_lse=False,
-                                        **options)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must name each sequence once, got {list(seq_ids)!r}")
+        pages = {s: len(self._pages[self._known(s)]) for s in seq_ids}
+        self._reserve(seq_ids, n_new)
+        try:
+            lens = torch.tensor([self._lengths[s] for s in seq_ids], dtype=torch.int32,
+                                device=self.k.device)
+            out, _ = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=lens,
+                                            block_table=self.block_table(seq_ids),
+                                            return_lse=False, **options)
+        except BaseException:  # the call's checks refused it: give the new pages back
+            for s, n in pages.items():
+                self._free.extend(reversed(self._pages[s][n:]))
+                del self._pages[s][n:]
+            raise
         for s in seq_ids:
             self._lengths[s] += n_new
         return out

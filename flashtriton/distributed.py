@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from . import launch
-from .api import (AttentionOutput, _check_scale, _check_softcap, _check_window, _deterministic,
-                  _unit_last, check_qkv)
+from .api import AttentionOutput, _deterministic, _unit_last
+from .validation import check_qkv, check_scale, check_softcap, check_window
 from .launch import Variant
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -237,10 +237,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     call it (and its backward) in the same order.
     """
     ring = _check_ring(q, k, v, group, layout)
-    left, right = _check_window(window_size)
+    left, right = check_window(window_size)
     if causal:
         right = 0
-    base = Variant(_check_scale(softmax_scale, q.shape[-1]), softcap=_check_softcap(softcap),
+    base = Variant(check_scale(softmax_scale, q.shape[-1]), softcap=check_softcap(softcap),
                    deterministic=_deterministic(deterministic))
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out, lse = _RingAttention.apply(q, k, v, ring, layout, base, left, right)

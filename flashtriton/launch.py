@@ -426,11 +426,14 @@ def lookup_mods(key: int):
 
 
 class Varlen(NamedTuple):
-    """Packed sequences: q (total_q, H, D), k/v (total_k, HKV, D), int32 offsets (B + 1)."""
+    """Packed sequences: q (total_q, H, D), k/v (total_k, HKV, D), int32 offsets (B + 1);
+    seqused_k (B,) int32 or None: sequence b's keys are the seqused_k[b] rows from
+    cu_seqlens_k[b] on (the forward only)."""
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    seqused_k: Optional[torch.Tensor] = None
 
 
 def _alibi_args(variant: Variant):
@@ -540,7 +543,18 @@ def _common_cached(head_dim, dtype, is_varlen, sq_bucket, sk_bucket, softmax_sca
 
 
 def _cu(varlen: Optional[Varlen]):
-    return (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
+    """The kernels' CU_Q, CU_K, SEQUSED_K."""
+    if varlen is None:
+        return None, None, None
+    return varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_k
+
+
+def _sizes(q, k, varlen: Optional[Varlen], SQ: int, SK: int):
+    """The kernels' SQ, SK, TOTAL_Q, TOTAL_K: varlen's rows of the packed q and k bound
+    every offset the kernels read from CU_Q / CU_K (kernels.common.seq_bounds)."""
+    if varlen is None:
+        return SQ, SK, SQ, SK
+    return SQ, SK, q.shape[0], k.shape[0]
 
 
 # Whether attention_forward also runs windows, softcap, ALiBi and block masks on the Gluon
@@ -592,7 +606,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.kv_blocks)[1:],
-        H, H // HKV, SQ, SK,
+        H, H // HKV, *_sizes(q, k, varlen, SQ, SK),
         USE_TMA=use_tma, **common,
     )
     remember(signature, replay)
@@ -1015,7 +1029,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         *_strides(dq),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.kv_blocks)[1:],
-        H, H // HKV, SQ, SK,
+        H, H // HKV, *_sizes(q, k, varlen, SQ, SK),
         USE_TMA=use_tma, **common,
     )
     # dK/dV reads each query block's LSE and delta by TMA too where their rows start 16-byte
@@ -1029,7 +1043,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.q_blocks)[1:],
-        HKV, H // HKV, SQ, SK,
+        HKV, H // HKV, *_sizes(q, k, varlen, SQ, SK),
         USE_TMA=use_tma, STATS_TMA=stats_tma, **common,
     )
     remember(signature, replay_dq, replay_dkdv)

@@ -6,52 +6,63 @@ import torch
 import torch.nn.functional as F
 
 from . import _env
-from .api import MAX_HEAD_DIM, SUPPORTED_DTYPES, _run
+from .api import _run
+from .validation import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 # torch's own function, captured at import: the fall-back target, also while patched.
 _TORCH_SDPA = F.scaled_dot_product_attention
 
 
-def _mask_routable(attn_mask, query, key) -> bool:
-    """A mask the kernels read in place: bool or query's float dtype, broadcastable to
-    (B, H, L, S), not requiring grad, and not combined with is_causal (torch rejects that)."""
-    if not isinstance(attn_mask, torch.Tensor) or attn_mask.requires_grad:
-        return False
+def _mask_misfit(attn_mask, query, key) -> Optional[str]:
+    """Why the kernels cannot read attn_mask in place, or None: it must be bool or query's
+    float dtype, broadcastable to (B, H, L, S), and not require grad."""
+    if not isinstance(attn_mask, torch.Tensor):
+        return f"attn_mask is a {type(attn_mask).__name__}, not a tensor"
+    if attn_mask.requires_grad:
+        return "attn_mask requires grad (the kernels give no mask gradient)"
     if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-        return False
+        return f"attn_mask is {attn_mask.dtype}; the kernels take bool or query's {query.dtype}"
     if attn_mask.device != query.device or not 1 <= attn_mask.dim() <= 4:
-        return False
+        return f"attn_mask is {attn_mask.dim()}-D on {attn_mask.device}"
     B, H, L, _ = query.shape
     try:
         torch.broadcast_shapes(attn_mask.shape, (B, H, L, key.shape[2]))
     except RuntimeError:
-        return False
-    return True
+        return f"attn_mask {tuple(attn_mask.shape)} does not broadcast to {(B, H, L, key.shape[2])}"
+    return None
 
 
-def _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
-    if not 0.0 <= dropout_p < 1.0:
-        return False
+def sdpa_misfit(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                enable_gqa=False) -> Optional[str]:
+    """Why ``scaled_dot_product_attention`` sends this call to torch's function instead of
+    the kernels, or None where the kernels run it."""
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p {dropout_p!r} is not in [0, 1)"
     ts = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in ts):
-        return False
+        return "query, key, value are not all 4-D tensors"
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in SUPPORTED_DTYPES:
-        return False
+        return (f"dtypes {query.dtype}, {key.dtype}, {value.dtype}: the kernels take one of "
+                "float16, bfloat16, float32")
     if not (query.device == key.device == value.device):
-        return False
+        return f"devices {query.device}, {key.device}, {value.device} differ"
     if not (query.is_cuda or (query.device.type == "cpu" and _env.INTERPRET)):
-        return False
+        return f"{query.device} tensors (the kernels run on CUDA, or the CPU's interpreter)"
     B, H, L, E = query.shape
     if key.shape != value.shape or key.shape[0] != B or key.shape[3] != E:
-        return False
+        return (f"shapes query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                f"{tuple(value.shape)}: the kernels take key and value of one shape with "
+                "query's batch and head dim")
     if not 1 <= E <= MAX_HEAD_DIM:
-        return False
+        return f"head dim {E} is outside 1..{MAX_HEAD_DIM}"
     HK = key.shape[1]
     if HK != H and not (enable_gqa and HK > 0 and H % HK == 0):
-        return False
-    if attn_mask is not None and (is_causal or not _mask_routable(attn_mask, query, key)):
-        return False
-    return True
+        return f"{H} query heads and {HK} key heads without enable_gqa"
+    if attn_mask is not None:
+        if is_causal:
+            return "attn_mask with is_causal (torch raises)"
+        return _mask_misfit(attn_mask, query, key)
+    return None
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -78,7 +89,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     Everything else falls back to ``torch.nn.functional.scaled_dot_product_attention``
     with the same arguments, so behaviour matches torch's, errors included.
     """
-    if not _routable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
+    reason = sdpa_misfit(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    if reason is not None:
+        _env.logger.debug("scaled_dot_product_attention falls back to torch's: %s", reason)
         kwargs = {"enable_gqa": True} if enable_gqa else {}
         return _TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                            is_causal=is_causal, scale=scale, **kwargs)

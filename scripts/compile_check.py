@@ -46,6 +46,7 @@ variants = {
     "softcap-alibi": dict(HAS_SOFTCAP=True, HAS_ALIBI=1, HAS_UPPER=True),
     "alibi-one-sided": dict(HAS_ALIBI=2, HAS_UPPER=True),  # causal ALiBi (alibi_part)
     "varlen": dict(IS_VARLEN=True, HAS_UPPER=True),
+    "varlen-seqused": dict(IS_VARLEN=True, HAS_UPPER=True, SEQUSED_K="*i32"),
     "mask-bool": dict(MASK_KIND=1),
     "dropout": dict(HAS_DROPOUT=True),
     "mods-blockmask": dict(SCORE_MOD=bias_mod, SCORE_GRAD=bias_grad, MASK_MOD=causal_mod,

@@ -33,7 +33,7 @@ FLOATS = ("qk_scale", "cap2", "sm_scale", "dropout_p")
 # The plain variant of the training kernels; callers override what they test.
 DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False,
                 HAS_ALIBI=0, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
-                MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False,
+                MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False, SEQUSED_K=None,
                 DOT_PREC="tf32", UPCAST=False, USE_TMA=True, STATS_TMA=True, BLOCK_M=128,
                 BLOCK_N=64)
 SKELETON = re.compile(r"(HGMMA|WARPGROUP\.(?:ARRIVE|DEPBAR)|MUFU\.EX2|BAR\.SYNC|BRA|DEPBAR)")
@@ -65,7 +65,10 @@ def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **o
     constexpr overrides of ``DEFAULTS`` (e.g. HAS_SOFTCAP=True)."""
     consts = dict(DEFAULTS, BLOCK_D=dim, BLOCK_M=block_m, BLOCK_N=block_n, HAS_UPPER=causal)
     consts.update(overrides)
-    return triton.compile(source_for(KERNELS[kind], consts, POINTERS), target=TARGET,
+    pointers = dict(POINTERS)  # an override "*i32" makes that argument a pointer
+    pointers.update({n: consts.pop(n) for n, t in list(consts.items())
+                     if isinstance(t, str) and t.startswith("*")})
+    return triton.compile(source_for(KERNELS[kind], consts, pointers), target=TARGET,
                           options={"num_warps": warps, "num_stages": stages})
 
 

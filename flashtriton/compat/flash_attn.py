@@ -10,6 +10,13 @@ The varlen functions take packed (total_tokens, nheads, headdim) tensors and
 int32 cu_seqlens as flash-attn's do; ``flashtriton.compat.bert_padding`` has
 ``unpad_input`` / ``pad_input``.
 
+Unchanged code that imports flash-attn itself runs on flashtriton after ``install()``:
+
+    import flashtriton.compat.flash_attn as fa
+    fa.install()
+    from flash_attn import flash_attn_func                  # flashtriton's
+    from flash_attn.bert_padding import pad_input, unpad_input
+
 Dropout draws its seed from torch's default generator (flash-attn uses the
 CUDA generator's Philox state), so masks differ from flash-attn's but are
 reproducible under torch.manual_seed. ``return_attn_probs=True`` returns None
@@ -17,9 +24,20 @@ for the dropout mask. Not supported yet (raises NotImplementedError):
 block_table (paged KV caches).
 """
 
+import importlib.machinery
+import sys
+import types
+import warnings
+
 import torch
 
 from ..api import _run, _run_varlen
+
+# The flash-attn release whose Python interface this module speaks (``flash_attn.__version__``
+# after install()).
+FLASH_ATTN_VERSION = "2.8.3"
+_ALIASES = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.bert_padding")
+_saved = {}
 
 
 def _returns(out, lse, return_attn_probs):
@@ -168,3 +186,49 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       rotary_interleaved=rotary_interleaved,
                                       num_splits=num_splits, return_lse=return_softmax_lse)
     return (out, lse) if return_softmax_lse else out
+
+
+def install() -> types.ModuleType:
+    """Make ``import flash_attn`` (and ``flash_attn.flash_attn_interface``,
+    ``flash_attn.bert_padding``) give flashtriton's drop-ins, for code that imports flash-attn
+    itself; returns the ``flash_attn`` module. Modules that imported flash-attn before the
+    call keep what they imported (a warning says so when the real package was loaded);
+    ``uninstall()`` puts the previous modules back."""
+    from . import bert_padding
+    current = sys.modules.get("flash_attn")
+    if current is not None and getattr(current, "__flashtriton__", False):
+        return current
+    if current is not None:
+        warnings.warn("flash_attn was imported before flashtriton.compat.flash_attn.install(): "
+                      "modules that imported from it keep the real flash-attn", stacklevel=2)
+    for name in _ALIASES:
+        _saved[name] = sys.modules.get(name)
+    package = types.ModuleType("flash_attn", "flashtriton's flash-attn drop-in (install())")
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
+    package.__path__ = []
+    package.__version__ = FLASH_ATTN_VERSION
+    package.__flashtriton__ = True
+    interface = sys.modules[__name__]
+    for name in __all__:
+        setattr(package, name, getattr(interface, name))
+    package.flash_attn_interface = interface
+    package.bert_padding = bert_padding
+    sys.modules.update({"flash_attn": package, "flash_attn.flash_attn_interface": interface,
+                        "flash_attn.bert_padding": bert_padding})
+    return package
+
+
+def uninstall() -> None:
+    """Undo ``install()``: the modules that ``flash_attn`` names had before it."""
+    for name in _ALIASES:
+        if name in _saved:
+            previous = _saved.pop(name)
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
+
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]

@@ -4,9 +4,11 @@ The node itself lives in ``integrations/comfyui/`` (a folder for ComfyUI/custom_
 module holds what can be tested without ComfyUI (it is not on PyPI).
 """
 
+from typing import Optional
+
 import torch
 
-from ..api import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES
 from ..sdpa import scaled_dot_product_attention
 from .. import _env
 
@@ -18,27 +20,32 @@ def _to_bhnd(x: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
     return x.view(B, N, heads, C // heads).transpose(1, 2)       # (B, N, H*D) -> (B, H, N, D)
 
 
-def supported(q, k, v, heads, mask=None, skip_reshape=False) -> bool:
-    """Whether ``attention_flashtriton`` runs these inputs on its kernels."""
+def misfit(q, k, v, heads, mask=None, skip_reshape=False) -> Optional[str]:
+    """Why ``attention_flashtriton`` cannot run these inputs on its kernels, or None."""
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
-        return False
+        return "q, k, v are not all tensors"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        return False
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}"
     if not (q.is_cuda or (q.device.type == "cpu" and _env.INTERPRET)):
-        return False
+        return f"{q.device} tensors"
     if q.dim() != (4 if skip_reshape else 3) or k.dim() != q.dim() or v.shape != k.shape:
-        return False
+        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     D = q.shape[-1] if skip_reshape else q.shape[-1] // heads
     kv_heads = k.shape[1] if skip_reshape else heads
     q_heads = q.shape[1] if skip_reshape else heads
     if not skip_reshape and (q.shape[-1] % heads or k.shape[-1] != q.shape[-1]):
-        return False
+        return f"q's {q.shape[-1]} channels do not split into {heads} heads like k's"
     if not 1 <= D <= MAX_HEAD_DIM or kv_heads == 0 or q_heads % kv_heads:
-        return False
+        return f"head dim {D}, {q_heads} query heads, {kv_heads} key heads"
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.requires_grad
                              or mask.dim() > 4):
-        return False
-    return True
+        return "a mask that is not a tensor of at most 4 dims without grad"
+    return None
+
+
+def supported(q, k, v, heads, mask=None, skip_reshape=False) -> bool:
+    """Whether ``attention_flashtriton`` runs these inputs on its kernels."""
+    return misfit(q, k, v, heads, mask, skip_reshape) is None
 
 
 def attention_flashtriton(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
@@ -69,7 +76,9 @@ def attention_override(func, *args, **kwargs):
     """``transformer_options["optimized_attention_override"]``: ComfyUI calls it with its own
     attention function ``func`` and that function's arguments; unsupported calls go to func."""
     call = dict(zip(("q", "k", "v", "heads"), args), **kwargs)
-    if supported(call.get("q"), call.get("k"), call.get("v"), call.get("heads"),
-                 call.get("mask"), call.get("skip_reshape", False)):
+    reason = misfit(call.get("q"), call.get("k"), call.get("v"), call.get("heads"),
+                    call.get("mask"), call.get("skip_reshape", False))
+    if reason is None:
         return attention_flashtriton(*args, **kwargs)
+    _env.logger.debug("ComfyUI attention falls back to ComfyUI's own: %s", reason)
     return func(*args, **kwargs)

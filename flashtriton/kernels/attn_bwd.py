@@ -124,9 +124,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
 
 # GROUP stays a runtime value: specialised to the constant 1 (no GQA), the non-causal kernel
 # with the stats descriptors crashes Triton 3.6's ptxas (SIGSEGV; compile_check's "full").
-@triton.jit(do_not_specialize=["seed", "GROUP"])
+@triton.jit(do_not_specialize=["seed", "GROUP", "TOTAL_Q", "TOTAL_K"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K, BMASK,
+    Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -137,8 +137,8 @@ def _attn_bwd_dkdv_kernel(
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_bb, stride_bh, stride_bq, BM_N,
-    HKV, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale, dropout_p,
-    seed,
+    HKV, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
+    dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
@@ -152,8 +152,9 @@ def _attn_bwd_dkdv_kernel(
     off_bh = tl.program_id(1)
     off_b = (off_bh // HKV).to(tl.int64)
     off_hk = (off_bh % HKV).to(tl.int64)
-    q_off, k_off, SQ, SK, LOWER, UPPER, DIAG = seq_bounds(CU_Q, CU_K, off_b, SQ, SK, WIN_LEFT,
-                                                          WIN_RIGHT, IS_VARLEN)
+    q_off, k_off, SQ, SK, LOWER, UPPER, DIAG = seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK,
+                                                          TOTAL_Q, TOTAL_K, WIN_LEFT, WIN_RIGHT,
+                                                          IS_VARLEN)
     if IS_VARLEN:
         if start_n >= SK:
             return
@@ -313,9 +314,9 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
     return dq
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed", "TOTAL_Q", "TOTAL_K"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K, BMASK,
+    Q, K, V, O, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -326,8 +327,8 @@ def _attn_bwd_dq_kernel(
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_bb, stride_bh, stride_bq, BM_N,
-    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale, dropout_p,
-    seed,
+    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
+    dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
@@ -343,8 +344,9 @@ def _attn_bwd_dq_kernel(
     off_h = off_bh % H
     off_hk = (off_h // GROUP).to(tl.int64)
     off_h = off_h.to(tl.int64)
-    q_off, k_off, SQ, SK, LOWER, UPPER, DIAG = seq_bounds(CU_Q, CU_K, off_b, SQ, SK, WIN_LEFT,
-                                                          WIN_RIGHT, IS_VARLEN)
+    q_off, k_off, SQ, SK, LOWER, UPPER, DIAG = seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK,
+                                                          TOTAL_Q, TOTAL_K, WIN_LEFT, WIN_RIGHT,
+                                                          IS_VARLEN)
     if IS_VARLEN:
         if start_m >= SQ:
             return

@@ -6,7 +6,8 @@ at 256 the two halves' accumulators do not fit the registers and one half is fas
 S and P exist only as (BLOCK_M / 2, BLOCK_N) register tiles; the program writes O and the
 natural-log LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
-Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K),
+Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K, SEQUSED_K
+not None: per-sequence key counts),
 HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
 HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Hopper).
 """
@@ -126,9 +127,10 @@ def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HE
     tl.store(lse_base + rows, lse, mask=rows < SQ)
 
 
-@triton.jit(do_not_specialize=["seed"])  # a new seed per call: one compiled kernel
+# a new seed per call, and varlen's packed totals: one compiled kernel
+@triton.jit(do_not_specialize=["seed", "TOTAL_Q", "TOTAL_K"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, BMASK,
+    Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -137,7 +139,8 @@ def _attn_fwd_kernel(
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_bb, stride_bh, stride_bq, BM_N,
-    H, GROUP, SQ, SK, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale, dropout_p, seed,
+    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
+    dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
@@ -153,8 +156,9 @@ def _attn_fwd_kernel(
     off_h = off_bh % H
     off_hk = (off_h // GROUP).to(tl.int64)
     off_h = off_h.to(tl.int64)
-    q_off, k_off, SQ, SK, LOWER, UPPER, DIAG = seq_bounds(CU_Q, CU_K, off_b, SQ, SK, WIN_LEFT,
-                                                          WIN_RIGHT, IS_VARLEN)
+    q_off, k_off, SQ, SK, LOWER, UPPER, DIAG = seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK,
+                                                          TOTAL_Q, TOTAL_K, WIN_LEFT, WIN_RIGHT,
+                                                          IS_VARLEN)
     if IS_VARLEN:
         if start_m >= SQ:
             return

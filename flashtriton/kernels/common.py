@@ -73,21 +73,34 @@ def store_tile(ptrs, x, rows, n_rows, cols, N_COLS, CHECK_COLS: tl.constexpr):
 
 
 @triton.jit
-def seq_bounds(CU_Q, CU_K, off_b, SQ, SK, WIN_LEFT, WIN_RIGHT, IS_VARLEN: tl.constexpr):
+def seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK, TOTAL_Q, TOTAL_K, WIN_LEFT, WIN_RIGHT,
+               IS_VARLEN: tl.constexpr):
     """Row offsets, lengths and mask bounds of batch element ``off_b``.
 
     Dense: the sequences start at row 0 and are SQ / SK long. Varlen: they are
-    packed and delimited by the cumulative lengths CU_Q / CU_K (int32, B + 1).
+    packed and delimited by the cumulative lengths CU_Q / CU_K (int32, B + 1) in
+    tensors of TOTAL_Q / TOTAL_K rows; SEQUSED_K (None, or int32 (B,)): sequence b
+    has SEQUSED_K[b] keys from row CU_K[b] on (flash-attn's seqused_k), not
+    CU_K[b + 1] - CU_K[b]. Whatever the offsets hold, no row outside the tensors is
+    addressed: a sequence whose query rows fall outside [0, TOTAL_Q] has none (it
+    writes nothing), one whose key rows fall outside [0, TOTAL_K] sees no keys.
     Returns (q_off, k_off, SQ, SK, LOWER, UPPER, DIAG): query i sees key j iff
     i + LOWER <= j <= i + UPPER, with DIAG = SK - SQ (bottom-right alignment).
     """
     if IS_VARLEN:
         q_start = tl.load(CU_Q + off_b)
+        q_end = tl.load(CU_Q + off_b + 1)
         k_start = tl.load(CU_K + off_b)
-        SQ = tl.load(CU_Q + off_b + 1) - q_start
-        SK = tl.load(CU_K + off_b + 1) - k_start
-        q_off = q_start.to(tl.int64)
-        k_off = k_start.to(tl.int64)
+        if SEQUSED_K is not None:
+            k_end = k_start + tl.load(SEQUSED_K + off_b)
+        else:
+            k_end = tl.load(CU_K + off_b + 1)
+        q_ok = (q_start >= 0) & (q_start <= q_end) & (q_end <= TOTAL_Q)
+        k_ok = (k_start >= 0) & (k_start <= k_end) & (k_end <= TOTAL_K)
+        SQ = tl.where(q_ok, q_end - q_start, 0)
+        SK = tl.where(k_ok, k_end - k_start, 0)
+        q_off = tl.where(q_ok, q_start, 0).to(tl.int64)
+        k_off = tl.where(k_ok, k_start, 0).to(tl.int64)
     else:
         q_off = 0
         k_off = 0

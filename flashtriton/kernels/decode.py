@@ -1,13 +1,15 @@
 """Decoding kernels: split-KV attention over a KV cache (contiguous or paged) and the merge
 of partial results by their LSEs (flash decoding).
 
-_attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP query heads
-                      sharing the kv head and the SQ query tokens are packed into the rows of
-                      one tile (row r: head r // SQ, token r % SQ), so each K/V byte is read
-                      once. Writes the split's normalised partial output and its LSE (with
+_attn_decode_kernel   one program per (KV split, batch * kv head, row block). The GROUP query
+                      heads sharing the kv head and the SQ query tokens are packed into rows
+                      (row r: head r // SQ, token r % SQ), BLOCK_M of them a program (one row
+                      block reads each K/V byte once; more query rows than the tile's cap
+                      take several row blocks). Writes the split's normalised partial output and its LSE (with
                       one split, O_PART and LSE_PART are the output and LSE themselves; LSE_PART
                       None: no LSE wanted).
-                      MERGE (eager steps over small caches: decode.py's rule): each split
+                      MERGE (eager steps over small caches with one row block: decode.py's
+                      rule): each split
                       counts itself done in COUNTERS (one per program column, zero before the
                       launch), and the one that counts last merges the column's partials into
                       OUT and LSE and sets its count back to zero: one launch a step.
@@ -16,6 +18,10 @@ _attn_decode_kernel   one program per (KV split, batch * kv head). The GROUP que
                       waits for it (griddepcontrol.wait) before reading what it wrote; the
                       split kernel lets the merge launch once its loop is done, so the merge's
                       launch overlaps the split kernel's stores.
+_kv_append_kernel     one program per (new token, batch * kv head): writes the token's K and
+                      V rows into the cache at position CACHE_SEQLENS[b] + i (into its page
+                      with BLOCK_TABLE); a position outside the cache, a page outside the
+                      pool or a cache row outside the cache writes nothing.
 _attn_merge_kernel    one program per (batch * head * query token): out = sum_s w_s o_s with
                       w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s) (merge_splits, which
                       the split kernel's MERGE runs too).
@@ -32,7 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .common import LN2, LOG2E, NEG_BIG, load_tile, mark, scores, visible
 
 
-@triton.jit(do_not_specialize=["WAVES"])
+@triton.jit(do_not_specialize=["WAVES", "ROWS", "CAPACITY"])
 def _attn_decode_kernel(
     Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, O_PART, LSE_PART,
     OUT, LSE, COUNTERS,  # MERGE only: the output (B, SQ, H, D), its LSE (B, H, SQ), the counts
@@ -45,6 +51,8 @@ def _attn_decode_kernel(
     stride_ls, stride_lb, stride_lh,
     stride_Ob, stride_Ot, stride_Oh,
     HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE,
+    ROWS,  # the cache's rows (contiguous: k_cache.shape[0]) or pages (paged)
+    CAPACITY,  # positions a sequence can hold: k_cache.shape[1], or block_table's pages x size
     PAGE_SIZE: tl.constexpr,  # a power of two: the page arithmetic is shifts and masks
     SPLIT_BUCKET,  # autotuning key only
     WAVES,  # autotuning key only: the grid's waves over the SMs (1, 2, 4 for 4 or more)
@@ -55,7 +63,8 @@ def _attn_decode_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,  # MERGE: pow2 >= GROUP * SQ; splits a load
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    program = ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
+               + tl.program_id(0))
     mark(TL, program, 0)
     mark(TL, program, 4)
     if PDL:  # launched early (programmatic dependent launch): wait for the kernels before
@@ -64,14 +73,18 @@ def _attn_decode_kernel(
     off_b = tl.program_id(1) // HKV
     off_hk = (tl.program_id(1) % HKV).to(tl.int64)
     SK = tl.load(CACHE_SEQLENS + off_b)
-    DIAG = SK - SQ
-    LOWER = DIAG - WIN_LEFT
-    UPPER = DIAG + WIN_RIGHT
+    in_cache = (SK >= 0) & (SK <= CAPACITY)
     cache_b = off_b.to(tl.int64)
     if HAS_BATCH_IDX:
         cache_b = tl.load(BATCH_IDX + off_b).to(tl.int64)
+        in_cache = in_cache & (cache_b >= 0) & (cache_b < ROWS)
+        cache_b = tl.where(in_cache, cache_b, 0)
+    SK = tl.where(in_cache, SK, 0)  # indices outside the cache: the sequence sees no keys
+    DIAG = SK - SQ
+    LOWER = DIAG - WIN_LEFT
+    UPPER = DIAG + WIN_RIGHT
 
-    r = tl.arange(0, BLOCK_M)                                        # packed (head, token) rows
+    r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)           # packed (head, token) rows
     g = r // SQ
     t = r % SQ                                                       # query token of each row
     row_ok = g < GROUP
@@ -103,14 +116,18 @@ def _attn_decode_kernel(
         table = BLOCK_TABLE + off_b.to(tl.int64) * stride_bt
         next_page = tl.load(table + (lo + offs_n) // PAGE_SIZE, mask=lo + offs_n < SK,
                             other=0).to(tl.int64)
+        next_page = tl.where((next_page >= 0) & (next_page < ROWS), next_page, -1)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N] cache positions
         if PAGED:
             # K/V addresses from a loop-carried value, not from a load in the same iteration:
             # the compiler can then pipeline the K/V loads as deep as the contiguous case.
-            page = next_page
+            # A page index outside the pool (-1 here) reads page 0 and its keys are masked.
+            page_ok = next_page >= 0
+            page = tl.maximum(next_page, 0)
             ahead = cols + BLOCK_N
             next_page = tl.load(table + ahead // PAGE_SIZE, mask=ahead < SK, other=0).to(tl.int64)
+            next_page = tl.where((next_page >= 0) & (next_page < ROWS), next_page, -1)
             k_rows = page * stride_kb + (cols % PAGE_SIZE).to(tl.int64) * stride_kt
             if not SAME_LAYOUT:
                 v_rows = page * stride_vb + (cols % PAGE_SIZE).to(tl.int64) * stride_vt
@@ -132,6 +149,8 @@ def _attn_decode_kernel(
         keep = visible(t, cols, SQ, hi, LOWER, UPPER, HAS_LOWER, HAS_UPPER)
         if HAS_LEFTPAD:
             keep = keep & (cols[None, :] >= first)
+        if PAGED:
+            keep = keep & page_ok[None, :]
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -243,3 +262,42 @@ def _attn_merge_kernel(
         tl.store(LSE + pid + row, lse)
     mark(TL, pid, 2)
     mark(TL, pid, 3)
+
+
+@triton.jit
+def _kv_append_kernel(
+    K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX,
+    stride_knb, stride_knt, stride_knh,
+    stride_vnb, stride_vnt, stride_vnh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt, S_NEW, HKV, HEAD_DIM, ROWS, CAPACITY,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """K_NEW / V_NEW (B, S_NEW, HKV, D) into K_CACHE / V_CACHE (ROWS rows or pages, CAPACITY
+    positions a sequence) at positions CACHE_SEQLENS[b] + i, in place."""
+    off_b = tl.program_id(0) // S_NEW
+    i = tl.program_id(0) % S_NEW
+    off_h = tl.program_id(1).to(tl.int64)
+    pos = tl.load(CACHE_SEQLENS + off_b) + i
+    ok = (pos >= 0) & (pos < CAPACITY)
+    pos = tl.where(ok, pos, 0).to(tl.int64)
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + off_b.to(tl.int64) * stride_bt + pos // PAGE_SIZE).to(tl.int64)
+        ok = ok & (page >= 0) & (page < ROWS)
+        k_row = page * stride_kb + (pos % PAGE_SIZE) * stride_kt
+        v_row = page * stride_vb + (pos % PAGE_SIZE) * stride_vt
+    else:
+        row = off_b.to(tl.int64)
+        if HAS_BATCH_IDX:
+            row = tl.load(BATCH_IDX + off_b).to(tl.int64)
+            ok = ok & (row >= 0) & (row < ROWS)
+        k_row = row * stride_kb + pos * stride_kt
+        v_row = row * stride_vb + pos * stride_vt
+    d = tl.arange(0, BLOCK_D)
+    m = (d < HEAD_DIM) & ok
+    src = off_b.to(tl.int64) * stride_knb + i.to(tl.int64) * stride_knt + off_h * stride_knh
+    tl.store(K_CACHE + k_row + off_h * stride_kh + d, tl.load(K_NEW + src + d, mask=m), mask=m)
+    src = off_b.to(tl.int64) * stride_vnb + i.to(tl.int64) * stride_vnt + off_h * stride_vnh
+    tl.store(V_CACHE + v_row + off_h * stride_vh + d, tl.load(V_NEW + src + d, mask=m), mask=m)
