@@ -5,7 +5,12 @@ reference), float32 with transformers' "sdpa" implementation (PyTorch's own erro
 for Gemma 2, whose softcap SDPA cannot express: transformers refuses "sdpa" there), and
 float32 with "triton_fa". Logits must meet the accuracy rule with factor 2, every
 parameter's gradient with factor 3 (tests/accuracy.py).
+
+4-D masks: transformers' eager attention adds the mask to the scores, so its reference gets
+the additive float64 form of every mask (a boolean mask would be added as 0 / 1).
 """
+
+import logging
 
 import pytest
 import torch
@@ -15,7 +20,8 @@ from conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")  # the test extra installs it
 
-from flashtriton.integrations.transformers import register  # noqa: E402
+from flashtriton.integrations import transformers as integration  # noqa: E402
+from flashtriton.integrations.transformers import attention_forward, register  # noqa: E402
 
 register()
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -133,3 +139,190 @@ def test_generate_runs_and_matches_eager():
 def test_name_without_flash():
     with pytest.raises(ValueError, match="flash"):
         register("my_flash")
+
+
+# --- 4-D masks ------------------------------------------------------------------------------
+
+def _block_diagonal(splits, T):
+    """(B, 1, T, T) bool: row b packs causal sequences of lengths splits[b]."""
+    rows = []
+    for lengths in splits:
+        seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        rows.append((seg[:, None] == seg[None, :]) & torch.ones(T, T).tril().bool())
+    return torch.stack(rows)[:, None].to(DEVICE)
+
+
+def _additive(keep, dtype, bias=False):
+    """keep as an additive mask in dtype: 0 (or a small bias) where kept, dtype's min elsewhere."""
+    values = torch.zeros(keep.shape, dtype=dtype, device=DEVICE)
+    if bias:  # finite values where kept: an additive mask read as a boolean would fail
+        g = torch.Generator(DEVICE).manual_seed(6)
+        values = (torch.randn(keep.shape, generator=g, device=DEVICE) * 0.5).to(dtype)
+    return values.masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def _check_4d(keep, form, ids):
+    """Reference: eager float64 with the additive float64 mask; torch (sdpa) and ours get the
+    mask in ``form``: "bool", "additive" (float32), or "additive_bf16" (another dtype than q,
+    with a finite bias where kept)."""
+    if form == "bool":
+        mask = keep
+    else:
+        mask = _additive(keep, torch.bfloat16 if form == "additive_bf16" else torch.float32,
+                         bias=form == "additive_bf16")
+    masks = {"ref": mask.double() if mask.is_floating_point() else _additive(keep, torch.float64),
+             "torch": mask.float() if mask.is_floating_point() else mask,
+             "ours": mask}
+    _check(_models("llama"), lambda model, name: model(ids, attention_mask=masks[name]).logits)
+
+
+@pytest.mark.parametrize("form", ["bool", "additive", "additive_bf16"])
+def test_block_diagonal_4d_mask(form):
+    """Two rows, each packing its own split into causal blocks (the mask's batch differs)."""
+    _check_4d(_block_diagonal([[4, 6], [7, 3]], 10), form, _ids((2, 10), 7))
+
+
+def test_prefix_bidirectional_4d_mask():
+    """PaliGemma-style: the first 4 tokens see each other, the rest is causal."""
+    T, prefix = 10, 4
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    keep = ((j <= i) | ((i < prefix) & (j < prefix)))[None, None].to(DEVICE)
+    _check_4d(keep.expand(2, 1, T, T), "bool", _ids((2, T), 8))
+
+
+def test_4d_mask_that_requires_grad_falls_back_to_sdpa(caplog):
+    """A learned additive mask: transformers' sdpa takes it (and its gradient), logged."""
+    keep = _block_diagonal([[5, 5]], 10)
+    ids = _ids((1, 10), 9)
+    grads, logits = {}, {}
+    for impl in ("sdpa", "triton_fa"):
+        model = _model("llama", impl, torch.float32)
+        bias = _additive(keep, torch.float32, bias=True).requires_grad_()
+        with caplog.at_level(logging.DEBUG, logger="flashtriton"):
+            logits[impl] = model(ids, attention_mask=bias).logits
+        logits[impl].pow(2).mean().backward()
+        grads[impl] = bias.grad
+    reasons = [r.getMessage() for r in caplog.records
+               if r.levelno == logging.DEBUG and "sdpa attention instead" in r.getMessage()]
+    assert reasons and all("requires grad" in r for r in reasons), reasons
+    torch.testing.assert_close(logits["triton_fa"], logits["sdpa"])
+    torch.testing.assert_close(grads["triton_fa"], grads["sdpa"])
+
+
+@pytest.mark.parametrize("layout", ["padding", "position_ids", "cu_seq_lens"])
+def test_fallback_keeps_masks(layout, caplog):
+    """float64, which the kernels do not take: transformers' sdpa gets a dense mask with the
+    call's causal / padding / packing constraints, logged with the reason."""
+    ref, ours = _model("llama", "eager", torch.float64), _model("llama", "triton_fa",
+                                                                torch.float64)
+    if layout == "padding":
+        ids = _ids((2, 10), 2, low=1)
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0
+        with caplog.at_level(logging.DEBUG, logger="flashtriton"):
+            got = ours(ids, attention_mask=mask).logits[mask.bool()]
+        pos = torch.arange(4, 10, device=DEVICE)[None]
+        want = torch.cat([ref(ids[:1]).logits[0], ref(ids[1:, 4:], position_ids=pos).logits[0]])
+    else:
+        with caplog.at_level(logging.DEBUG, logger="flashtriton"):
+            got = _packed(layout == "cu_seq_lens")(ours, "ours")
+        want = _packed(False)(ref, "ref")
+    assert any("dtype torch.float64" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(got, want)
+
+
+def test_packed_position_ids_batch_of_two():
+    """position_ids that restart at 0 pack sequences in every row of a batch, not only B = 1."""
+    seqs = [_ids((1, n), 10 + n) for n in (7, 5, 4, 8)]
+    packed = torch.cat([torch.cat(seqs[:2], 1), torch.cat(seqs[2:], 1)])
+    pos = torch.stack([torch.cat([torch.arange(7), torch.arange(5)]),
+                       torch.cat([torch.arange(4), torch.arange(8)])]).to(DEVICE)
+
+    def run(model, name):
+        if name == "ours":
+            return model(packed, position_ids=pos).logits.reshape(-1, 128)
+        return torch.cat([model(s).logits[0] for s in seqs])
+    _check(_models("llama"), run)
+
+
+# --- keywords that change the result --------------------------------------------------------
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+def _qkv(dv=16):
+    g = torch.Generator(DEVICE).manual_seed(11)
+    q, k = (torch.randn(1, 2, 4, 16, generator=g, device=DEVICE) for _ in range(2))
+    return q, k, torch.randn(1, 2, 4, dv, generator=g, device=DEVICE)
+
+
+def test_gpt_oss_sinks_raise():
+    """gpt-oss passes s_aux (attention sinks): refused, never dropped."""
+    cfg = transformers.GptOssConfig(**TINY, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).to(DEVICE).eval()
+    model.set_attn_implementation("triton_fa")
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        model(_ids((1, 6), 12))
+    with pytest.raises(NotImplementedError, match="sinks"):
+        attention_forward(_Module(), *_qkv(), None, sinks=torch.zeros(2, device=DEVICE))
+
+
+def test_value_head_dim_differs_raises():
+    with pytest.raises(NotImplementedError, match="head dims"):
+        attention_forward(_Module(), *_qkv(dv=8), None)
+
+
+def test_unknown_keywords():
+    """Unknown keywords: None / False are ignored, anything else raises naming it; the
+    bookkeeping ones are ignored; output_attentions gets None weights."""
+    q, k, v = _qkv()
+    out, _ = attention_forward(_Module(), q, k, v, None)
+    for ignored in (dict(some_flag=None, other=False), dict(use_cache=True, layer_idx=1),
+                    dict(output_attentions=True)):
+        again, weights = attention_forward(_Module(), q, k, v, None, **ignored)
+        assert weights is None and torch.equal(again, out)
+    with pytest.raises(NotImplementedError, match="some_bias"):
+        attention_forward(_Module(), q, k, v, None, some_bias=torch.zeros(1))
+    with pytest.raises(NotImplementedError, match="head_mask"):
+        attention_forward(_Module(), q, k, v, None, head_mask=torch.ones(2))
+
+
+def test_mask_function_keeps_patterns_it_cannot_rebuild():
+    """The registered mask function: None / 2-D for what the attention function rebuilds
+    itself (causal, sliding window, padding), sdpa's 4-D mask for an or_mask_function (a
+    prefix-LM / image-token overlay) that the flash-style mask would drop."""
+    import inspect
+
+    from transformers.masking_utils import (create_causal_mask,
+                                            create_sliding_window_causal_mask)
+
+    def make(fn, impl, **extra):
+        cfg = transformers.MistralConfig(**TINY, sliding_window=3)
+        cfg._attn_implementation = impl
+        names = inspect.signature(fn).parameters
+        kw = dict(config=cfg, attention_mask=extra.pop("attention_mask", None), **extra)
+        kw["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = \
+            torch.zeros(2, 8, 64, device=DEVICE)
+        for cache in ("cache", "past_key_values"):
+            if cache in names:
+                kw[cache] = None
+        if "cache_position" in names:
+            kw["cache_position"] = torch.arange(8, device=DEVICE)
+        return fn(**kw)
+
+    assert make(create_causal_mask, "triton_fa") is None
+    assert make(create_sliding_window_causal_mask, "triton_fa") is None
+    pad = torch.ones(2, 8, dtype=torch.long, device=DEVICE)
+    pad[0, :2] = 0
+    assert make(create_causal_mask, "triton_fa", attention_mask=pad).shape == (2, 8)
+
+    def prefix(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx < 3
+    for fn in (create_causal_mask, create_sliding_window_causal_mask):
+        ours = make(fn, "triton_fa", or_mask_function=prefix, attention_mask=pad)
+        want = make(fn, "sdpa", or_mask_function=prefix, attention_mask=pad)
+        assert ours.dtype == torch.bool and ours.dim() == 4
+        assert torch.equal(ours, want)
