@@ -14,13 +14,15 @@
 |                             |                              | its index tensors on the host (one sync a call; CPU index   |
 |                             |                              | tensors are always checked): ``validation.set_validation``  |
 | ``FLASHTRITON_LOG``         | ``debug`` / ``info`` / unset | log through ``logging`` (logger ``flashtriton``) to stderr; |
-|                             |                              | ``debug`` logs every launch and every autotuning decision   |
+|                             | (``warning``, ``error`` too) | ``debug`` logs every launch and every autotuning decision;  |
+|                             |                              | any other value: a warning at import, and logging stays off |
 
 Read once at import; tests change them with ``monkeypatch``.
 """
 
 import logging
 import os
+import warnings
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -40,9 +42,12 @@ VALIDATE: bool = _flag("FLASHTRITON_VALIDATE", False)
 LOG_LEVEL: str = os.environ.get("FLASHTRITON_LOG", "").strip().lower()
 
 logger = logging.getLogger("flashtriton")
+if LOG_LEVEL and LOG_LEVEL.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+    # a typo in a variable must not stop the import: say so, and log nothing
+    warnings.warn(f"FLASHTRITON_LOG={os.environ['FLASHTRITON_LOG']!r} is not one of debug, "
+                  f"info, warning, error (or unset): logging stays off")
+    LOG_LEVEL = ""
 if LOG_LEVEL:
-    if LOG_LEVEL.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ValueError(f"FLASHTRITON_LOG={LOG_LEVEL!r}: use debug, info, warning or error")
     logger.setLevel(LOG_LEVEL.upper())
     if not logger.handlers:
         _handler = logging.StreamHandler()

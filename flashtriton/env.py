@@ -1,7 +1,22 @@
-"""``python -m flashtriton.env``: versions, the GPU, and which paths this machine takes."""
+"""``python -m flashtriton.env``: versions, the GPU, and which paths THIS machine takes.
+
+Each Hopper path is reported as this machine runs it: on, off by its switch, or not used here
+(no GPU, the interpreter, or a GPU without the hardware it needs), with its switch's value."""
 
 import platform
 import sys
+
+
+def _switch(name: str, on: bool) -> str:
+    return f"{name}={'1' if on else '0'}"
+
+
+def _path(name: str, switch: str, on: bool, why_not_here) -> str:
+    """One path's line: ``why_not_here`` (None: this machine can run it) says why it is not used
+    here whatever its switch; else the switch decides."""
+    if why_not_here is not None:
+        return f"{name}: not used here ({why_not_here}; {_switch(switch, on)})"
+    return f"{name}: {'on' if on else 'off'} ({_switch(switch, on)})"
 
 
 def report() -> str:
@@ -13,22 +28,50 @@ def report() -> str:
 
     lines = [f"flashtriton {flashtriton.__version__}", f"python {platform.python_version()}",
              f"torch {torch.__version__}", f"triton {triton.__version__}"]
-    if torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    major = minor = None
+    if gpu:
         props = torch.cuda.get_device_properties(0)
-        lines.append(f"GPU: {props.name}, compute capability {props.major}.{props.minor}, "
+        major, minor = torch.cuda.get_device_capability(0)
+        lines.append(f"GPU: {props.name}, compute capability {major}.{minor} (sm_{major}{minor}), "
                      f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
-        lines.append("kernels: compiled Triton on the GPU")
+        lines.append("kernels: " + ("Triton interpreter (TRITON_INTERPRET=1), not compiled"
+                                    if _env.INTERPRET else "compiled Triton on the GPU"))
     else:
         lines.append("GPU: none")
         lines.append("kernels: " + ("Triton interpreter on the CPU (TRITON_INTERPRET=1)"
                                     if _env.INTERPRET else
                                     "unavailable: no GPU and TRITON_INTERPRET is not set"))
-    lines.append(f"autotuning: {'on' if _env.AUTOTUNE else 'off (one config per kernel)'}; "
-                 f"forward candidates: {len(configs.candidates('fwd'))}")
-    lines.append(f"TMA loads: {'on for sm_90+ GPUs' if _env.TMA else 'off'}; cached launches of "
-                 f"compiled kernels: {'on' if _env.FAST_LAUNCH and not _env.INTERPRET else 'off'}")
-    lines.append(f"Gluon forward and backward (Hopper, D=128): {'on' if _env.GLUON else 'off'}")
-    lines.append(f"logging: FLASHTRITON_LOG={_env.LOG_LEVEL or 'unset'}")
+    compiled = gpu and not _env.INTERPRET  # compiled kernels launched on this machine's GPU
+    runs = gpu or _env.INTERPRET  # any kernel runs here
+    if not runs:
+        tuning = "not used here (no kernel runs)"
+    elif _env.INTERPRET:
+        tuning = "off (the interpreter runs each kernel's default config)"
+    else:
+        tuning = "on" if _env.AUTOTUNE else "off (FLASHTRITON_AUTOTUNE=0: one config per kernel)"
+    lines.append(f"autotuning: {tuning}; forward candidates: {len(configs.candidates('fwd'))}")
+
+    # Why each Hopper path is not used here whatever its switch (None: its switch decides),
+    # as flashtriton.launch decides: TMA for sm_90+ (launch._tma_capable, the interpreter
+    # too), PDL for sm_90+ compiled (launch.use_pdl), Gluon for sm_90 compiled (gluon_misfit).
+    sm = f"sm_{major}{minor}" if gpu else None
+    no_gpu = "no GPU"
+    interp = "the interpreter runs the kernels"
+    tma_not = no_gpu if not gpu else None if major >= 9 else f"this GPU is {sm}; TMA needs sm_90+"
+    pdl_not = (no_gpu if not gpu else interp if _env.INTERPRET else None if major >= 9 else
+               f"this GPU is {sm}; programmatic dependent launch needs sm_90+")
+    gluon_not = (no_gpu if not gpu else interp if _env.INTERPRET else None if major == 9 else
+                 f"this GPU is {sm}; the Gluon kernels are for Hopper, sm_90, only")
+    lines.append(_path("TMA loads (tensor descriptors, forward and backward)",
+                       "FLASHTRITON_TMA", _env.TMA, tma_not))
+    lines.append(_path("Gluon forward and backward (D=128)", "FLASHTRITON_GLUON", _env.GLUON,
+                       gluon_not))
+    lines.append(_path("programmatic dependent launch of the decoding kernels", "FLASHTRITON_PDL",
+                       _env.PDL, pdl_not))
+    lines.append(_path("cached launches of compiled kernels", "FLASHTRITON_FAST_LAUNCH",
+                       _env.FAST_LAUNCH, None if compiled else no_gpu if not gpu else interp))
+    lines.append(f"logging: {'FLASHTRITON_LOG=' + _env.LOG_LEVEL if _env.LOG_LEVEL else 'off'}")
     lines.append("paths: forward/backward (dense, varlen, window, softcap, ALiBi, SDPA masks, "
                  "dropout, score/mask mods, block masks), KV-cache decoding (contiguous, paged, "
                  "split-KV)")
