@@ -111,8 +111,12 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
 DECODE_MAX_ROWS = 128
 # From this many query tokens a KV-cache call over a contiguous cache runs the prefill
 # forward kernel (its tiles and pipelining; each query head reads K/V itself) instead of the
-# split kernel (every K/V byte read once per row block).
-KVCACHE_PREFILL_MIN_SQ = 128
+# split kernel (every K/V byte read once per row block). H200, bf16, B=2, 6 query heads a KV
+# head, 4K-16K keys (scripts/bench_edges.py prefill; docs/perf.md): the split kernel took
+# 0.23-0.73x flash_attention's time over the same keys up to 128 tokens, 1.17-1.27x at 256,
+# 1.25-1.65x at 1024 and 1.37-2.13x at 4096; the prefill route 1.04-1.14x at 1024 and
+# 0.98-1.00x at 4096, but ~0.5 ms a call at 16-256 tokens (its host time: it is not replayed).
+KVCACHE_PREFILL_MIN_SQ = 1024
 
 
 def decode_rows(group: int, sq: int, head_dim: int) -> Tuple[int, int]:

@@ -61,8 +61,10 @@ def report() -> str:
     tma_not = no_gpu if not gpu else None if major >= 9 else f"this GPU is {sm}; TMA needs sm_90+"
     pdl_not = (no_gpu if not gpu else interp if _env.INTERPRET else None if major >= 9 else
                f"this GPU is {sm}; programmatic dependent launch needs sm_90+")
-    gluon_not = (no_gpu if not gpu else interp if _env.INTERPRET else None if major == 9 else
-                 f"this GPU is {sm}; the Gluon kernels are for Hopper, sm_90, only")
+    from .launch import gluon_triton_misfit
+    gluon_not = (no_gpu if not gpu else interp if _env.INTERPRET else
+                 f"this GPU is {sm}; the Gluon kernels are for Hopper, sm_90, only" if major != 9
+                 else gluon_triton_misfit())
     lines.append(_path("TMA loads (tensor descriptors, forward and backward)",
                        "FLASHTRITON_TMA", _env.TMA, tma_not))
     lines.append(_path("Gluon forward and backward (D=128)", "FLASHTRITON_GLUON", _env.GLUON,

@@ -704,6 +704,23 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
                 "aligned, k and v alike")
     if _env.INTERPRET or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "the Gluon forward needs a Hopper GPU (sm_90)"
+    return gluon_triton_misfit()
+
+
+# The Triton releases whose Gluon the kernels of kernels/gluon_*.py are written for: Gluon's
+# API changes between releases (3.5's warp_specialize takes other arguments; 3.7 has no
+# gl.thread_barrier), so on any other release the Triton kernels run every call.
+GLUON_TRITONS = ((3, 6),)
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_triton_misfit() -> Optional[str]:
+    """Why this Triton cannot run the Gluon kernels, or None."""
+    release = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    if release not in GLUON_TRITONS:
+        return (f"the Gluon kernels are written for Triton "
+                f"{', '.join('%d.%d' % r for r in GLUON_TRITONS)}; this is Triton "
+                f"{triton.__version__}")
     return None
 
 

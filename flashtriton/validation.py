@@ -13,8 +13,8 @@ Two kinds of check:
   read or write outside their tensors: a sequence whose indices are out of range sees no
   keys and writes nothing of others' (its output rows are 0, its LSE -inf).
 
-``supported`` reasons (strings) come from the same checks: a drop-in that falls back to torch
-logs the reason at debug level.
+The drop-ins that fall back to torch for what the kernels cannot do (``sdpa.sdpa_misfit``,
+``integrations.comfyui.misfit``, the transformers integration) log the reason at debug level.
 """
 
 import math

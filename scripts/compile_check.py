@@ -131,10 +131,13 @@ extra = [
 extra.append(("decode-timeline", _attn_decode_kernel,  # the merging split kernel, timed
               {k: v for k, v in extra[0][2].items() if k != "TL"}, dict(extra[0][3], TL="*i64")))
 # every decoding tile the autotuner may try, at each head-dim class
+# at one row block of 16 rows and at the most rows a program packs (configs.decode_rows)
 for bd, cfgs in configs._GPU["decode"].items():
-    for _, bn, warps, stages in cfgs:
-        src = source_for(_attn_decode_kernel, dict(extra[0][2], BLOCK_D=bd, BLOCK_N=bn), extra[0][3])
-        check(f"decode D{bd} BLOCK_N={bn} warps={warps} stages={stages}",
+    for (_, bn, warps, stages), bm in [(c, m) for c in cfgs
+                                       for m in (16, configs.decode_rows(1, 1 << 20, bd)[0])]:
+        src = source_for(_attn_decode_kernel, dict(extra[0][2], BLOCK_D=bd, BLOCK_N=bn,
+                                                   BLOCK_M=bm), extra[0][3])
+        check(f"decode D{bd} BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages}",
               lambda: triton.compile(src, target=TARGET, options={"num_warps": warps,
                                                                   "num_stages": stages}),
               lambda k: (k.metadata.shared <= 227 * 1024 and ".local" not in k.asm["ptx"],

@@ -497,3 +497,16 @@ def test_gpu_index_tensors_are_not_read_without_validation(monkeypatch):
     q, k, v, cu_q, cu_k = _varlen_inputs([5, 9, 4], [7, 3, 8])
     cu_q[0] = 2  # no ValueError: nothing reads the device tensor's entries
     fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 8)
+
+
+def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
+    import triton
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    launch.gluon_triton_misfit.cache_clear()
+    try:
+        assert "3.7.1" in launch.gluon_triton_misfit()
+        monkeypatch.setattr(triton, "__version__", "3.6.0")
+        launch.gluon_triton_misfit.cache_clear()
+        assert launch.gluon_triton_misfit() is None
+    finally:
+        launch.gluon_triton_misfit.cache_clear()

@@ -300,3 +300,42 @@ def test_inputs_on_a_gpu_that_is_not_current():
                                            cache.transpose(1, 2), cache.transpose(1, 2))
     torch.testing.assert_close(dec.out, dense.transpose(1, 2), atol=2e-3, rtol=2e-3)
     assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("D", [128, 256])
+@pytest.mark.parametrize("sq", [64, 128, 1024], ids=lambda s: f"sq{s}")
+@pytest.mark.parametrize("paged", [0, 16], ids=["contiguous", "page16"])
+def test_kvcache_mqa_chunked_prefill(D, sq, paged):
+    """flash_attn_with_kvcache with 6 query heads a KV head and many query tokens (chunked
+    prefill, speculative decoding) at head dims 128 and 256: 384-6144 packed rows, which a
+    single decoding tile could not hold (360 KB of shared memory at 64 tokens, D=128)."""
+    from accuracy import assert_rule
+    from flashtriton.compat import flash_attn as fa
+    from flashtriton.reference import attention_reference
+    gen = torch.Generator().manual_seed(sq + D)
+    B, HKV, G, cap = 2, 2, 6, 4096
+    k_full = torch.randn(B, cap, HKV, D, generator=gen).cuda().bfloat16()
+    v_full = torch.randn(B, cap, HKV, D, generator=gen).cuda().bfloat16()
+    q = torch.randn(B, sq, HKV * G, D, generator=gen).cuda().bfloat16()
+    k_new = torch.randn(B, sq, HKV, D, generator=gen).cuda().bfloat16()
+    v_new = torch.randn(B, sq, HKV, D, generator=gen).cuda().bfloat16()
+    lens = torch.tensor([1000, 2900], dtype=torch.int32, device="cuda")
+    if paged:
+        n = cap // paged
+        perm = torch.randperm(B * n, generator=gen).cuda()
+        k_cache = torch.empty(B * n, paged, HKV, D, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.empty_like(k_cache)
+        k_cache[perm], v_cache[perm] = (x.reshape(B * n, paged, HKV, D) for x in (k_full, v_full))
+        kw = dict(block_table=perm.view(B, n).to(torch.int32))
+    else:
+        k_cache, v_cache, kw = k_full.clone(), v_full.clone(), {}
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                          causal=True, return_softmax_lse=True, **kw)
+    for b in range(B):
+        n0 = int(lens[b])
+        kk = torch.cat([k_full[b:b + 1, :n0], k_new[b:b + 1]], 1)
+        vv = torch.cat([v_full[b:b + 1, :n0], v_new[b:b + 1]], 1)
+        ref = attention_reference(q[b:b + 1], kk, vv, causal=True)
+        pt = attention_reference(q[b:b + 1], kk, vv, causal=True, dtype=torch.bfloat16)
+        assert_rule(f"out[{b}]", out[b:b + 1], ref.out, pt.out, 2, torch.bfloat16)
+        assert_rule(f"lse[{b}]", lse[b:b + 1], ref.lse, pt.lse, 2, torch.bfloat16)

@@ -79,6 +79,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(_env, "INTERPRET", False)
     monkeypatch.setattr(_env, "FAST_LAUNCH", True)
     monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_PLANS", {})  # keyed by id(): a dead fake's id comes back
     monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=FakeDriver()))
     kernel = FakeAutotuner()
     yield kernel

@@ -69,7 +69,8 @@ from typing import Optional
 import torch
 
 from .._env import logger
-from ..api import _run, check_qkv, flash_attention, flash_attention_varlen
+from ..api import _run, flash_attention, flash_attention_varlen
+from ..validation import check_qkv
 from ..compat.bert_padding import index_first_axis, pad_input, unpad_input
 
 NAME = "triton_fa"
