@@ -66,8 +66,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     dims; cos, sin: (seqlen_ro, rotary_dim / 2). interleaved: rotate pairs (x0, x1), (x2, x3)
     (GPT-J); else the two halves (GPT-NeoX). Computed in float32, returned in x's dtype."""
     rd = 2 * cos.shape[1]
-    c = cos[positions.long()].float()[:, :, None, :]                  # (B, S, 1, rd / 2)
-    s = sin[positions.long()].float()[:, :, None, :]
+    # positions past the table (cache indices that validation would refuse) read its ends
+    # instead of failing a device-side bounds check
+    positions = positions.long().clamp(0, cos.shape[0] - 1)
+    c = cos[positions].float()[:, :, None, :]                         # (B, S, 1, rd / 2)
+    s = sin[positions].float()[:, :, None, :]
     xr = x[..., :rd].float()
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
