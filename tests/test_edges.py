@@ -510,3 +510,16 @@ def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
         assert launch.gluon_triton_misfit() is None
     finally:
         launch.gluon_triton_misfit.cache_clear()
+
+
+def test_rotary_positions_past_the_table_do_not_fail_without_validation(monkeypatch):
+    """Cache indices past rotary_cos's rows (which validation refuses) read the table's last
+    row instead of failing torch's bounds check (a device-side assert on a GPU)."""
+    monkeypatch.setattr(validation, "_contents", lambda *t: False)
+    q, k_new = _randn(2, 1, 4, 16), _randn(2, 1, 2, 16)
+    k_cache, v_cache = _kv()
+    lens = torch.tensor([5, 31], dtype=torch.int32, device=DEVICE)
+    cos, sin = torch.ones(8, 4, device=DEVICE), torch.zeros(8, 4, device=DEVICE)
+    out, _ = attention_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=lens,
+                                    rotary_cos=cos, rotary_sin=sin)
+    assert torch.isfinite(out).all()
