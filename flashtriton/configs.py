@@ -109,14 +109,15 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
 # take several row blocks (a tile of 512 rows asked for 360 KB of shared memory at head dim
 # 128). Head dim 256 holds half as many.
 DECODE_MAX_ROWS = 128
-# From this many query tokens a KV-cache call over a contiguous cache runs the prefill
-# forward kernel (its tiles and pipelining; each query head reads K/V itself) instead of the
-# split kernel (every K/V byte read once per row block). H200, bf16, B=2, 6 query heads a KV
-# head, 4K-16K keys (scripts/bench_edges.py prefill; docs/perf.md): the split kernel took
-# 0.23-0.73x flash_attention's time over the same keys up to 128 tokens, 1.17-1.27x at 256,
-# 1.25-1.65x at 1024 and 1.37-2.13x at 4096; the prefill route 1.04-1.14x at 1024 and
-# 0.98-1.00x at 4096, but ~0.5 ms a call at 16-256 tokens (its host time: it is not replayed).
-KVCACHE_PREFILL_MIN_SQ = 1024
+# From this many packed query rows (query heads a KV head x query tokens) a KV-cache call
+# over a contiguous cache runs the prefill forward kernel (its tiles and pipelining; each
+# query head reads K/V itself) instead of the split kernel (every K/V byte read once per row
+# block of DECODE_MAX_ROWS). H200, bf16, B=2, 4K-16K keys (scripts/bench_edges.py prefill;
+# docs/perf.md's decisions): with 6 query heads a KV head the split kernel takes 0.2-0.7x
+# flash_attention's time over the same keys up to 128 tokens (768 rows) and 1.2-2.2x from
+# 256 on, the prefill route 1.00-1.04x at every length; with one query head a KV head the
+# split kernel wins up to 512 tokens (0.3-0.5x).
+KVCACHE_PREFILL_MIN_ROWS = 1024
 
 
 def decode_rows(group: int, sq: int, head_dim: int) -> Tuple[int, int]:
@@ -127,9 +128,10 @@ def decode_rows(group: int, sq: int, head_dim: int) -> Tuple[int, int]:
     return block_m, cdiv(group * sq, block_m)
 
 
-def kvcache_prefill(sq: int) -> bool:
-    """Whether a KV-cache call with sq query tokens runs the prefill forward kernel."""
-    return sq >= KVCACHE_PREFILL_MIN_SQ
+def kvcache_prefill(group: int, sq: int) -> bool:
+    """Whether a KV-cache call with sq query tokens and group query heads a KV head runs the
+    prefill forward kernel."""
+    return group * sq >= KVCACHE_PREFILL_MIN_ROWS
 
 
 def decode_split_granule(interpret: bool = None) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from . import _env, configs, launch, validation
 from .api import AttentionOutput
-from .kernels.decode import _attn_merge_kernel, _kv_append_kernel
+from .kernels.decode import _attn_merge_kernel, _cache_spans_kernel, _kv_append_kernel
 from .launch import Variant
 from .validation import (check_alibi, check_cache_indices, check_index_tensor, check_qkv,
                          check_scale, check_softcap, check_window, describe)
@@ -182,9 +182,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if known is not None:
             B, SQ, H, _ = q.shape
             out = launch._empty(q.shape, q.dtype, q.device)
-            lse = launch._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
+            lse = (launch._empty((B, H, SQ), torch.float32, q.device)
+                   if return_lse or known[2] == 3 else None)  # (the prefill route writes one)
             if _replay(known, tensors, out, lse):
-                return AttentionOutput(out, lse)
+                return AttentionOutput(out, lse if return_lse else None)
     checked = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                           cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, causal,
                           window_size)
@@ -212,9 +213,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     alibi = check_alibi(alibi_slopes, B, H, q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if configs.kvcache_prefill(SQ) and block_table is None:
+    if configs.kvcache_prefill(H // k_cache.shape[2], SQ) and block_table is None:
         prefill = _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad,
-                           Variant(scale, causal, left, right, softcap, alibi), return_lse)
+                           Variant(scale, causal, left, right, softcap, alibi), return_lse,
+                           signature if step else None, step)
         if prefill is not None:
             return prefill
     return _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
@@ -322,34 +324,46 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
         HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_D=configs.block_d(D), num_warps=1)
 
 
-def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, variant,
-             return_lse) -> Optional[AttentionOutput]:
-    """Many query tokens over a contiguous cache: the prefill forward kernel on packed views
-    (sequence b's keys are seqlens[b] - leftpad[b] rows from row cache_row(b) * S + leftpad[b]
-    of the cache as (rows * S, HKV, D); Varlen's seqused_k), with the prefill kernel's speed.
-    None where the cache's rows are not evenly spaced (the split kernel runs instead)."""
+def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, variant, return_lse,
+             signature, step) -> Optional[AttentionOutput]:
+    """Many query tokens over a contiguous cache: the prefill forward kernel over packed views
+    (q as (B * SQ, H, D), the cache as (rows * S, HKV, D); sequence b's keys are the
+    seqlens[b] - leftpad[b] rows from cache_row(b) * S + leftpad[b] on, Varlen's seqused_k,
+    computed on the device by _cache_spans_kernel), two launches that a later call with the
+    same signature replays. None where q or the cache do not flatten (the split kernel runs
+    instead)."""
     B, SQ, H, D = q.shape
     rows, S = k_cache.shape[0], k_cache.shape[1]
-    flat = []
-    for c in (k_cache, v_cache):
-        if c.stride(0) != S * c.stride(1) or rows * S >= 2**31:
-            return None
-        flat.append(c.as_strided((rows * S, c.shape[2], D), (c.stride(1), c.stride(2), 1)))
-    device = q.device
-    row = (cache_batch_idx if cache_batch_idx is not None
-           else torch.arange(B, dtype=torch.int32, device=device)).long()
-    pad = cache_leftpad.long() if cache_leftpad is not None else torch.zeros_like(row)
-    n = seqlens.long()
-    # indices outside the cache: the sequence sees no keys (as the split kernel)
-    ok = (n >= 0) & (n <= S) & (row >= 0) & (row < rows) & (pad >= 0) & (pad <= n)
-    start = torch.where(ok, row * S + pad, 0).to(torch.int32)
-    used = torch.where(ok, n - pad, 0).to(torch.int32)
-    cu_q = torch.arange(0, (B + 1) * SQ, SQ, dtype=torch.int32, device=device)
-    out, lse = launch.attention_forward(q.reshape(B * SQ, H, D), *flat, variant,
-                                        launch.Varlen(cu_q, start, SQ, S, used))
-    out = out.view(B, SQ, H, D)
-    return AttentionOutput(out, lse.view(H, B, SQ).transpose(0, 1).contiguous()
-                           if return_lse else None)
+    if (q.stride(0) != SQ * q.stride(1) or rows * S >= 2**31
+            or any(c.stride(0) != S * c.stride(1) for c in (k_cache, v_cache))):
+        return None
+    if variant.alibi_slopes is not None:
+        signature = None
+    elif not step:  # appends, rotary: the same call but for the data replays its launches
+        signature = launch.call_signature("kvcache-prefill", (variant, return_lse), q, k_cache,
+                                          v_cache, seqlens, cache_batch_idx, cache_leftpad,
+                                          gluon=False)
+    out = launch._empty(q.shape, q.dtype, q.device)
+    lse = launch._empty((B, H, SQ), torch.float32, q.device)
+    tensors = (q, k_cache, v_cache, seqlens, None, cache_batch_idx, cache_leftpad)
+    known = launch.recall(signature)
+    if known is not None and _replay(known, tensors, out, lse):
+        return AttentionOutput(out, lse if return_lse else None)
+    seg = configs.cdiv(B + 1, 4) * 4  # int32s: each part of the spans 16-byte aligned
+    spans = torch.empty(3 * seg, dtype=torch.int32, device=q.device)
+    run_spans = launch.launch_jit(
+        _cache_spans_kernel, (1,), seqlens, cache_batch_idx, cache_leftpad, spans, B, SQ, S,
+        rows, seg, HAS_BATCH_IDX=cache_batch_idx is not None,
+        HAS_LEFTPAD=cache_leftpad is not None, BLOCK_B=configs.next_pow2(B + 1), num_warps=1)
+    flat = [c.as_strided((rows * S, c.shape[2], D), (c.stride(1), c.stride(2), 1))
+            for c in (k_cache, v_cache)]
+    # LSE (B, H, SQ) in place: row i of sequence b (packed row b * SQ + i), head h at
+    # b * (H - 1) * SQ + h * SQ + (b * SQ + i)
+    run_fwd = launch.triton_forward(
+        q.view(B * SQ, H, D), *flat, out.view(B * SQ, H, D), lse, (H - 1) * SQ, SQ, variant,
+        launch.Varlen(spans[:B + 1], spans[seg:seg + B], SQ, S, spans[2 * seg:2 * seg + B]))
+    launch.remember(signature, run_spans, run_fwd, 3, (seg,))
+    return AttentionOutput(out, lse if return_lse else None)
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
@@ -461,7 +475,19 @@ def step_signature(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_b
 
 def _replay(known, tensors, out, lse) -> bool:
     """Launch a remembered call's kernels on new tensors (False: not 16-byte aligned). Its
-    mode: 0 one split, 1 splits and the merge kernel, 2 splits merged in the split kernel."""
+    mode: 0 one split, 1 splits and the merge kernel, 2 splits merged in the split kernel,
+    3 the prefill route (_prefill: its spans, then the forward; lse always given)."""
+    if known[2] == 3:
+        run_spans, run_fwd, _, (seg,) = known
+        q, k_cache, v_cache, seqlens, _, cache_batch_idx, cache_leftpad = tensors[:7]
+        spans = torch.empty(3 * seg, dtype=torch.int32, device=out.device)
+        ptrs = launch.pointers(q, k_cache, v_cache, out, lse, seqlens, cache_batch_idx,
+                               cache_leftpad, spans)
+        if ptrs is None:
+            return False
+        run_spans(*ptrs[5:])
+        run_fwd(*ptrs[:5], None, None, ptrs[8], ptrs[8] + 4 * seg, ptrs[8] + 8 * seg)
+        return True
     run_decode, run_merge, mode, (size, lse_at) = known
     if mode != 1:
         ptrs = launch.pointers(*tensors, out, lse)

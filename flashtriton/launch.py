@@ -17,7 +17,8 @@ from triton import knobs
 from triton.runtime import _allocation, driver
 
 from . import _env, configs
-from .kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_prep_kernel
+from .kernels.attn_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_prep_kernel,
+                               _varlen_spans_kernel)
 from .kernels.attn_fwd import _attn_fwd_kernel
 from .kernels.decode import _attn_decode_kernel
 
@@ -549,6 +550,20 @@ def _cu(varlen: Optional[Varlen]):
     return varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_k
 
 
+def _bounded_spans(q, k, varlen: Varlen) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's (start, end) rows of the packed q and of k, 2B int32s each, with the
+    rows of a sequence outside the tensors made empty (kernels.attn_bwd._varlen_spans_kernel):
+    the backward kernels' CU_Q / CU_K under IS_VARLEN 2 (kernels.common.seq_bounds)."""
+    if varlen.seqused_k is not None:
+        raise ValueError("seqused_k is for the forward only")
+    B = varlen.cu_seqlens_q.numel() - 1
+    k_at = configs.cdiv(2 * B, 4) * 4  # the key pairs start 16-byte aligned
+    spans = torch.empty(k_at + 2 * B, dtype=torch.int32, device=q.device)
+    launch_jit(_varlen_spans_kernel, (configs.cdiv(B, 256),), varlen.cu_seqlens_q,
+               varlen.cu_seqlens_k, spans, B, q.shape[0], k.shape[0], k_at, BLOCK_B=256)
+    return spans[:2 * B], spans[k_at:]
+
+
 def _sizes(q, k, varlen: Optional[Varlen], SQ: int, SK: int):
     """The kernels' SQ, SK, TOTAL_Q, TOTAL_K: varlen's rows of the packed q and k bound
     every offset the kernels read from CU_Q / CU_K (kernels.common.seq_bounds)."""
@@ -583,9 +598,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         replays[0](*ptrs)
         return out, lse
 
-    def grid(meta):
-        return (configs.cdiv(SQ, meta["BLOCK_M"]), B * H)
-
     # The Gluon forward at D=128 (H200: 1.1-1.3x the Triton kernel from 1K tokens, at 512 causal
     # tokens 0.95x; at D=64 0.9-0.99x: docs/perf.md, session 12).
     if (_env.GLUON and D == 128 and (SQ > 512 or not variant.causal)
@@ -594,14 +606,25 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         return out, lse
     if signature is not None and signature[0] == "gluon_fwd":
         signature = None  # (the Triton forward's replays take other leading tensors)
+    remember(signature, triton_forward(q, k, v, out, lse, stride_lb, stride_lh, variant, varlen))
+    return out, lse
+
+
+def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: Variant,
+                   varlen: Optional[Varlen] = None) -> Optional[Replay]:
+    """The Triton forward kernel into ``out`` and ``lse`` (LSE row i of batch b, head h at
+    b * stride_lb + h * stride_lh + i, i counted from the sequence's first row in the packed
+    tensors under varlen). Returns the launch's Replay, if any: its leading arguments are
+    q, k, v, out, lse, ALiBi, the score mask, CU_Q, CU_K, SEQUSED_K, the block mask."""
+    B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     common, key = _common(q, varlen, SQ, SK, variant)
     if common["HAS_ALIBI"] == 2:  # the forward kernel has the general form only
         common = dict(common, HAS_ALIBI=1)
     use_tma = _use_tma(k, v)
-    replay = _launch(
-        _fwd, grid, (*key, use_tma),
+    return _launch(
+        _fwd, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), (*key, use_tma),
         q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
@@ -609,8 +632,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         H, H // HKV, *_sizes(q, k, varlen, SQ, SK),
         USE_TMA=use_tma, **common,
     )
-    remember(signature, replay)
-    return out, lse
 
 
 class _Addr(int):
@@ -1033,6 +1054,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         replays[1](q_, k_, v_, dout_, lse_, delta_, dk_, dv_)
         return dq, dk, dv
     common, key = _common(q, varlen, SQ, SK, variant)
+    cu = _cu(varlen)
+    if varlen is not None:  # the sequences' rows bounded once, not in each program
+        cu = (*_bounded_spans(q, k, varlen), None)
+        common = dict(common, IS_VARLEN=2)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     stride_lb, stride_lh = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
@@ -1040,7 +1065,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     key = (*key, use_tma)
     replay_dq = _launch(
         _dq, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), key,
-        q, k, v, out, dout, lse, delta, dq, alibi, mask, *_cu(varlen),
+        q, k, v, out, dout, lse, delta, dq, alibi, mask, *cu,
         *_block_args(variant.kv_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
         *_strides(dq),
@@ -1055,7 +1080,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                  and stride_lb % 4 == 0 and stride_lh % 4 == 0)
     replay_dkdv = _launch(
         _dkdv, lambda meta: (configs.cdiv(SK, meta["BLOCK_N"]), B * HKV), (*key, stats_tma),
-        q, k, v, dout, lse, delta, dk, dv, alibi, mask, *_cu(varlen),
+        q, k, v, dout, lse, delta, dk, dv, alibi, mask, *cu,
         *_block_args(variant.q_blocks)[:1],
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,

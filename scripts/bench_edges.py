@@ -6,10 +6,10 @@
 ``safety`` times what the index bounds could slow (the varlen forward and backward, eager
 decoding steps over contiguous and paged caches, GPU time after a clean L2 flush) and prints
 one JSON line a row; run it from each tree (PYTHONPATH) in turn and compare. ``prefill``
-checks then times attention_with_kvcache with many query tokens (MQA groups of 6, head dims
-128 and 256) on both of its routes (the split kernel with row blocks, the prefill kernel)
-against flash_attention over the same keys; every row is checked against a float32
-reference before it is timed.
+checks then times attention_with_kvcache with many query tokens (groups of 6 and 1 query
+heads a KV head, head dims 128 and 256) on both of its routes (the split kernel with row
+blocks, the prefill kernel) against flash_attention over the same keys; every row is checked
+against a float32 reference before it is timed.
 """
 import json
 import sys
@@ -71,12 +71,14 @@ def _check(out, q, k, v, lens, causal, what):
 
 def prefill():
     torch.manual_seed(0)
-    print(f"{'D':>4} {'SQ':>5} {'cache':>6} {'split ms':>9} {'prefill ms':>10} "
+    print(f"{'D':>4} {'G':>2} {'SQ':>5} {'cache':>6} {'split ms':>9} {'prefill ms':>10} "
           f"{'flash_attention ms':>18} {'chosen/fa':>9}")
     for D in (128, 256):
-        for SQ, cache in ((16, 4096), (64, 4096), (128, 4096), (256, 4096), (1024, 8192),
-                          (4096, 16384)):
-            B, HKV, G = 2, 4, 6
+        for G, SQ, cache in ((6, 16, 4096), (6, 64, 4096), (6, 128, 4096), (6, 192, 4096),
+                             (6, 256, 4096), (6, 384, 4096), (6, 512, 4096), (6, 1024, 8192),
+                             (6, 4096, 16384), (1, 128, 4096), (1, 512, 4096), (1, 1024, 8192),
+                             (2, 512, 4096), (4, 256, 4096), (8, 128, 4096)):
+            B, HKV = 2, 4
             H = HKV * G
             N = cache + SQ  # the chunk's keys are the cache's last SQ positions
             q = torch.randn(B, SQ, H, D, device="cuda", dtype=torch.bfloat16)
@@ -84,19 +86,19 @@ def prefill():
             vc = torch.randn_like(kc)
             lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
             times = {}
-            saved = configs.KVCACHE_PREFILL_MIN_SQ
+            saved = configs.KVCACHE_PREFILL_MIN_ROWS
             for route, threshold in (("split", 10**9), ("prefill", 1)):
-                configs.KVCACHE_PREFILL_MIN_SQ = threshold
+                configs.KVCACHE_PREFILL_MIN_ROWS = threshold
                 launch._CALLS.clear()  # a remembered step replays before the route is chosen
                 call = lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens,  # noqa
                                                       causal=True, return_lse=False)
                 _check(call().out, q, kc, vc, lens, True, f"{route} D={D} SQ={SQ}")
                 times[route] = _ms(call)
-            configs.KVCACHE_PREFILL_MIN_SQ = saved
+            configs.KVCACHE_PREFILL_MIN_ROWS = saved
             fa = lambda: flash_attention(q, kc, vc, causal=True)  # noqa
             times["fa"] = _ms(fa)
-            chosen = times["prefill" if configs.kvcache_prefill(SQ) else "split"]
-            print(f"{D:4d} {SQ:5d} {cache:6d} {times['split']:9.3f} {times['prefill']:10.3f} "
+            chosen = times["prefill" if configs.kvcache_prefill(G, SQ) else "split"]
+            print(f"{D:4d} {G:2d} {SQ:5d} {cache:6d} {times['split']:9.3f} {times['prefill']:10.3f} "
                   f"{times['fa']:18.3f} {chosen / times['fa']:9.2f}", flush=True)
             del q, kc, vc
     torch.cuda.empty_cache()

@@ -149,7 +149,7 @@ def test_many_query_tokens_per_kv_head(monkeypatch, route, paged):
     if route == "prefill" and paged:
         pytest.skip("paged caches take the split kernel")
     monkeypatch.setattr(configs, "DECODE_MAX_ROWS", 16)
-    monkeypatch.setattr(configs, "KVCACHE_PREFILL_MIN_SQ", 1 if route == "prefill" else 10**9)
+    monkeypatch.setattr(configs, "KVCACHE_PREFILL_MIN_ROWS", 1 if route == "prefill" else 10**9)
     gen = torch.Generator().manual_seed(8)
     B, SQ, H, HKV, D, cap = 2, 12, 12, 2, 32, 64
     case = _cache_case(gen, B, SQ, H, HKV, D, cap, paged)
@@ -158,8 +158,8 @@ def test_many_query_tokens_per_kv_head(monkeypatch, route, paged):
     lens = torch.tensor([45, 30], dtype=torch.int32, device=DEVICE)
     pad = None if paged else torch.tensor([5, 0], dtype=torch.int32, device=DEVICE)
     calls = []
-    real = launch.attention_forward
-    monkeypatch.setattr(launch, "attention_forward",
+    real = launch.triton_forward
+    monkeypatch.setattr(launch, "triton_forward",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
                                       cache_leftpad=pad, causal=True)
@@ -178,8 +178,9 @@ def test_decode_rows_policy():
     assert configs.decode_rows(6, 128, 256) == (64, 12)   # head dim 256: half the rows
     assert configs.decode_rows(8, 1, 128) == (16, 1)      # at least 16 rows
     assert configs.decode_rows(4, 16, 64) == (64, 1)
-    assert configs.kvcache_prefill(configs.KVCACHE_PREFILL_MIN_SQ)
-    assert not configs.kvcache_prefill(configs.KVCACHE_PREFILL_MIN_SQ - 1)
+    rows = configs.KVCACHE_PREFILL_MIN_ROWS
+    assert configs.kvcache_prefill(1, rows) and configs.kvcache_prefill(8, rows // 8)
+    assert not configs.kvcache_prefill(1, rows - 1) and not configs.kvcache_prefill(8, rows // 8 - 1)
 
 
 def test_decode_outputs_come_from_the_poisoned_allocator(monkeypatch):
@@ -370,9 +371,17 @@ def _case_varlen_out_of_range():
     # backward on the same indices stays inside its tensors too
     dout = torch.randn_like(out)
     out = torch.nan_to_num(out)
-    launch.attention_backward(dout, q, k, v, out, lse.nan_to_num(neginf=float("-inf")),
-                              launch.Variant(0.25, causal=True),
-                              launch.Varlen(cu_q, cu_k, 64, 64))
+    dq, dk, dv = launch.attention_backward(dout, q, k, v, out,
+                                           lse.nan_to_num(neginf=float("-inf")),
+                                           launch.Variant(0.25, causal=True),
+                                           launch.Varlen(cu_q, cu_k, 64, 64))
+    # sequence 0's gradients are right; sequence 1's queries (no keys) get dQ 0
+    q0, k0, v0 = (x.detach().double().requires_grad_() for x in (q[:10], k[:12], v[:12]))
+    ref = attention_reference(q0[None], k0[None], v0[None], causal=True, softmax_scale=0.25)
+    grads = torch.autograd.grad(ref.out, (q0, k0, v0), dout[None, :10].double())
+    for name, got, want in zip(("dq", "dk", "dv"), (dq[:10], dk[:12], dv[:12]), grads):
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=0, msg=name)
+    assert (dq[10:20] == 0).all()
 
 
 def _case_decode_out_of_range(paged, prefill=False):
@@ -386,7 +395,7 @@ def _case_decode_out_of_range(paged, prefill=False):
     k_new = torch.randn(B, 3, HKV, D, generator=gen).to(DEVICE, DT)
     v_new = torch.randn(B, 3, HKV, D, generator=gen).to(DEVICE, DT)
     if prefill:  # the prefill kernel's route for two query tokens
-        configs.KVCACHE_PREFILL_MIN_SQ = 1
+        configs.KVCACHE_PREFILL_MIN_ROWS = 1
     lens = torch.tensor([20, 10**6, 40, -4], dtype=torch.int32, device=DEVICE)
     kw = {}
     if paged:  # sequence 0: pages 0..2; 2: a page past the pool and a negative one

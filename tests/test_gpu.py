@@ -339,3 +339,47 @@ def test_kvcache_mqa_chunked_prefill(D, sq, paged):
         pt = attention_reference(q[b:b + 1], kk, vv, causal=True, dtype=torch.bfloat16)
         assert_rule(f"out[{b}]", out[b:b + 1], ref.out, pt.out, 2, torch.bfloat16)
         assert_rule(f"lse[{b}]", lse[b:b + 1], ref.lse, pt.lse, 2, torch.bfloat16)
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["step", "append"])
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no-lse"])
+def test_kvcache_prefill_route_replays(append, return_lse):
+    """The prefill route's launches (the spans, the forward) replay on a later call with the
+    same signature: new lengths, left padding, cache rows and data give the reference's
+    result, and the replayed call takes the fast launches only."""
+    from accuracy import assert_rule
+    from flashtriton import configs
+    from flashtriton.decode import attention_with_kvcache
+    from flashtriton.reference import attention_reference
+    gen = torch.Generator().manual_seed(5)
+    B, SQ, HKV, G, D, cap = 3, 1024, 2, 4, 128, 3072
+    assert configs.kvcache_prefill(G, SQ)
+    k_cache = torch.randn(B + 1, cap, HKV, D, generator=gen).cuda().bfloat16()
+    v_cache = torch.randn(B + 1, cap, HKV, D, generator=gen).cuda().bfloat16()
+    for call in range(3):
+        q = torch.randn(B, SQ, HKV * G, D, generator=gen).cuda().bfloat16()
+        k_new = v_new = None
+        if append:
+            k_new = torch.randn(B, 16, HKV, D, generator=gen).cuda().bfloat16()
+            v_new = torch.randn(B, 16, HKV, D, generator=gen).cuda().bfloat16()
+        n_new = 16 if append else 0
+        lens = torch.tensor([1100 + 300 * call, 2000 - 400 * call, 1500], dtype=torch.int32)
+        pad = torch.tensor([7 * call, 100, 0], dtype=torch.int32)
+        rows = torch.tensor([(call + b) % (B + 1) for b in range(B)], dtype=torch.int32)
+        before = launch.FAST_LAUNCHES
+        out, lse = attention_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens.cuda(),
+            cache_batch_idx=rows.cuda(), cache_leftpad=pad.cuda(), causal=True,
+            return_lse=return_lse)
+        if call == 2:  # spans + forward (+ the append) replayed
+            assert launch.FAST_LAUNCHES - before == 2 + append
+        assert (lse is not None) == return_lse
+        for b in range(B):
+            r, first, n = int(rows[b]), int(pad[b]), int(lens[b]) + n_new
+            kk, vv = k_cache[r:r + 1, first:n], v_cache[r:r + 1, first:n]
+            ref = attention_reference(q[b:b + 1], kk, vv, causal=True)
+            pt = attention_reference(q[b:b + 1], kk, vv, causal=True, dtype=torch.bfloat16)
+            assert_rule(f"call {call} out[{b}]", out[b:b + 1], ref.out, pt.out, 2, torch.bfloat16)
+            if return_lse:
+                assert_rule(f"call {call} lse[{b}]", lse[b:b + 1], ref.lse, pt.lse, 2,
+                            torch.bfloat16)

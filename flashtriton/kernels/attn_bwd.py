@@ -6,6 +6,9 @@
   _attn_bwd_dkdv_kernel        one program per (key block, batch * kv head);
                                loops over the GROUP query heads sharing the kv
                                head, so dK/dV of GQA/MQA are summed in registers
+  _varlen_spans_kernel         each sequence's (start, end) rows of the packed q and k, an
+                               out-of-range sequence made empty, for the two kernels above
+                               (IS_VARLEN 2: kernels.common.seq_bounds)
   _attn_bwd_prep_kernel        the log2 LSE and delta (padded rows), and a zeroed fp32 dQ
                                buffer, for the Gluon backward (kernels.gluon_bwd)
 
@@ -463,3 +466,22 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
     tl.store(DELTA + padded, delta)
     tl.store(DQ + off_b * stride_qb + off_h * stride_qh + r64 * stride_qt + cols[None, :],
              tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)
+
+
+@triton.jit(do_not_specialize=["B", "TOTAL_Q", "TOTAL_K", "K_AT"])
+def _varlen_spans_kernel(CU_Q, CU_K, SPANS, B, TOTAL_Q, TOTAL_K, K_AT, BLOCK_B: tl.constexpr):
+    """SPANS[2b], SPANS[2b + 1]: sequence b's first and end query row (CU_Q[b], CU_Q[b + 1]);
+    SPANS[K_AT + 2b], SPANS[K_AT + 2b + 1]: its key rows; a sequence whose rows fall outside
+    [0, TOTAL] (or end before they start) gets end = start: no rows."""
+    b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    _span_pairs(CU_Q, TOTAL_Q, SPANS, b, b < B)
+    _span_pairs(CU_K, TOTAL_K, SPANS + K_AT, b, b < B)
+
+
+@triton.jit
+def _span_pairs(CU, TOTAL, PAIRS, b, live):
+    start = tl.load(CU + b, mask=live, other=0)
+    end = tl.load(CU + b + 1, mask=live, other=0)
+    ok = (start.to(tl.uint32) <= end.to(tl.uint32)) & (end.to(tl.uint32) <= TOTAL)
+    tl.store(PAIRS + 2 * b, start, mask=live)
+    tl.store(PAIRS + 2 * b + 1, tl.where(ok, end, start), mask=live)

@@ -84,10 +84,19 @@ def seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK, TOTAL_Q, TOTAL_K, WIN_LEFT,
     CU_K[b + 1] - CU_K[b]. Whatever the offsets hold, no row outside the tensors is
     addressed: a sequence whose query rows fall outside [0, TOTAL_Q] has none (it
     writes nothing), one whose key rows fall outside [0, TOTAL_K] sees no keys.
+    IS_VARLEN 2: CU_Q / CU_K hold each sequence's (start, end) rows, 2B int32s, bounded on
+    the device beforehand (the backward's way: its kernels then run the unchecked code).
     Returns (q_off, k_off, SQ, SK, LOWER, UPPER, DIAG): query i sees key j iff
     i + LOWER <= j <= i + UPPER, with DIAG = SK - SQ (bottom-right alignment).
     """
-    if IS_VARLEN:
+    if IS_VARLEN == 2:  # CU_Q / CU_K: (start, end) pairs already bounded (_varlen_spans_kernel)
+        q_start = tl.load(CU_Q + 2 * off_b)
+        k_start = tl.load(CU_K + 2 * off_b)
+        SQ = tl.load(CU_Q + 2 * off_b + 1) - q_start
+        SK = tl.load(CU_K + 2 * off_b + 1) - k_start
+        q_off = q_start.to(tl.int64)
+        k_off = k_start.to(tl.int64)
+    elif IS_VARLEN:
         q_start = tl.load(CU_Q + off_b)
         q_end = tl.load(CU_Q + off_b + 1)
         k_start = tl.load(CU_K + off_b)
@@ -95,12 +104,15 @@ def seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK, TOTAL_Q, TOTAL_K, WIN_LEFT,
             k_end = k_start + tl.load(SEQUSED_K + off_b)
         else:
             k_end = tl.load(CU_K + off_b + 1)
-        q_ok = (q_start >= 0) & (q_start <= q_end) & (q_end <= TOTAL_Q)
-        k_ok = (k_start >= 0) & (k_start <= k_end) & (k_end <= TOTAL_K)
+        # 0 <= start <= end <= TOTAL as two unsigned compares (TOTAL < 2**31). Offsets are
+        # left as they are (an offset beside a length of 0 addresses no row: clamping it
+        # costs the dK/dV kernel a register spill)
+        q_ok = (q_start.to(tl.uint32) <= q_end.to(tl.uint32)) & (q_end.to(tl.uint32) <= TOTAL_Q)
+        k_ok = (k_start.to(tl.uint32) <= k_end.to(tl.uint32)) & (k_end.to(tl.uint32) <= TOTAL_K)
         SQ = tl.where(q_ok, q_end - q_start, 0)
         SK = tl.where(k_ok, k_end - k_start, 0)
-        q_off = tl.where(q_ok, q_start, 0).to(tl.int64)
-        k_off = tl.where(k_ok, k_start, 0).to(tl.int64)
+        q_off = q_start.to(tl.int64)
+        k_off = k_start.to(tl.int64)
     else:
         q_off = 0
         k_off = 0

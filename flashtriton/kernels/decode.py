@@ -25,6 +25,8 @@ _kv_append_kernel     one program per (new token, batch * kv head): writes the t
 _attn_merge_kernel    one program per (batch * head * query token): out = sum_s w_s o_s with
                       w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s) (merge_splits, which
                       the split kernel's MERGE runs too).
+_cache_spans_kernel   one program: the offsets and key counts of the prefill forward's Varlen
+                      over a contiguous cache's rows (decode.py's prefill route).
 
 Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
 position SK - SQ + t: causal and window masks are aligned to the end of the cache. Both kernels
@@ -301,3 +303,29 @@ def _kv_append_kernel(
     tl.store(K_CACHE + k_row + off_h * stride_kh + d, tl.load(K_NEW + src + d, mask=m), mask=m)
     src = off_b.to(tl.int64) * stride_vnb + i.to(tl.int64) * stride_vnt + off_h * stride_vnh
     tl.store(V_CACHE + v_row + off_h * stride_vh + d, tl.load(V_NEW + src + d, mask=m), mask=m)
+
+
+@triton.jit(do_not_specialize=["B", "SQ", "S", "ROWS", "SEG"])
+def _cache_spans_kernel(
+    CACHE_SEQLENS, BATCH_IDX, LEFTPAD, SPANS, B, SQ, S, ROWS, SEG,
+    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """The prefill forward's Varlen over a contiguous cache seen as (ROWS * S) key rows:
+    SPANS[0:B + 1] = b * SQ (the packed queries' offsets), SPANS[SEG + b] = the first key row
+    of sequence b (cache row * S + left padding), SPANS[2 * SEG + b] = its keys (seqused_k).
+    A length, row or left padding outside the cache gives the sequence no keys."""
+    b = tl.arange(0, BLOCK_B)
+    live = b < B
+    n = tl.load(CACHE_SEQLENS + b, mask=live, other=0)
+    ok = (n >= 0) & (n <= S)
+    row = b
+    if HAS_BATCH_IDX:
+        row = tl.load(BATCH_IDX + b, mask=live, other=0)
+        ok = ok & (row >= 0) & (row < ROWS)
+    pad = tl.zeros([BLOCK_B], dtype=tl.int32)
+    if HAS_LEFTPAD:
+        pad = tl.load(LEFTPAD + b, mask=live, other=0)
+        ok = ok & (pad >= 0) & (pad <= n)
+    tl.store(SPANS + b, b * SQ, mask=b <= B)
+    tl.store(SPANS + SEG + b, tl.where(ok, row * S + pad, 0), mask=live)
+    tl.store(SPANS + 2 * SEG + b, tl.where(ok, n - pad, 0), mask=live)
