@@ -16,7 +16,9 @@ if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from flashtriton.kernels.decode import _attn_decode_kernel, _attn_merge_kernel  # noqa: E402
+from flashtriton.kernels.attn_bwd import _varlen_spans_kernel  # noqa: E402
+from flashtriton.kernels.decode import (_attn_decode_kernel, _attn_merge_kernel,  # noqa: E402
+                                        _cache_spans_kernel)
 from flashtriton.kernels.block_mask import _block_mask_kernel  # noqa: E402
 from sass_loop import (TARGET, compile_gluon_bwd, compile_gluon_fwd, compile_kernel, sass_of,  # noqa: E402
                        softmax_overlaps, source_for, spill_counts)  # scripts/, beside this file
@@ -47,6 +49,7 @@ variants = {
     "alibi-one-sided": dict(HAS_ALIBI=2, HAS_UPPER=True),  # causal ALiBi (alibi_part)
     "varlen": dict(IS_VARLEN=True, HAS_UPPER=True),
     "varlen-seqused": dict(IS_VARLEN=True, HAS_UPPER=True, SEQUSED_K="*i32"),
+    "varlen-spans": dict(IS_VARLEN=2, HAS_UPPER=True),  # the backward's bounded rows
     "mask-bool": dict(MASK_KIND=1),
     "dropout": dict(HAS_DROPOUT=True),
     "mods-blockmask": dict(SCORE_MOD=bias_mod, SCORE_GRAD=bias_grad, MASK_MOD=causal_mod,
@@ -76,8 +79,8 @@ def variant_judge(k):
 
 for kname in ("fwd", "dkdv", "dq"):
     for vname, v in variants.items():
-        if kname == "fwd" and v.get("HAS_ALIBI") == 2:
-            continue  # one-sided ALiBi is the backward's form (the forward launches form 1)
+        if kname == "fwd" and (v.get("HAS_ALIBI") == 2 or v.get("IS_VARLEN") == 2):
+            continue  # the backward's forms (one-sided ALiBi, bounded varlen rows)
         bm, bn = (64, 128) if kname == "dkdv" else (128, 64)
         check(f"{kname:5s} {vname:15s}",
               lambda: compile_kernel(kname, 128, bm, bn, 8, 3, **v), variant_judge)
@@ -127,6 +130,10 @@ extra = [
     ("merge-timeline", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True),
      dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32", TL="*i64")),
     ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8")),
+    ("varlen-spans", _varlen_spans_kernel, dict(BLOCK_B=256),
+     dict(CU_Q="*i32", CU_K="*i32", SPANS="*i32")),
+    ("cache-spans", _cache_spans_kernel, dict(HAS_BATCH_IDX=True, HAS_LEFTPAD=True, BLOCK_B=4),
+     dict(CACHE_SEQLENS="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", SPANS="*i32")),
 ]
 extra.append(("decode-timeline", _attn_decode_kernel,  # the merging split kernel, timed
               {k: v for k, v in extra[0][2].items() if k != "TL"}, dict(extra[0][3], TL="*i64")))
