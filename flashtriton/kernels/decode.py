@@ -116,20 +116,20 @@ def _attn_decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if PAGED:  # page of each key of the first tile; the loop loads the next tile's ahead
         table = BLOCK_TABLE + off_b.to(tl.int64) * stride_bt
-        next_page = tl.load(table + (lo + offs_n) // PAGE_SIZE, mask=lo + offs_n < SK,
-                            other=0).to(tl.int64)
-        next_page = tl.where((next_page >= 0) & (next_page < ROWS), next_page, -1)
+        raw = tl.load(table + (lo + offs_n) // PAGE_SIZE, mask=lo + offs_n < SK, other=0)
+        next_ok = raw.to(tl.uint32) < ROWS  # a page inside the pool (one unsigned compare)
+        next_page = tl.where(next_ok, raw, 0).to(tl.int64)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n                                      # [BLOCK_N] cache positions
         if PAGED:
             # K/V addresses from a loop-carried value, not from a load in the same iteration:
             # the compiler can then pipeline the K/V loads as deep as the contiguous case.
-            # A page index outside the pool (-1 here) reads page 0 and its keys are masked.
-            page_ok = next_page >= 0
-            page = tl.maximum(next_page, 0)
+            # A page index outside the pool reads page 0, and its keys are masked.
+            page, page_ok = next_page, next_ok
             ahead = cols + BLOCK_N
-            next_page = tl.load(table + ahead // PAGE_SIZE, mask=ahead < SK, other=0).to(tl.int64)
-            next_page = tl.where((next_page >= 0) & (next_page < ROWS), next_page, -1)
+            raw = tl.load(table + ahead // PAGE_SIZE, mask=ahead < SK, other=0)
+            next_ok = raw.to(tl.uint32) < ROWS
+            next_page = tl.where(next_ok, raw, 0).to(tl.int64)
             k_rows = page * stride_kb + (cols % PAGE_SIZE).to(tl.int64) * stride_kt
             if not SAME_LAYOUT:
                 v_rows = page * stride_vb + (cols % PAGE_SIZE).to(tl.int64) * stride_vt
@@ -148,11 +148,13 @@ def _attn_decode_kernel(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         s, _ = scores(qk, t, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
-        keep = visible(t, cols, SQ, hi, LOWER, UPPER, HAS_LOWER, HAS_UPPER)
+        if PAGED:  # a key of a page outside the pool: past hi for the mask
+            keep = visible(t, tl.where(page_ok, cols, hi), SQ, hi, LOWER, UPPER, HAS_LOWER,
+                           HAS_UPPER)
+        else:
+            keep = visible(t, cols, SQ, hi, LOWER, UPPER, HAS_LOWER, HAS_UPPER)
         if HAS_LEFTPAD:
             keep = keep & (cols[None, :] >= first)
-        if PAGED:
-            keep = keep & page_ok[None, :]
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
