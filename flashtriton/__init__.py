@@ -10,10 +10,11 @@ SDPA drop-in), ``flashtriton.compat.flash_attn`` (flash-attn drop-in) and
 
 from .api import (AttentionOutput, flash_attention, flash_attention_varlen,
                   flash_attention_varlen_with_lse, flash_attention_with_lse)
+from .explain import Explanation, explain
 from .sdpa import patch_sdpa, scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
 __all__ = ["AttentionOutput", "flash_attention", "flash_attention_with_lse",
            "flash_attention_varlen", "flash_attention_varlen_with_lse",
-           "scaled_dot_product_attention", "patch_sdpa", "__version__"]
+           "scaled_dot_product_attention", "patch_sdpa", "explain", "Explanation", "__version__"]

@@ -112,7 +112,7 @@ DECODE_MAX_ROWS = 128
 # From this many packed query rows (query heads a KV head x query tokens) a KV-cache call
 # over a contiguous cache runs the prefill forward kernel (its tiles and pipelining; each
 # query head reads K/V itself) instead of the split kernel (every K/V byte read once per row
-# block of DECODE_MAX_ROWS). H200, bf16, B=2, 4K-16K keys (scripts/bench_edges.py prefill;
+# block of DECODE_MAX_ROWS). H200, bf16, B=2, 4K-16K keys (tools/bench_edges.py prefill;
 # docs/perf.md's decisions): with 6 query heads a KV head the split kernel takes 0.2-0.7x
 # flash_attention's time over the same keys up to 128 tokens (768 rows) and 1.2-2.2x from
 # 256 on, the prefill route 1.00-1.04x at every length; with one query head a KV head the
@@ -162,3 +162,48 @@ def as_kwargs(cfg: Tuple[int, int, int, int]) -> Dict[str, int]:
     """The tile sizes of a config (decoding configs have no BLOCK_M: the call sets it)."""
     bm, bn, _, _ = cfg
     return {"BLOCK_N": bn} if bm == 0 else {"BLOCK_M": bm, "BLOCK_N": bn}
+
+
+# Which kernel family runs a call (flashtriton.launch.route reads these; every call signature
+# holds snapshot(), so a call replayed never crosses a change of them). Figures: H200, bf16,
+# docs/perf.md's decisions table.
+# The Triton releases whose Gluon the kernels of kernels/gluon_*.py are written for: Gluon's
+# API changes between releases (3.5's warp_specialize takes other arguments; 3.7 has no
+# gl.thread_barrier), so on any other release the Triton kernels run every call.
+GLUON_TRITONS = ((3, 6),)
+# The head dims of the Gluon forward in attention_forward (1.1-1.3x the Triton kernel from 1K
+# tokens at D=128; 0.9-0.99x at D=64) and the longest causal sequence that stays on the Triton
+# forward (512 causal tokens: 0.95x).
+GLUON_FWD_HEAD_DIMS = (128,)
+GLUON_FWD_CAUSAL_MAX_TRITON = 512
+# Whether the Gluon forward also runs windows, softcap, ALiBi and block masks (8K, D=128:
+# 1.02-1.34x the Triton forward).
+GLUON_VARIANTS = True
+# Whether the Gluon kernels take one-sided ALiBi (the keys' part of the bias in the scores,
+# the rows' part in the LSE: one FMA a score) where every visible key is at or left of the
+# diagonal, instead of the general |i - j| form (causal 8K: forward 447 -> 462 TFLOP/s, the
+# Gluon backward 320 -> 332).
+GLUON_ALIBI_ONE_SIDED = True
+# The shortest sequence that runs the Gluon backward (B x N = 16K: 1.18x / 1.05x the Triton
+# backward at 1K plain / causal, 1.24x / 1.10x at 2K), and whether windows, softcap and ALiBi
+# take it too (causal 8K: window 315, softcap 387, ALiBi 382 TFLOP/s against 304, 297, 393).
+GLUON_BWD_MIN_SEQLEN = 1024
+GLUON_BWD_VARIANTS = True
+# Decoding: eager steps that read at most DECODE_MERGE_MAX_BYTES of cache, with splits that the
+# merge loads at once, merge in the split kernel (flashtriton.decode); DECODE_MERGE_IN_KERNEL
+# off: never.
+DECODE_MERGE_IN_KERNEL = True
+DECODE_MERGE_MAX_BYTES = 40 << 20
+
+
+def gluon_forward_first(head_dim: int, seqlen: int, causal: bool) -> bool:
+    """Whether attention_forward tries the Gluon forward for this head dim and length."""
+    return head_dim in GLUON_FWD_HEAD_DIMS and (seqlen > GLUON_FWD_CAUSAL_MAX_TRITON or not causal)
+
+
+def snapshot() -> tuple:
+    """Every policy value that chooses kernels, as one hashable tuple (call signatures)."""
+    return (GLUON_TRITONS, GLUON_FWD_HEAD_DIMS, GLUON_FWD_CAUSAL_MAX_TRITON, GLUON_VARIANTS,
+            GLUON_ALIBI_ONE_SIDED, GLUON_BWD_MIN_SEQLEN, GLUON_BWD_VARIANTS,
+            DECODE_MERGE_IN_KERNEL, DECODE_MERGE_MAX_BYTES, DECODE_MAX_ROWS,
+            KVCACHE_PREFILL_MIN_ROWS)

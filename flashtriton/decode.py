@@ -10,25 +10,23 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from . import _env, configs, launch, validation
+from . import _env, configs, launch, runtime, validation
 from .api import AttentionOutput
 from .kernels.decode import _attn_merge_kernel, _cache_spans_kernel, _kv_append_kernel
-from .launch import Variant
+from .launch import Variant, triton_attn
 from .validation import (check_alibi, check_cache_indices, check_index_tensor, check_qkv,
                          check_scale, check_softcap, check_window, describe)
 
 
-# Eager steps that read at most _MERGE_BYTES of cache, with splits that the merge loads at once,
-# merge them in the split kernel (MERGE: one launch, ~7 us less host time a step on the H200's
-# host); other steps and CUDA graph captures take the merge kernel (1-8 us less GPU time a
-# step; docs/perf.md, session 24). The split kernel's counts and partials live in a workspace
-# per (device, stream): steps on one stream run in order. MERGE_IN_KERNEL off: never (tests).
-MERGE_IN_KERNEL = True
-_MERGE_BYTES = 40 << 20
+# Eager steps that read at most configs.DECODE_MERGE_MAX_BYTES of cache, with splits that the
+# merge loads at once, merge them in the split kernel (MERGE: one launch, ~7 us less host time
+# a step on the H200's host); other steps and CUDA graph captures take the merge kernel (1-8 us
+# less GPU time a step). The split kernel's counts and partials live in a workspace per
+# (device, stream): steps on one stream run in order.
 _COUNTS = 4096  # counters at a workspace's head: one per (sequence, KV head) of a launch
 _WORKSPACES = {}  # (device index, stream) -> (workspace, its fp32 elements, its address)
 _WORKSPACES_MAX = 64  # more streams start over (torch reuses a freed block in its stream's order)
-# Timing only (scripts/probe_decode_timeline.py): None, or the split and the merge kernel's int64
+# Timing only (tools/timeline.py decode): None, or the split and the merge kernel's int64
 # tables of (programs, 5) rows (kernels.common.mark); steps with a timeline are not remembered.
 TIMELINE = None
 
@@ -42,7 +40,7 @@ def _workspace(x: torch.Tensor, elements: int) -> tuple:
     """The workspace of x's device's current stream, with room for ``elements`` fp32 partials
     after its counters (zero between steps: the split that merges sets its count back)."""
     index = x.get_device()  # -1: the CPU (the interpreter), whose steps run in order
-    key = (index, launch.driver.active.get_current_stream(index) if index >= 0 else 0)
+    key = (index, runtime.driver.active.get_current_stream(index) if index >= 0 else 0)
     entry = _WORKSPACES.get(key)
     if entry is None or entry[1] < _COUNTS + elements:
         if entry is None and len(_WORKSPACES) >= _WORKSPACES_MAX:
@@ -107,7 +105,7 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
     return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 
 
-@launch.on_device_of
+@runtime.on_device_of
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None, *,
                            cache_seqlens: Union[int, torch.Tensor, None] = None,
@@ -178,11 +176,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                        causal, window_size, softcap, num_splits, return_lse)
         except AttributeError:  # not a tensor where one belongs: the checks below say so
             step = False
-        known = launch.recall(signature)
+        known = runtime.recall(signature)
         if known is not None:
             B, SQ, H, _ = q.shape
-            out = launch._empty(q.shape, q.dtype, q.device)
-            lse = (launch._empty((B, H, SQ), torch.float32, q.device)
+            out = runtime._empty(q.shape, q.dtype, q.device)
+            lse = (runtime._empty((B, H, SQ), torch.float32, q.device)
                    if return_lse or known[2] == 3 else None)  # (the prefill route writes one)
             if _replay(known, tensors, out, lse):
                 return AttentionOutput(out, lse if return_lse else None)
@@ -316,7 +314,7 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
     paged = block_table is not None
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    launch.launch_jit(
+    runtime.launch_jit(
         _kv_append_kernel, (B * S_new, HKV), k, v, k_cache, v_cache, cache_seqlens,
         block_table, cache_batch_idx, *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3],
         *v_cache.stride()[:3], block_table.stride(0) if paged else 0, S_new, HKV, D,
@@ -340,18 +338,18 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
     if variant.alibi_slopes is not None:
         signature = None
     elif not step:  # appends, rotary: the same call but for the data replays its launches
-        signature = launch.call_signature("kvcache-prefill", (variant, return_lse), q, k_cache,
+        signature = runtime.call_signature("kvcache-prefill", (variant, return_lse), q, k_cache,
                                           v_cache, seqlens, cache_batch_idx, cache_leftpad,
                                           gluon=False)
-    out = launch._empty(q.shape, q.dtype, q.device)
-    lse = launch._empty((B, H, SQ), torch.float32, q.device)
+    out = runtime._empty(q.shape, q.dtype, q.device)
+    lse = runtime._empty((B, H, SQ), torch.float32, q.device)
     tensors = (q, k_cache, v_cache, seqlens, None, cache_batch_idx, cache_leftpad)
-    known = launch.recall(signature)
+    known = runtime.recall(signature)
     if known is not None and _replay(known, tensors, out, lse):
         return AttentionOutput(out, lse if return_lse else None)
     seg = configs.cdiv(B + 1, 4) * 4  # int32s: each part of the spans 16-byte aligned
     spans = torch.empty(3 * seg, dtype=torch.int32, device=q.device)
-    run_spans = launch.launch_jit(
+    run_spans = runtime.launch_jit(
         _cache_spans_kernel, (1,), seqlens, cache_batch_idx, cache_leftpad, spans, B, SQ, S,
         rows, seg, HAS_BATCH_IDX=cache_batch_idx is not None,
         HAS_LEFTPAD=cache_leftpad is not None, BLOCK_B=configs.next_pow2(B + 1), num_warps=1)
@@ -362,7 +360,7 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
     run_fwd = launch.triton_forward(
         q.view(B * SQ, H, D), *flat, out.view(B * SQ, H, D), lse, (H - 1) * SQ, SQ, variant,
         launch.Varlen(spans[:B + 1], spans[seg:seg + B], SQ, S, spans[2 * seg:2 * seg + B]))
-    launch.remember(signature, run_spans, run_fwd, 3, (seg,))
+    runtime.remember(signature, run_spans, run_fwd, 3, (seg,))
     return AttentionOutput(out, lse if return_lse else None)
 
 
@@ -375,18 +373,18 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
     HKV = k_cache.shape[2]
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    out = launch._empty(q.shape, q.dtype, q.device)
-    lse = launch._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
+    out = runtime._empty(q.shape, q.dtype, q.device)
+    lse = runtime._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
     if out.numel() == 0:
         return AttentionOutput(out, lse)
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi)
     block_m, row_blocks = configs.decode_rows(H // HKV, SQ, D)
-    merge_ok = MERGE_IN_KERNEL and _eager(q) and row_blocks == 1  # may merge in the split kernel
+    merge_ok = configs.DECODE_MERGE_IN_KERNEL and _eager(q) and row_blocks == 1  # may merge in the split kernel
     if not step and TIMELINE is None:  # appends, rotary: the same call but for the data replays
-        signature = launch.call_signature(
+        signature = runtime.call_signature(
             "decode", (scale, left, right, softcap, num_splits, return_lse, merge_ok), *tensors,
             gluon=False)
-        known = launch.recall(signature)
+        known = runtime.recall(signature)
         if known is not None and _replay(known, tensors, out, lse):
             return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
@@ -400,7 +398,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
                  SAME_LAYOUT=k_cache.stride()[:3] == v_cache.stride()[:3], HAS_LOWER=left >= 0,
                  HAS_UPPER=right >= 0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
                  HAS_BATCH_IDX=cache_batch_idx is not None,
-                 HAS_LEFTPAD=cache_leftpad is not None, PDL=launch.use_pdl(q.device),
+                 HAS_LEFTPAD=cache_leftpad is not None, PDL=runtime.use_pdl(q.device),
                  BLOCK_M=block_m)
     # One tile for both merges, per split length and grid: a tile tuned for B=1 128K's one
     # wave of 16 splits of 8K keys read B=64 8K's four waves (one split of 8K keys) at 0.995x
@@ -417,8 +415,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
             lse_strides = (0, 0, 0) if lse is None else (0, lse.stride(0), lse.stride(1))
         else:
             o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
-        return launch._launch(
-            launch._decode, (splits, B * HKV, row_blocks), key, *tensors, o_part, lse_part,
+        return runtime._launch(
+            triton_attn._decode, (splits, B * HKV, row_blocks), key, *tensors, o_part, lse_part,
             *merge_args[:3], None if TIMELINE is None else TIMELINE[0],
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             block_table.stride(0) if paged else 0,
@@ -433,14 +431,14 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags, MERGE=merge,
             BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,
-            **launch.pdl_option(flags["PDL"]))
+            **runtime.pdl_option(flags["PDL"]))
 
     if splits == 1:  # the split's normalised result and LSE are the output
-        launch.remember(signature, split_kernel(out, lse), (), 0, (0, 0))
+        runtime.remember(signature, split_kernel(out, lse), (), 0, (0, 0))
         return AttentionOutput(out, lse)
     parts = _partials_layout(splits, B, H, SQ, D)
     in_kernel = (merge_ok and splits <= block_c and B * HKV <= _COUNTS
-                 and 2 * B * capacity * HKV * D * q.element_size() <= _MERGE_BYTES)
+                 and 2 * B * capacity * HKV * D * q.element_size() <= configs.DECODE_MERGE_MAX_BYTES)
     if not in_kernel or signature is not None:
         # The merge kernel's way; into spare outputs before a merge in the kernel whose step
         # will replay: a capture of the same step takes this way, and finds its kernels
@@ -456,9 +454,9 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
         o_part, lse_part = _partials(splits, B, H, SQ, D, ws[_COUNTS:])
         run_decode = split_kernel(o_part, lse_part,
                                   (out, lse, ws[:_COUNTS].view(torch.int32), *out.stride()[:3]))
-        launch.remember(signature, run_decode, (), 2, parts)
+        runtime.remember(signature, run_decode, (), 2, parts)
     else:
-        launch.remember(signature, run_decode, run_merge, 1, parts)
+        runtime.remember(signature, run_decode, run_merge, 1, parts)
     return AttentionOutput(out, lse)
 
 
@@ -466,10 +464,10 @@ def step_signature(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_b
                    cache_leftpad=None, alibi_slopes=None, softmax_scale=None, causal=False,
                    window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=True):
     """What a plain step of attention_with_kvcache with these arguments is remembered under
-    (``launch.recall`` of it: the step's Replays; the probes in scripts/ read them)."""
-    return launch.call_signature(
+    (``runtime.recall`` of it: the step's Replays; the tools in tools/ read them)."""
+    return runtime.call_signature(
         "decode-step", (softmax_scale, causal, window_size, softcap, num_splits, return_lse,
-                        MERGE_IN_KERNEL and _eager(q)), q, k_cache, v_cache, cache_seqlens,
+                        configs.DECODE_MERGE_IN_KERNEL and _eager(q)), q, k_cache, v_cache, cache_seqlens,
         block_table, cache_batch_idx, cache_leftpad, alibi_slopes, gluon=False)
 
 
@@ -481,7 +479,7 @@ def _replay(known, tensors, out, lse) -> bool:
         run_spans, run_fwd, _, (seg,) = known
         q, k_cache, v_cache, seqlens, _, cache_batch_idx, cache_leftpad = tensors[:7]
         spans = torch.empty(3 * seg, dtype=torch.int32, device=out.device)
-        ptrs = launch.pointers(q, k_cache, v_cache, out, lse, seqlens, cache_batch_idx,
+        ptrs = runtime.pointers(q, k_cache, v_cache, out, lse, seqlens, cache_batch_idx,
                                cache_leftpad, spans)
         if ptrs is None:
             return False
@@ -490,7 +488,7 @@ def _replay(known, tensors, out, lse) -> bool:
         return True
     run_decode, run_merge, mode, (size, lse_at) = known
     if mode != 1:
-        ptrs = launch.pointers(*tensors, out, lse)
+        ptrs = runtime.pointers(*tensors, out, lse)
         if ptrs is None:
             return False
         if mode == 0:
@@ -501,7 +499,7 @@ def _replay(known, tensors, out, lse) -> bool:
             run_decode(*ptrs[:-2], o_part, o_part + 4 * lse_at, *ptrs[-2:], counts)
         return True
     # the partials as one allocation, passed as two addresses (see _partials)
-    ptrs = launch.pointers(*tensors, torch.empty(size, dtype=torch.float32, device=out.device),
+    ptrs = runtime.pointers(*tensors, torch.empty(size, dtype=torch.float32, device=out.device),
                            out, lse)
     if ptrs is None:
         return False
@@ -528,22 +526,22 @@ def _partials(splits, B, H, SQ, D, buf):
     return buf[:n * D].view(splits, B, H, SQ, D), buf[lse_at:lse_at + n].view(splits, B, H, SQ)
 
 
-@launch.on_device_of
+@runtime.on_device_of
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-                   lse: Optional[torch.Tensor]) -> Optional[launch.Replay]:
+                   lse: Optional[torch.Tensor]) -> Optional[runtime.Replay]:
     """out (B, SQ, H, D), lse (B, H, SQ) or None <- S partial results o_part (S, B, H, SQ, D)
     fp32 and lse_part (S, B, H, SQ), weighted by exp(lse_s - lse). Empty partials (lse -inf)
     weigh 0; all empty gives out 0, lse -inf. Returns the launch's Replay, if any."""
     S, B, H, SQ, D = o_part.shape
-    pdl = launch.use_pdl(out.device)
-    return launch.launch_jit(
+    pdl = runtime.use_pdl(out.device)
+    return runtime.launch_jit(
         _attn_merge_kernel, (B * H * SQ,),
         o_part, lse_part, out, lse, None if TIMELINE is None else TIMELINE[1],
         o_part.stride(0), lse_part.stride(0),
         out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
         BLOCK_C=min(configs.next_pow2(S), 8192 // configs.block_d(D)), BLOCK_D=configs.block_d(D),
         PDL=pdl,
-        **launch.pdl_option(pdl))
+        **runtime.pdl_option(pdl))
 
 
 def merge_attention_states(outs, lses) -> AttentionOutput:

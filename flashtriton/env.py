@@ -53,8 +53,8 @@ def report() -> str:
     lines.append(f"autotuning: {tuning}; forward candidates: {len(configs.candidates('fwd'))}")
 
     # Why each Hopper path is not used here whatever its switch (None: its switch decides),
-    # as flashtriton.launch decides: TMA for sm_90+ (launch._tma_capable, the interpreter
-    # too), PDL for sm_90+ compiled (launch.use_pdl), Gluon for sm_90 compiled (gluon_misfit).
+    # as flashtriton.launch decides: TMA for sm_90+ (runtime._tma_capable, the interpreter
+    # too), PDL for sm_90+ compiled (runtime.use_pdl), Gluon for sm_90 compiled (gluon_misfit).
     sm = f"sm_{major}{minor}" if gpu else None
     no_gpu = "no GPU"
     interp = "the interpreter runs the kernels"

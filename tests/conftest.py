@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import flashtriton.launch as launch  # noqa: E402
+from flashtriton import runtime  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -17,7 +17,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
     """Every buffer the launchers allocate starts as NaN, so unwritten elements fail."""
-    real_empty_like = launch.output_like
+    real_empty_like = runtime.output_like
 
     def empty_like(x):
         return real_empty_like(x).fill_(float("nan"))
@@ -25,8 +25,8 @@ def nan_outputs(monkeypatch):
     def empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(launch, "_empty_like", empty_like)
-    monkeypatch.setattr(launch, "_empty", empty)
+    monkeypatch.setattr(runtime, "_empty_like", empty_like)
+    monkeypatch.setattr(runtime, "_empty", empty)
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import torch
 from accuracy import check_against_reference, make_qkv
 from conftest import DEVICE, ON_GPU
 from flashtriton import flash_attention, flash_attention_with_lse
+from flashtriton import runtime
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -202,15 +203,15 @@ def tma(monkeypatch):
     forward and backward call chose."""
     import flashtriton._env as env
     import flashtriton.launch as launch
-    chosen, real = [], launch._use_tma
+    chosen, real = [], runtime._use_tma
     monkeypatch.setattr(env, "TMA", True)
-    monkeypatch.setattr(launch, "_tma_capable", lambda device: True)
+    monkeypatch.setattr(runtime, "_tma_capable", lambda device: True)
 
     def spy(*tensors):
         chosen.append(real(*tensors))
         return chosen[-1]
 
-    monkeypatch.setattr(launch, "_use_tma", spy)
+    monkeypatch.setattr(runtime, "_use_tma", spy)
     return chosen
 
 
@@ -230,14 +231,14 @@ def test_tma_row_stats_where_aligned(tma, monkeypatch, sq, expect):
     # The dK/dV kernel reads LSE and delta by 1-D descriptors where each head's rows start
     # 16-byte aligned (SQ a multiple of 4), by pointers otherwise; both give the reference.
     import flashtriton.launch as launch
-    chose, real = [], launch._launch
+    chose, real = [], runtime._launch
 
     def spy(kernel, *args, **kw):
-        if kernel is launch._dkdv:
+        if kernel is launch.triton_attn._dkdv:
             chose.append(kw["STATS_TMA"])
         return real(kernel, *args, **kw)
 
-    monkeypatch.setattr(launch, "_launch", spy)
+    monkeypatch.setattr(runtime, "_launch", spy)
     q, k, v = make_qkv(1, sq, 50, 2, 1, 32, torch.bfloat16, DEVICE)
     check_against_reference(
         lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=True)), q, k, v, True)
@@ -264,8 +265,8 @@ def test_tma_declines_unaligned_views(tma):
 def test_tma_rules(tma):
     import flashtriton.launch as launch
     x = torch.empty(2, 8, 2, 32, dtype=torch.float16, device=DEVICE)
-    assert launch._use_tma(x)
+    assert runtime._use_tma(x)
     # The token stride is the descriptor's row stride: a 16-byte multiple even for one token.
-    assert not launch._use_tma(torch.empty(1, 1, 1, 20, dtype=torch.float16, device=DEVICE))
-    assert not launch._use_tma(torch.empty(2, 8, 3, 20, dtype=torch.float16, device=DEVICE))
-    assert launch._use_tma(x[:1, :, :1])  # size-1 batch and head: their strides move nothing
+    assert not runtime._use_tma(torch.empty(1, 1, 1, 20, dtype=torch.float16, device=DEVICE))
+    assert not runtime._use_tma(torch.empty(2, 8, 3, 20, dtype=torch.float16, device=DEVICE))
+    assert runtime._use_tma(x[:1, :, :1])  # size-1 batch and head: their strides move nothing

@@ -1,4 +1,6 @@
-"""The benchmark's pure-Python parts: shapes, FLOP counts and the writers (no GPU needed)."""
+"""The benchmarks (flashtriton.bench): the registry's shapes and FLOP counts, the writers, the
+reference check every provider passes before its speed is measured (run through Triton's
+interpreter on the CPU), and the variants bench's options (no GPU needed)."""
 
 import csv
 import importlib.util
@@ -8,6 +10,10 @@ import pytest
 import torch
 
 from flashtriton import bench
+from flashtriton import runtime
+from flashtriton.bench import common, report, train
+from flashtriton.bench.cli import main as bench_main
+from conftest import DEVICE
 
 
 def _args(**kw):
@@ -47,17 +53,17 @@ def _rows():
 
 def test_markdown_csv_and_plots(tmp_path):
     meta, rows = _rows()
-    md = bench.markdown(rows, ["flashtriton", "sdpa_flash", "naive"], meta)
+    md = report.markdown(rows, ["flashtriton", "sdpa_flash", "naive"], meta)
     assert "| train | 4 | 16/16 | 128 | 4096 | 1 | 800 / 160 (512) | 400 / 80 (512) | out of memory |" in md
     assert "12.5" in md and "test-gpu" in md
     # the speed-up table: flashtriton at twice sdpa_flash's speed; naive never ran
     assert "| suite | D | causal | sdpa_flash | naive |" in md
     assert "| train | 128 | 1 | 2.00x / 2.00x |  |" in md
-    bench.write_csv(rows, tmp_path / "r.csv")
+    report.write_csv(rows, tmp_path / "r.csv")
     with open(tmp_path / "r.csv") as f:
         got = list(csv.DictReader(f))
     assert len(got) == len(rows) and got[-1]["host_us"] == "12.5"
-    written = bench.plot(rows, str(tmp_path))
+    written = report.plot(rows, str(tmp_path))
     if importlib.util.find_spec("matplotlib") is None:
         assert written == []
     else:
@@ -70,7 +76,7 @@ def test_speedup_ranges_over_the_shapes_both_ran():
     for r in rows:
         if r.get("provider") == "sdpa_flash" and r["N"] == 4096:
             r.update(fwd_tflops=r["fwd_tflops"] * 4, bwd_tflops=r["bwd_tflops"] * 0.5)
-    md = bench.markdown(rows, ["flashtriton", "sdpa_flash"], meta)
+    md = report.markdown(rows, ["flashtriton", "sdpa_flash"], meta)
     assert "| train | 128 | 1 | 0.50-2.00x / 2.00-4.00x |" in md
 
 
@@ -80,7 +86,7 @@ def test_decode_bytes_and_table():
     rows.append(dict(meta, suite="decode", provider="flashtriton", B=1, N=8192, H=32, HKV=8,
                      D=128, causal=False, status="ok", decode_GBps=1300.0, pct_of_copy=30.6,
                      graph_GBps=3900.0, graph_pct_of_copy=91.7))
-    md = bench.markdown(rows, ["flashtriton"], meta)
+    md = report.markdown(rows, ["flashtriton"], meta)
     assert "| 1 | 8192 | 1300 (31%) / 3900 (92%) |" in md
 
 
@@ -88,12 +94,12 @@ def test_coldstart_line_in_table():
     meta, rows = _rows()
     rows.append(dict(meta, suite="coldstart", provider="flashtriton", status="ok",
                      empty_cache_s=41.26, second_process_s=2.04))
-    md = bench.markdown(rows, ["flashtriton"], meta)
+    md = report.markdown(rows, ["flashtriton"], meta)
     assert "41.3 s with an empty Triton cache" in md and "2.0 s in a second process" in md
 
 
 def test_variant_pair_counts(monkeypatch):
-    from flashtriton import bench_variants as bv
+    from flashtriton.bench import variants as bv
     monkeypatch.setattr(bv, "WINDOW", 8)
     monkeypatch.setattr(bv, "DOC", 16)
     monkeypatch.setattr(bv, "PREFIX", 4)
@@ -106,16 +112,109 @@ def test_variant_pair_counts(monkeypatch):
 
 
 def test_tiles_since_names_the_tuned_configs(monkeypatch):
-    import triton
+    """tiles_since: the tiles runtime.tuned_tiles lists after the mark, by kernel ("fwd",
+    "dkdv", "dq", "decode"; other kernels left out; a kernel tuned twice: its last tile)."""
+    from flashtriton import runtime
+    tuned = [("_attn_fwd_kernel", ("old",), (128, 64, 8, 3))]
+    monkeypatch.setattr(runtime, "tuned_tiles", lambda: list(tuned))
+    mark = common.tiles_mark()
+    assert mark == 1
+    tuned += [("_attn_bwd_dkdv_kernel", ("key",), (64, 128, 8, 2)),
+              ("_some_other_kernel", ("key",), (1, 2, 3, 4)),
+              ("_attn_decode_kernel", ("a",), (16, 32, 4, 2)),
+              ("_attn_decode_kernel", ("b",), (0, 64, 4, 3))]
+    assert common.tiles_since(mark) == {"dkdv": "64x128/8w/2s", "decode": "0x64/4w/3s"}
+    assert common.tiles_since(0)["fwd"] == "128x64/8w/3s"
+    assert common.tiles_since(common.tiles_mark()) == {}
 
-    from flashtriton import launch
-    before = set(launch._TUNED)
-    monkeypatch.setitem(launch._TUNED, (id(launch._dkdv), ("key",)),
-                        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=2))
-    monkeypatch.setitem(launch._TUNED, (id(launch._decode), ("key",)),
-                        triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3))
-    assert bench.tiles_since(before) == {"dkdv": "64x128/8w/2s", "decode": "0x64/4w/3s"}
-    assert bench.tiles_since(set(launch._TUNED)) == {}
+
+def test_registry_lists_every_provider_and_suite():
+    """One registry: the CLI's choices are the registry's providers and suites."""
+    assert set(bench.PROVIDERS) == {"flashtriton", "sdpa_cudnn", "flex", "sdpa_flash",
+                                    "sdpa_efficient", "flash_attn", "naive"}
+    assert set(bench.DECODE_PROVIDERS) == {"flashtriton", "flashtriton_paged16", "sdpa"}
+    assert list(bench.SUITES) == ["train", "gqa", "overhead", "coldstart", "decode"]
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--providers", "no_such"])
+    assert exc.value.code == 2
+
+
+def _bthd(B=2, N=40, H=4, HKV=2, D=16, dtype=torch.float64):
+    q = torch.randn(B, N, H, D, dtype=dtype)
+    k, v = (torch.randn(B, N, HKV, D, dtype=dtype) for _ in range(2))
+    return q, k, v, torch.randn_like(q)
+
+
+def _direct(q, k, v, dout, **kw):
+    """flashtriton.reference's out and gradients in float64, in one call."""
+    from flashtriton.reference import attention_reference
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    out = attention_reference(*leaves, **kw).out
+    return [out.detach()] + list(torch.autograd.grad(out, leaves, dout.double()))
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=False),
+                                dict(causal=True, window_size=(7, 0), softcap=5.0),
+                                dict(causal=True, alibi_slopes=True), dict(attn_mask=True)],
+                         ids=["causal", "full", "window-softcap", "alibi", "mask"])
+@pytest.mark.parametrize("budget", [1 << 40, 1000], ids=["whole", "blocks"])
+def test_expected_matches_the_reference_in_blocks(monkeypatch, kw, budget):
+    """common.expected splits long sequences per batch element, KV head and block of query
+    rows (budget 1000: blocks of 6 rows); its out, dq, dk, dv equal one call of the
+    reference, GQA, masks and ALiBi included."""
+    monkeypatch.setattr(common, "_BUDGET", budget)
+    q, k, v, dout = _bthd()
+    if kw.get("alibi_slopes"):
+        kw = dict(kw, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    if kw.get("attn_mask"):
+        i, j = torch.arange(40)[:, None], torch.arange(40)[None, :]
+        kw = dict(kw, attn_mask=(i // 16) == (j // 16))
+    got = common.expected(q, k, v, dout, **dict(kw))
+    want = _direct(q, k, v, dout, **kw)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5, msg=name)
+    out = common.expected(q, k, v, **dict(kw))  # no dout: the output alone
+    torch.testing.assert_close(out.double(), want[0], atol=2e-5, rtol=2e-5)
+
+
+def test_check_reports_a_wrong_provider_and_no_speed(monkeypatch):
+    """Each provider's row checks out, dq, dk, dv against the reference first (run_shape with
+    timed=False: the checks alone). flashtriton (through the interpreter on the CPU) and
+    naive pass; a provider that is wrong, or returns NaN, gets a FAILED row with no speed."""
+    shape = bench.Shape("train", 1, 2, 1, 64, 16, True)
+    naive = bench.PROVIDERS["naive"]
+    monkeypatch.setitem(bench.PROVIDERS, "wrong", lambda q, k, v, c: naive(q, k, v, not c))
+    monkeypatch.setitem(bench.PROVIDERS, "nan", lambda q, k, v, c: naive(q, k, v, c) * float("nan"))
+    rows = train.run_shape(shape, ["flashtriton", "naive", "wrong", "nan"], torch.float32, {},
+                           device=DEVICE, timed=False)
+    status = {r["provider"]: r["status"] for r in rows}
+    assert status["flashtriton"] == status["naive"] == "checked", rows
+    assert rows[0]["rel_err"] < 1e-4 and rows[1]["rel_err"] < 1e-4
+    for prov in ("wrong", "nan"):
+        assert status[prov].startswith("FAILED check") and "speed not reported" in status[prov]
+        row = next(r for r in rows if r["provider"] == prov)
+        assert not any(k.endswith("_ms") or k.endswith("_tflops") for k in row)
+
+
+def test_decode_check_against_the_reference(monkeypatch):
+    """The decode suite's providers, checked against the reference before timing: flashtriton
+    over a contiguous cache and over shuffled pages, and SDPA, all match it (CPU: the
+    interpreter); the paged inputs hold the same keys as the contiguous cache."""
+    from flashtriton.bench import decode
+    torch.manual_seed(0)
+    x = decode.decode_inputs(2, 64, H=4, HKV=2, D=16, page=16, device=DEVICE)
+    pages = x.k_pages[x.table.long()].reshape(2, 64, 2, 16)
+    assert torch.equal(pages, x.k)
+    checked = decode.check_decode(list(bench.DECODE_PROVIDERS), x)
+    assert set(checked) == set(bench.DECODE_PROVIDERS)
+    for prov, (fn, err) in checked.items():
+        assert err < 1e-2, (prov, err)
+    make, output = bench.DECODE_PROVIDERS["sdpa"]
+    monkeypatch.setitem(bench.DECODE_PROVIDERS, "wrong",  # another cache's values
+                        (lambda x: make(x._replace(v=x.v.flip(1))), output))
+    fn, err = decode.check_decode(["wrong"], x)["wrong"]
+    assert err > 1e-1
 
 
 def test_merge_joins_runs_into_one_report(tmp_path):
@@ -128,7 +227,7 @@ def test_merge_joins_runs_into_one_report(tmp_path):
             for r in part:
                 f.write(json.dumps(dict(r, commit=f"c{i}")) + "\n")
         paths.append(str(path))
-    bench.main(["--merge", *paths, "--out", str(tmp_path / "all")])
+    bench_main(["--merge", *paths, "--out", str(tmp_path / "all")])
     md = (tmp_path / "all" / "results.md").read_text()
     assert "commit c0, c1" in md
     assert "| train | 4 | 16/16 | 128 | 4096 | 1 | 800 / 160 (512) | 400 / 80 (512) | out of memory |" in md
@@ -136,16 +235,16 @@ def test_merge_joins_runs_into_one_report(tmp_path):
         assert len(list(csv.DictReader(f))) == len(rows)
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit, match="no rows"):
-        bench.main(["--merge", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x")])
+        bench_main(["--merge", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x")])
 
 
 def test_variants_bench_sets_gluon_options(monkeypatch):
-    """bench_variants --gluon-option NAME=VALUE sets the option in whichever Gluon kernel's
+    """bench.variants --gluon-option NAME=VALUE sets the option in whichever Gluon kernel's
     OPTIONS has it (HEAVY_FIRST: the forward's, EARLY_S: the backward's; booleans stay
     booleans, integers such as CONSUMER_REGS integers; fwd.NAME the forward's only) before it
     needs the GPU, and rejects a name neither has."""
-    from flashtriton import bench_variants as bv
-    from flashtriton import launch
+    from flashtriton.bench import variants as bv
+    from flashtriton import configs
     from flashtriton.kernels import gluon_bwd, gluon_fwd
     monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", True)
     monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", None)
@@ -153,7 +252,7 @@ def test_variants_bench_sets_gluon_options(monkeypatch):
     monkeypatch.setitem(gluon_fwd.OPTIONS, "PRODUCER_REGS", 40)
     monkeypatch.setitem(gluon_bwd.OPTIONS, "PRODUCER_REGS", 24)
     for name in ("GLUON_VARIANTS", "GLUON_ALIBI_ONE_SIDED", "GLUON_BWD_VARIANTS"):
-        monkeypatch.setattr(launch, name, getattr(launch, name))
+        monkeypatch.setattr(configs, name, getattr(configs, name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA GPU"):
         bv.main(["--gluon-option", "HEAVY_FIRST=0", "--gluon-option", "EARLY_S=0",
@@ -169,9 +268,9 @@ def test_variants_bench_sets_gluon_options(monkeypatch):
 
 
 def test_variants_bench_reports_the_median_of_its_rounds():
-    """bench_variants measures each provider --rounds times in turn: every figure is the
+    """bench.variants measures each provider --rounds times in turn: every figure is the
     median over the rounds, and each round's milliseconds are kept beside it."""
-    from flashtriton.bench_variants import _median_run
+    from flashtriton.bench.variants import _median_run
     runs = [dict(fwd_ms=3.0, bwd_ms=9.0, peak_extra_MiB=5.0),
             dict(fwd_ms=1.0, bwd_ms=7.0, peak_extra_MiB=5.0),
             dict(fwd_ms=2.0, bwd_ms=20.0, peak_extra_MiB=6.0)]
@@ -179,18 +278,18 @@ def test_variants_bench_reports_the_median_of_its_rounds():
     assert (row["fwd_ms"], row["bwd_ms"], row["peak_extra_MiB"]) == (2.0, 9.0, 5.0)
     assert row["bwd_ms_rounds"] == [9.0, 7.0, 20.0] and "peak_extra_MiB_rounds" not in row
     assert _median_run(runs[:2])["fwd_ms"] == 2.0
-    from flashtriton import bench_variants
+    from flashtriton.bench import variants
     with pytest.raises(SystemExit) as exc:  # argparse's error, before it looks for a GPU
-        bench_variants.main(["--rounds", "0"])
+        variants.main(["--rounds", "0"])
     assert exc.value.code == 2
 
 
 def test_variants_bench_ab(monkeypatch):
-    """bench_variants --ab NAME[=A,B]: each side's NAME=V items (integers stay integers, 0 and
+    """bench.variants --ab NAME[=A,B]: each side's NAME=V items (integers stay integers, 0 and
     1 unless given, + joins parts), options set only while a measurement runs and restored
     after (an exception included), a table line with both sides and their speed-ups over
     FlexAttention (a failed row shows its status), and argparse's error for a bad --ab."""
-    from flashtriton import bench_variants as bv
+    from flashtriton.bench import variants as bv
     from flashtriton.kernels import gluon_bwd, gluon_fwd
     monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", None)
     monkeypatch.setitem(gluon_fwd.OPTIONS, "CONSUMER_REGS", 240)
@@ -218,9 +317,9 @@ def test_variants_bench_ab(monkeypatch):
 
 
 def test_variants_bench_rotates_its_order():
-    """bench_variants' rounds rotate the providers' order: over as many rounds as providers,
+    """bench.variants' rounds rotate the providers' order: over as many rounds as providers,
     each runs once in every place."""
-    from flashtriton.bench_variants import rotated
+    from flashtriton.bench.variants import rotated
     provs = ["flashtriton A", "flashtriton B", "flex"]
     orders = [rotated(provs, r) for r in range(6)]
     assert orders[0] == provs and orders[1] == ["flashtriton B", "flex", "flashtriton A"]

@@ -20,6 +20,7 @@ import torch
 from accuracy import assert_rule
 from conftest import DEVICE, ON_GPU
 from flashtriton import configs, flash_attention, launch, validation
+from flashtriton import runtime
 from flashtriton.compat import flash_attn as fa
 from flashtriton.decode import PagedKVCache, attention_with_kvcache
 from flashtriton.reference import attention_reference
@@ -184,10 +185,10 @@ def test_decode_rows_policy():
 
 
 def test_decode_outputs_come_from_the_poisoned_allocator(monkeypatch):
-    """conftest poisons launch._empty / _empty_like: decoding's out and lse come from them."""
+    """conftest poisons runtime._empty / _empty_like: decoding's out and lse come from them."""
     made = []
-    real = launch._empty
-    monkeypatch.setattr(launch, "_empty", lambda *a: made.append(real(*a)) or made[-1])
+    real = runtime._empty
+    monkeypatch.setattr(runtime, "_empty", lambda *a: made.append(real(*a)) or made[-1])
     q = _randn(1, 1, 4, 16)
     cache = _randn(1, 32, 2, 16)
     out, lse = attention_with_kvcache(q, cache, cache, cache_seqlens=20, num_splits=1)
@@ -339,8 +340,8 @@ def _outputs_inside_sentinels(monkeypatch):
         made.append((whole, inner))
         return inner.fill_(float("nan"))
 
-    monkeypatch.setattr(launch, "_empty", empty)
-    monkeypatch.setattr(launch, "_empty_like", lambda x: empty(x.shape, x.dtype, x.device))
+    monkeypatch.setattr(runtime, "_empty", empty)
+    monkeypatch.setattr(runtime, "_empty_like", lambda x: empty(x.shape, x.dtype, x.device))
     return made
 
 

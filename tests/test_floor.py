@@ -72,15 +72,13 @@ def test_the_setup_commands_install_what_is_declared():
 
 
 # Imports every module whose imports need a recent Triton, then compiles the Gluon forward and
-# backward for sm_90 (no GPU needed: Triton's wheel carries ptxas), as scripts/compile_check.py
+# backward for sm_90 (no GPU needed: Triton's wheel carries ptxas), as tools/compile_check.py
 # does. Triton 3.4 fails the imports (no warpgroup_mma), 3.5 the compiles (warp_specialize).
 GATED = """
-import sys
-sys.path.insert(0, "scripts")
 import flashtriton.launch  # triton.knobs: Triton 3.4
 import flashtriton.kernels.decode  # gdc_wait, gdc_launch_dependents
 import flashtriton.kernels.gluon_fwd, flashtriton.kernels.gluon_bwd  # warpgroup_mma: 3.5
-from sass_loop import compile_gluon_bwd, compile_gluon_fwd
+from tools.sass_loop import compile_gluon_bwd, compile_gluon_fwd
 from flashtriton.launch import gluon_triton_misfit
 if gluon_triton_misfit() is None:  # a release the Gluon kernels are written for
     for compile_ in (compile_gluon_fwd, compile_gluon_bwd):  # warp_specialize's form: 3.6

@@ -3,12 +3,10 @@ the float64 reference (their variants too), the layouts they read, and when
 attention_forward / attention_backward choose them (deterministic=True keeps the backward on
 the repeatable Triton kernels).
 Their compiled sm_90 code (the forward's softmax between the two products' waits, the
-backward's dQ reductions) is checked on any machine by scripts/compile_check.py, which CI
+backward's dQ reductions) is checked on any machine by tools/compile_check.py, which CI
 runs; the layout and eligibility rules and the backward's Triton prep kernel run on the CPU."""
 
 import math
-
-import os
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ import triton
 from accuracy import check_against_reference, make_qkv
 from conftest import DEVICE, ON_GPU
 from flashtriton import _env, flash_attention, flash_attention_with_lse, launch
+from flashtriton import configs, runtime
 from flashtriton.launch import Variant, _token_rows, gluon_misfit
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
@@ -164,7 +163,7 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
     """flash_attention at D=128 on Hopper runs the Gluon forward (its replay on the second
     call), the backward on its output and LSE; FLASHTRITON_GLUON=0 or a variant runs the
     Triton forward; both against the float64 reference, gradients included."""
-    monkeypatch.setattr(launch, "_CALLS", {})  # no replay of another test's calls
+    monkeypatch.setattr(runtime, "_CALLS", {})  # no replay of another test's calls
     calls = []
     real = launch._gluon_forward
     monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
@@ -174,10 +173,10 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
             lambda q, k, v: flash_attention_with_lse(q, k, v, causal=causal),
             q, k, v, causal)
     assert len(calls) == 2
-    replays = launch.FAST_LAUNCHES
+    replays = runtime.FAST_LAUNCHES
     flash_attention(q, k, v, causal=True)
-    assert len(calls) == 2 and launch.FAST_LAUNCHES == replays + 1  # replayed
-    monkeypatch.setattr(launch, "GLUON_VARIANTS", False)
+    assert len(calls) == 2 and runtime.FAST_LAUNCHES == replays + 1  # replayed
+    monkeypatch.setattr(configs, "GLUON_VARIANTS", False)
     flash_attention(q, k, v, causal=True, window_size=(64, 0))
     monkeypatch.setattr(_env, "GLUON", False)
     flash_attention(q, k, v)
@@ -190,16 +189,16 @@ def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
     ("_gluon_backward", "GLUON_BWD_VARIANTS", (1, 5))], ids=["forward", "backward"])
 def test_variants_run_on_gluon_as_switched(monkeypatch, site, switch, counts):
     """flash_attention runs a window, softcap, ALiBi and a block mask on the Gluon kernels as
-    launch's switches say (against the float64 reference, gradients included): the forwards
+    configs' switches say (against the float64 reference, gradients included): the forwards
     with GLUON_VARIANTS, the backwards with GLUON_BWD_VARIANTS (both on by default; a block
     mask's backward runs on Gluon either way; GLUON_BWD_MIN_SEQLEN lowered to reach it at test
     size); switched off, the Triton kernels."""
-    monkeypatch.setattr(launch, "_CALLS", {})  # no replay of another test's calls
+    monkeypatch.setattr(runtime, "_CALLS", {})  # no replay of another test's calls
     calls = []
     real = getattr(launch, site)
     monkeypatch.setattr(launch, site, lambda *a: calls.append(1) or real(*a))
     if site == "_gluon_backward":
-        monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
+        monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
     from flashtriton.block_mask import create_block_mask
     q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
     slopes = torch.rand(4, device="cuda") * 0.3
@@ -210,7 +209,7 @@ def test_variants_run_on_gluon_as_switched(monkeypatch, site, switch, counts):
              (dict(causal=True, softcap=20.0), {}), (dict(alibi_slopes=slopes), {}),
              (dict(block_mask=bm), dict(attn_mask=doc))]
     for on, count in zip((False, True), counts):
-        monkeypatch.setattr(launch, switch, on)
+        monkeypatch.setattr(configs, switch, on)
         for opts, ref in cases:
             check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **opts),
                                     q, k, v, opts.get("causal", False),
@@ -246,7 +245,7 @@ def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer(dq_layou
     kernel: runs in the interpreter): the log2 LSE (+inf where it is -inf) and delta =
     rowsum(dO * O) of each head's rows, padded to 128 rows (N = 70: not a multiple of 4, so
     unpadded rows would start off the 16-byte alignment TMA needs) with +inf and 0, and the
-    fp32 dQ buffer zeroed in q's layout (launch._dq_buffer: tokens-major or heads-major; the
+    fp32 dQ buffer zeroed in q's layout (launch.gluon_attn._dq_buffer: tokens-major or heads-major; the
     kernel goes by its strides and writes nothing else), from O and dO in any strided (B, N,
     H, D) layout."""
     from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
@@ -257,7 +256,7 @@ def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer(dq_layou
     lse[0, 1, 5] = -float("inf")  # a row that sees no key
     lse2, delta = torch.full((2, B, H, 128), float("nan"), device=DEVICE)
     q = out if dq_layout == "heads-major" else dout
-    buffer = launch._dq_buffer(q)
+    buffer = launch.gluon_attn._dq_buffer(q)
     assert buffer.shape == (B, N, H, D) and buffer.stride() == q.stride()
     # the kernel zeroes by the strides it is given: here a buffer with a spare head between
     # batches, which it must leave alone
@@ -421,12 +420,12 @@ def test_gluon_backward_rejects_what_it_does_not_take():
 
 def test_gluon_backward_timeline_rows_and_step_parts():
     """attention_backward_gluon's _timeline (timing only) must be programs x TL_ROW int64 (a
-    ValueError otherwise, before the kernel's other checks), and probe_timeline.step_parts
+    ValueError otherwise, before the kernel's other checks), and tools/timeline.py's step_parts
     reads a consumer's step marks, one a warp: the mean cycles of each part over the steps
     that are neither a walk's first nor its last, a column a warp, and the SM's cycles a
     ns."""
-    import importlib.util
     from flashtriton.kernels import gluon_bwd
+    from tools import timeline as probe
     q = torch.zeros(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 300, 2, 128, dtype=torch.bfloat16)
     row = gluon_bwd.TL_ROW.value
@@ -434,10 +433,6 @@ def test_gluon_backward_timeline_rows_and_step_parts():
                 torch.zeros(12, row, dtype=torch.int32), torch.zeros(row, 12).long().t()):
         with pytest.raises(ValueError, match="_timeline must be"):
             launch.attention_backward_gluon(q, q, k, k, q, None, _timeline=bad)
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "probe_timeline.py")
-    spec = importlib.util.spec_from_file_location("probe_timeline", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
     steps, n = gluon_bwd.TL_STEPS.value, gluon_bwd.TL_MARKS.value
     warps = gluon_bwd.TL_WARPS.value
     assert len(probe.STEP_PARTS) == n - 1  # a name for each part between two marks
@@ -474,14 +469,10 @@ def test_bench_gluon_ab_settings(monkeypatch):
     choose) off and on (a None one's other values integers: ORDER=0,2), an integer option at
     A and B (CONSUMER_REGS=232,240), several joined by + together, fwd. / bwd. naming one
     kernel's (left out of the other kernel's A/B, an error where nothing is left),
-    bench_variants.ab_side's items for either side, and an error for an unknown name or a
+    bench.variants.ab_side's items for either side, and an error for an unknown name or a
     third value."""
-    import importlib.util
     from flashtriton.kernels import gluon_bwd, gluon_fwd
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_gluon.py")
-    spec = importlib.util.spec_from_file_location("bench_gluon", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tools import bench_gluon as bench
     regs = bench.ab_settings("CONSUMER_REGS=232,240", gluon_fwd.OPTIONS)
     assert regs == [{"CONSUMER_REGS": 232}, {"CONSUMER_REGS": 240}]
     assert all(type(st["CONSUMER_REGS"]) is int for st in regs)
@@ -499,7 +490,7 @@ def test_bench_gluon_ab_settings(monkeypatch):
         "CONSUMER_REGS=240,PRODUCER_REGS=24"
     assert bench.ab_settings(both + "+ONE_LOOP", gluon_bwd.OPTIONS) == [{"ONE_LOOP": False},
                                                                         {"ONE_LOOP": True}]
-    from flashtriton.bench_variants import ab_side
+    from flashtriton.bench.variants import ab_side
     assert ab_side(both + "+ONE_LOOP", 1) == \
         ["fwd.CONSUMER_REGS=240", "fwd.PRODUCER_REGS=24", "ONE_LOOP=1"]
     assert ab_side("HEAVY_FIRST", 0) == ["HEAVY_FIRST=0"]
@@ -515,7 +506,7 @@ def test_gluon_forward_replays_alibi_and_block_masks(monkeypatch):
     tensors, new slopes and a new block mask of the same shapes included (their pointers
     handed over: the second slopes differ, and the output follows them; against the float64
     reference each time): _gluon_forward runs once a variant."""
-    monkeypatch.setattr(launch, "_CALLS", {})  # no replay of another test's calls
+    monkeypatch.setattr(runtime, "_CALLS", {})  # no replay of another test's calls
     from flashtriton.block_mask import create_block_mask
     calls = []
     real = launch._gluon_forward
@@ -542,13 +533,13 @@ def test_gluon_backward_replays(monkeypatch):
     tensors (a window, ALiBi and a block mask; gradients against the float64 reference both
     times): _gluon_bwd_launch runs once a variant, and again after a gluon_bwd.OPTIONS
     change (part of the signature)."""
-    monkeypatch.setattr(launch, "_CALLS", {})  # no replay of another test's calls
+    monkeypatch.setattr(runtime, "_CALLS", {})  # no replay of another test's calls
     from flashtriton.block_mask import create_block_mask
     from flashtriton.kernels import gluon_bwd
-    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
+    monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
     calls = []
-    real = launch._gluon_bwd_launch
-    monkeypatch.setattr(launch, "_gluon_bwd_launch", lambda *a: calls.append(1) or real(*a))
+    real = launch.gluon_attn._gluon_bwd_launch
+    monkeypatch.setattr(launch.gluon_attn, "_gluon_bwd_launch", lambda *a: calls.append(1) or real(*a))
     bm = create_block_mask(_doc_mod, None, None, 700, 700, "cuda")
     i = torch.arange(700, device="cuda")
     doc = _doc_mod.fn(0, 0, i[:, None], i[None, :])[None, None].expand(2, 4, 700, 700)
@@ -581,8 +572,8 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch):
     calls = []
     real = launch._gluon_backward
     monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
-    monkeypatch.setattr(launch, "GLUON_BWD_VARIANTS", False)
+    monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
+    monkeypatch.setattr(configs, "GLUON_BWD_VARIANTS", False)
     q, k, v = make_qkv(2, 513, 513, 4, 2, 128, torch.bfloat16, "cuda")
     for causal in (False, True):
         check_against_reference(
@@ -608,7 +599,7 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch):
     torch.autograd.grad(flash_attention(q64, k64, v64), (q64, k64, v64), torch.ones_like(q64))
     grads(causal=True)  # reaches the Gluon backward: the calls above did not
     assert len(calls) == 4
-    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 1024)
+    monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 1024)
     grads()
     assert len(calls) == 4
 
@@ -617,7 +608,7 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch):
 def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
     """deterministic=True gives bitwise the same gradients run after run where the default
     would run the Gluon backward (whose dQ sums vary in order)."""
-    monkeypatch.setattr(launch, "GLUON_BWD_MIN_SEQLEN", 512)
+    monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
     q, k, v = make_qkv(2, 1024, 1024, 4, 4, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     runs = [torch.autograd.grad(flash_attention(q, k, v, causal=True, deterministic=True),
@@ -637,10 +628,10 @@ def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
 def test_gluon_causal_alibi_forms_match_reference(monkeypatch, window, softcap, alibi,
                                                   one_sided):
     """Causal ALiBi in the Gluon forward and backward, in the one-sided form (the keys' part
-    in the scores, the rows' part in the LSE; launch.GLUON_ALIBI_ONE_SIDED, the default),
+    in the scores, the rows' part in the LSE; configs.GLUON_ALIBI_ONE_SIDED, the default),
     and the general one: output, LSE and gradients against the float64 reference, GQA,
     ragged N."""
-    monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", one_sided)
+    monkeypatch.setattr(configs, "GLUON_ALIBI_ONE_SIDED", one_sided)
     B, N, H, HKV = 2, 1000, 4, 2
     q, k, v = make_qkv(B, N, N, H, HKV, 128, torch.bfloat16, "cuda")
     slopes = torch.rand((H,) if alibi == "head" else (B, H), device="cuda") * 0.3
@@ -650,7 +641,7 @@ def test_gluon_causal_alibi_forms_match_reference(monkeypatch, window, softcap, 
 
 
 def test_gluon_alibi_form_follows_the_switch_and_the_mask(monkeypatch):
-    """launch._gluon_alibi: no slopes 0; the general form 1; the one-sided form 2 only with
+    """launch.gluon_attn._gluon_alibi: no slopes 0; the general form 1; the one-sided form 2 only with
     GLUON_ALIBI_ONE_SIDED and every visible key at or left of the diagonal (causal, or a
     window whose right side is 0)."""
     slopes = torch.ones(2)
@@ -658,11 +649,11 @@ def test_gluon_alibi_form_follows_the_switch_and_the_mask(monkeypatch):
 
     def form(**opts):
         variant = Variant(0.1, alibi_slopes=slopes, **opts)
-        return launch._gluon_alibi(launch._common(q, None, 64, 64, variant)[0], slopes)
-    assert launch._gluon_alibi({}, None) == 0
-    monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", False)
+        return launch.gluon_attn._gluon_alibi(launch.calls._common(q, None, 64, 64, variant)[0], slopes)
+    assert launch.gluon_attn._gluon_alibi({}, None) == 0
+    monkeypatch.setattr(configs, "GLUON_ALIBI_ONE_SIDED", False)
     assert form(causal=True) == 1
-    monkeypatch.setattr(launch, "GLUON_ALIBI_ONE_SIDED", True)
+    monkeypatch.setattr(configs, "GLUON_ALIBI_ONE_SIDED", True)
     assert form(causal=True) == 2 and form(window_left=30, window_right=0) == 2
     assert form() == 1 and form(window_left=30, window_right=5) == 1
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from accuracy import check_against_reference, make_qkv
 from conftest import ON_GPU
 from flashtriton import flash_attention, flash_attention_with_lse, launch
+from flashtriton import configs, runtime
 from flashtriton.launch import Variant
 from modules import AttentionBlock, SdpaBlock
 
@@ -28,7 +29,7 @@ def test_long_sequences(seqlen, heads, D, causal):
 def _extra_memory(seqlen, B=1, H=16, D=128):
     """Peak memory of causal forward + backward beyond the inputs and dout; the bytes of out,
     dq, dk and dv; and the bytes of the fp32 dQ buffer that the Gluon backward adds into
-    (where it runs: Hopper, D=128, from launch.GLUON_BWD_MIN_SEQLEN tokens), else 0."""
+    (where it runs: Hopper, D=128, from configs.GLUON_BWD_MIN_SEQLEN tokens), else 0."""
     q, k, v = make_qkv(B, seqlen, seqlen, H, H, D, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     flash_attention(q, k, v, causal=True).backward(dout)  # autotuning allocates scratch: not ours
@@ -38,7 +39,7 @@ def _extra_memory(seqlen, B=1, H=16, D=128):
     base = torch.cuda.memory_allocated()
     flash_attention(q, k, v, causal=True).backward(dout)
     torch.cuda.synchronize()
-    gluon = launch._runs_gluon_backward(q, k, v, Variant(D ** -0.5, True), None)
+    gluon = launch.backward_route(q, k, v, Variant(D ** -0.5, True))[0] == "gluon"
     return (torch.cuda.max_memory_allocated() - base, 4 * q.numel() * q.element_size(),
             4 * q.numel() if gluon else 0)
 
@@ -112,7 +113,7 @@ def test_patch_sdpa_same_result_and_faster_than_fa2():
 
 
 def test_decode_tuner_times_the_gpu_not_the_host():
-    """The decoding tuner's benchmarker (launch.gpu_time_ms) times the GPU: a call that spends
+    """The decoding tuner's benchmarker (runtime.gpu_time_ms) times the GPU: a call that spends
     ~300 us of host time after launching a ~20 us kernel times as the kernel alone, where
     do_bench (Triton's tuner's default) times the host."""
     import time
@@ -127,21 +128,21 @@ def test_decode_tuner_times_the_gpu_not_the_host():
         t = time.perf_counter()
         while time.perf_counter() - t < 300e-6:
             pass
-    alone = launch.gpu_time_ms(kernel)[0]
+    alone = runtime.gpu_time_ms(kernel)[0]
     assert 0.005 < alone < 0.1, alone
-    assert launch.gpu_time_ms(slow_host)[0] < 1.5 * alone, alone
+    assert runtime.gpu_time_ms(slow_host)[0] < 1.5 * alone, alone
     assert triton.testing.do_bench(slow_host, warmup=5, rep=20) > 0.25  # the host's 300 us
 
 
 def test_flush_l2_leaves_no_write_back_on_the_timed_call():
-    """bench.cold_ms times after launch.flush_l2, which reads 256 MB; do_bench's flush zeroes
+    """bench.cold_ms times after runtime.flush_l2, which reads 256 MB; do_bench's flush zeroes
     them, and the dirty lines it leaves in the L2 are written back during the timed call. A
     268 MB read (a decoding step's size at B=8 8K) runs >= 5% faster after flush_l2 (the
     H200: ~11% for a reduction, 13% for a decoding step, session 26)."""
     import triton
     from triton.runtime import driver
 
-    from flashtriton.bench import cold_ms
+    from flashtriton.bench.common import cold_ms
     x = torch.ones(134 << 20, device="cuda", dtype=torch.bfloat16)
     read = lambda: x.sum(dtype=torch.float32)  # noqa: E731
     clean = min(cold_ms(read) for _ in range(3))
@@ -150,7 +151,7 @@ def test_flush_l2_leaves_no_write_back_on_the_timed_call():
     assert clean < 0.95 * dirty, (clean, dirty)
     cache = driver.active.get_empty_cache_for_benchmark()
     cache.fill_(7)
-    launch.flush_l2(cache)  # reads only: nothing written
+    runtime.flush_l2(cache)  # reads only: nothing written
     assert bool((cache == 7).all())
 
 
@@ -164,7 +165,7 @@ def test_decode_step_replays_from_a_cuda_graph(monkeypatch):
     same sums)."""
     from flashtriton import decode
     from flashtriton.decode import attention_with_kvcache
-    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 40)
+    monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 40)
     B, N, H, HKV, D = 4, 4096, 32, 8, 128
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -182,7 +183,7 @@ def test_decode_step_replays_from_a_cuda_graph(monkeypatch):
     lens.copy_(torch.tensor([4096, 1, 777, 2048], dtype=torch.int32))
     graph.replay()
     in_kernel = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
-    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", False)
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", False)
     eager = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
     torch.testing.assert_close(captured.out, eager.out, atol=0, rtol=0)
     torch.testing.assert_close(captured.lse, eager.lse, atol=0, rtol=0)
@@ -198,15 +199,15 @@ def test_decode_merge_in_the_kernel_is_the_same_every_step(monkeypatch):
     zero."""
     from flashtriton import decode
     from flashtriton.decode import attention_with_kvcache
-    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 40)  # a 268 MB cache merged in the kernel
+    monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 40)  # a 268 MB cache merged in the kernel
     B, N, H, HKV, D = 1, 65536, 32, 8, 128
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
     assert decode._splits(0, B, HKV, N, decode.configs.decode_split_granule(), q.device) == 16
-    monkeypatch.setattr(launch, "_CALLS", {})
+    monkeypatch.setattr(runtime, "_CALLS", {})
     first = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
-    (_, _, mode, _), = launch._CALLS.values()
+    (_, _, mode, _), = runtime._CALLS.values()
     assert mode == 2  # merged in the split kernel
     steps = [attention_with_kvcache(q, kc, vc, cache_seqlens=lens) for _ in range(300)]
     for step in steps:
@@ -228,9 +229,9 @@ def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl, in_kernel):
     from flashtriton import _env, decode, launch
     from flashtriton.decode import attention_with_kvcache
     monkeypatch.setattr(_env, "PDL", pdl)
-    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", in_kernel)
-    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 40)
-    monkeypatch.setattr(launch, "_CALLS", {})
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 40)
+    monkeypatch.setattr(runtime, "_CALLS", {})
     B, N, H, HKV, D = 1, 65536, 32, 8, 128
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
     old, new = (torch.randn(2, B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
@@ -249,8 +250,8 @@ def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl, in_kernel):
         got = attention_with_kvcache(q, kv[0], kv[1], cache_seqlens=lens)
         torch.testing.assert_close(got.out, want.out, atol=0, rtol=0)
         torch.testing.assert_close(got.lse, want.lse, atol=0, rtol=0)
-    (run_split, run_merge, mode, _), = launch._CALLS.values()  # this step's launches
-    assert mode == (2 if in_kernel else 1) and launch.use_pdl(q.device) == pdl  # Hopper
+    (run_split, run_merge, mode, _), = runtime._CALLS.values()  # this step's launches
+    assert mode == (2 if in_kernel else 1) and runtime.use_pdl(q.device) == pdl  # Hopper
     assert run_split.compiled.metadata.launch_pdl == pdl
     assert in_kernel or run_merge.compiled.metadata.launch_pdl == pdl
 
@@ -366,13 +367,13 @@ def test_kvcache_prefill_route_replays(append, return_lse):
         lens = torch.tensor([1100 + 300 * call, 2000 - 400 * call, 1500], dtype=torch.int32)
         pad = torch.tensor([7 * call, 100, 0], dtype=torch.int32)
         rows = torch.tensor([(call + b) % (B + 1) for b in range(B)], dtype=torch.int32)
-        before = launch.FAST_LAUNCHES
+        before = runtime.FAST_LAUNCHES
         out, lse = attention_with_kvcache(
             q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens.cuda(),
             cache_batch_idx=rows.cuda(), cache_leftpad=pad.cuda(), causal=True,
             return_lse=return_lse)
         if call == 2:  # spans + forward (+ the append) replayed
-            assert launch.FAST_LAUNCHES - before == 2 + append
+            assert runtime.FAST_LAUNCHES - before == 2 + append
         assert (lse is not None) == return_lse
         for b in range(B):
             r, first, n = int(rows[b]), int(pad[b]), int(lens[b]) + n_new

@@ -7,6 +7,7 @@ import torch
 from accuracy import assert_rule
 from conftest import DEVICE, ON_GPU
 from flashtriton import flash_attention_with_lse
+from flashtriton import configs, runtime
 from flashtriton.compat import flash_attn as fa
 from flashtriton.decode import attention_with_kvcache, merge_attention_states
 from flashtriton.reference import attention_reference
@@ -278,7 +279,7 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     # output: no partial buffers, no merge launch; more splits merge (here by the merge
     # kernel, as under a CUDA graph's capture).
     from flashtriton import decode
-    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", False)
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", False)
     merges = []
     real = decode.merge_partials
     monkeypatch.setattr(decode, "merge_partials",
@@ -306,11 +307,11 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     # over large caches, over more splits) the merge kernel does. Both match the reference,
     # and the counts end at zero.
     from flashtriton import decode, launch
-    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", in_kernel)
-    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 30)  # the GPU's caches are larger
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 30)  # the GPU's caches are larger
     merges = []  # the MERGE of each split kernel launch
-    real = launch._launch
-    monkeypatch.setattr(launch, "_launch",
+    real = runtime._launch
+    monkeypatch.setattr(runtime, "_launch",
                         lambda *a, **kw: merges.append(kw["MERGE"]) or real(*a, **kw))
     gen = torch.Generator().manual_seed(5)
     B, H, HKV, D, SQ = 2, 8, 2, 128, 4
@@ -346,11 +347,11 @@ def test_without_lse_the_output_is_the_same(monkeypatch, splits, in_kernel):
     # the output is the one with the LSE, bit for bit, on each way a step can take (on the GPU
     # also when replayed), and the LSE's own calls still return it.
     from flashtriton import decode, launch
-    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", in_kernel)
-    monkeypatch.setattr(decode, "_MERGE_BYTES", 1 << 30)
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 30)
     merges = []  # the MERGE of each split kernel launch
-    real = launch._launch
-    monkeypatch.setattr(launch, "_launch",
+    real = runtime._launch
+    monkeypatch.setattr(runtime, "_launch",
                         lambda *a, **kw: merges.append(kw["MERGE"]) or real(*a, **kw))
     gen = torch.Generator().manual_seed(8)
     B, H, HKV, D = 2, 8, 2, 32
@@ -440,7 +441,7 @@ def test_decode_tile_is_tuned_per_grid_waves(monkeypatch):
     # 4 SMs, B=1 over 8 split granules (8 splits of one) and B=16 over one (one split each)
     # share the split bucket, in 2 and 4 waves.
     from flashtriton import configs, decode, launch
-    monkeypatch.setattr(launch, "_TUNED", {})
+    monkeypatch.setattr(runtime, "_TUNED", {})
     monkeypatch.setattr(decode, "_num_sms", lambda device: 4)
     g = configs.decode_split_granule()  # 16 in the interpreter, 128 on a GPU
     keys = []
@@ -451,7 +452,7 @@ def test_decode_tile_is_tuned_per_grid_waves(monkeypatch):
         ref = attention_reference(q.double(), kc.double(), vc.double()).out
         low = attention_reference(q, kc, vc, dtype=torch.float32).out
         assert_rule(f"out[B={B}]", out, ref, low, 2, torch.float32)
-        keys += [k[1] for k in launch._TUNED if k[0] == id(launch._decode) and k[1] not in keys]
+        keys += [k[1] for k in runtime._TUNED if k[0] == id(launch.triton_attn._decode) and k[1] not in keys]
     assert len(keys) == 2 and keys[0][1] == keys[1][1], keys  # one split bucket
     assert (keys[0][2], keys[1][2]) == (2, 4), keys  # waves
 

@@ -1,4 +1,4 @@
-"""The cached launch path of launch._launch: which calls reuse a compiled kernel, and that such a
+"""The cached launch path of runtime._launch: which calls reuse a compiled kernel, and that such a
 call hands the compiled kernel what Triton's JITFunction.run would (every argument in the
 kernel's order, this call's grid, the current stream). A fake kernel stands in for Triton's
 here; tests/test_attention.py::test_repeated_calls runs the real kernels through the path."""
@@ -12,6 +12,7 @@ import triton
 from accuracy import check_against_reference, make_qkv
 from conftest import DEVICE, ON_GPU
 from flashtriton import _env, flash_attention_with_lse, launch
+from flashtriton import configs, runtime
 
 
 class FakeCompiled:
@@ -50,7 +51,7 @@ class FakeJIT:
 
 class FakeAutotuner:
     def __init__(self, real=None):
-        """A stand-in for launch._fwd / _dq / _dkdv (``real``: its argument names and tiles)."""
+        """A stand-in for launch.triton_attn._fwd / _dq / _dkdv (``real``: its argument names and tiles)."""
         self.fn = FakeJIT()
         self.cache = {}
         self.best_config = triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=1)
@@ -78,16 +79,16 @@ class FakeDriver:
 def fake(monkeypatch):
     monkeypatch.setattr(_env, "INTERPRET", False)
     monkeypatch.setattr(_env, "FAST_LAUNCH", True)
-    monkeypatch.setattr(launch, "_COMPILED", {})
-    monkeypatch.setattr(launch, "_PLANS", {})  # keyed by id(): a dead fake's id comes back
-    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=FakeDriver()))
+    monkeypatch.setattr(runtime, "_COMPILED", {})
+    monkeypatch.setattr(runtime, "_PLANS", {})  # keyed by id(): a dead fake's id comes back
+    monkeypatch.setattr(runtime, "driver", types.SimpleNamespace(active=FakeDriver()))
     kernel = FakeAutotuner()
     yield kernel
-    launch._TUNED.pop((id(kernel), ("key",)), None)
+    runtime._TUNED.pop((id(kernel), ("key",)), None)
 
 
 def _call(kernel, q, k, stride=64, scale=0.5, seed=0, batch=2):
-    launch._launch(kernel, lambda meta: (triton.cdiv(40, meta["BLOCK_M"]), batch), ("key",),
+    runtime._launch(kernel, lambda meta: (triton.cdiv(40, meta["BLOCK_M"]), batch), ("key",),
                    q, k, stride, scale, seed=seed, FLAG=True)
 
 
@@ -97,13 +98,13 @@ def _pair(offset=0):
 
 
 def test_third_call_runs_the_compiled_kernel(fake):
-    before = launch.FAST_LAUNCHES
+    before = runtime.FAST_LAUNCHES
     _call(fake, *_pair())                       # autotunes
     _call(fake, *_pair())                       # through JITFunction.run, cached
     assert fake.tuned == 1 and len(fake.fn.slow) == 1
     q, k = _pair()
     _call(fake, q, k, seed=77, batch=5)         # new tensors, seed and batch: cached kernel
-    assert len(fake.fn.slow) == 1 and launch.FAST_LAUNCHES == before + 1
+    assert len(fake.fn.slow) == 1 and runtime.FAST_LAUNCHES == before + 1
     (grid, stream, args), = fake.fn.compiled[0].runs
     assert grid == (3, 5, 1) and stream == 1234
     assert args == (q.data_ptr(), k.data_ptr(), 64, 0.5, 77, True, 16)
@@ -130,7 +131,7 @@ def test_other_calls_go_through_triton(fake, change):
         k = k.view(torch.uint8)
     kw = {"int": dict(stride=128), "float": dict(scale=0.25), "seed64": dict(seed=2**31)}
     if change == "constexpr":
-        launch._launch(fake, lambda meta: (1, 1), ("key",), q, k, 64, 0.5, seed=0, FLAG=False)
+        runtime._launch(fake, lambda meta: (1, 1), ("key",), q, k, 64, 0.5, seed=0, FLAG=False)
     else:
         _call(fake, q, k, **kw.get(change, {}))
     assert len(fake.fn.slow) == 2 and not fake.fn.compiled[0].runs
@@ -141,7 +142,7 @@ def test_switched_off(fake, monkeypatch):
     monkeypatch.setattr(_env, "FAST_LAUNCH", False)
     for _ in range(3):
         _call(fake, *_pair())
-    assert len(fake.fn.slow) == 2 and not launch._COMPILED
+    assert len(fake.fn.slow) == 2 and not runtime._COMPILED
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -149,14 +150,14 @@ def test_repeated_calls(causal):
     # The same shapes three times with new data (on a GPU the third call runs the cached
     # compiled kernels), then another batch size with the same strides per batch: the grid
     # must follow the batch. Each result is checked against the float64 reference.
-    before = launch.FAST_LAUNCHES
+    before = runtime.FAST_LAUNCHES
     for B in (2, 2, 2, 3):
         q, k, v = make_qkv(B, 48, 48, 2, 2, 32, torch.float16, DEVICE)
         check_against_reference(
             lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, causal=causal)), q, k, v,
             causal)
     if ON_GPU and _env.FAST_LAUNCH:
-        assert launch.FAST_LAUNCHES > before
+        assert runtime.FAST_LAUNCHES > before
 
 
 def test_kernel_without_tuning(fake):
@@ -164,7 +165,7 @@ def test_kernel_without_tuning(fake):
     fn = FakeJIT()
     for _ in range(2):
         q, k = _pair()
-        launch.launch_jit(fn, (4,), q, k, 64, 0.5, seed=3, FLAG=True, BLOCK_M=8)
+        runtime.launch_jit(fn, (4,), q, k, 64, 0.5, seed=3, FLAG=True, BLOCK_M=8)
     assert len(fn.slow) == 1
     (grid, _, args), = fn.compiled[0].runs
     assert grid == (4, 1, 1) and args[0] == q.data_ptr() and args[2:] == (64, 0.5, 3, True, 8)
@@ -173,13 +174,13 @@ def test_kernel_without_tuning(fake):
 @pytest.fixture
 def fake_attention(fake, monkeypatch):
     """Fake forward and backward kernels with the real kernels' arguments; a fresh call table."""
-    monkeypatch.setattr(launch, "_CALLS", {})
+    monkeypatch.setattr(runtime, "_CALLS", {})
     kernels = {}
     for name in ("_fwd", "_dq", "_dkdv"):
-        kernels[name] = FakeAutotuner(getattr(launch, name))
-        monkeypatch.setattr(launch, name, kernels[name])
+        kernels[name] = FakeAutotuner(getattr(launch.triton_attn, name))
+        monkeypatch.setattr(launch.triton_attn, name, kernels[name])
     yield kernels
-    launch._TUNED.clear()  # keyed by the fakes' ids
+    runtime._TUNED.clear()  # keyed by the fakes' ids
 
 
 def _tensors(B=2, N=40, dtype=torch.float16):
@@ -194,7 +195,7 @@ def test_repeated_forward_replays_the_call(fake_attention):
     variant = launch.Variant(0.125, causal=True)
     for _ in range(2):
         launch.attention_forward(*_tensors(), variant)
-    assert fwd.tuned == 1 and len(fwd.fn.slow) == 1 and len(launch._CALLS) == 1
+    assert fwd.tuned == 1 and len(fwd.fn.slow) == 1 and len(runtime._CALLS) == 1
     (grid, slow_args, slow_kwargs), = fwd.fn.slow
     for _ in range(2):
         q, k, v = _tensors()
@@ -239,7 +240,7 @@ def test_dropout_and_tensor_variants_are_not_replayed(fake_attention):
                     launch.Variant(0.125, alibi_slopes=slopes)):
         for _ in range(3):
             launch.attention_forward(*_tensors(), variant)
-    assert not launch._CALLS
+    assert not runtime._CALLS
 
 
 def test_gluon_forward_replays_alibi_and_block_masks(fake_attention, monkeypatch):
@@ -257,12 +258,12 @@ def test_gluon_forward_replays_alibi_and_block_masks(fake_attention, monkeypatch
         return torch.zeros(1, 1, 1, 4, dtype=torch.int32)
     for variant in (lambda: launch.Variant(0.125, alibi_slopes=torch.ones(2)),
                     lambda: launch.Variant(0.125, kv_blocks=lists(), q_blocks=lists())):
-        launch._CALLS.clear()
+        runtime._CALLS.clear()
         for call in range(3):
             var = variant()
             q, k, v = (torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16) for _ in range(3))
             out, lse = launch.attention_forward(q, k, v, var)
-            assert len(launch._CALLS) == 1
+            assert len(runtime._CALLS) == 1
             if call:  # the first call launched; the others replayed with their own tensors
                 extra = var.alibi_slopes if var.alibi_slopes is not None else var.kv_blocks
                 assert replays[-1] == (*[t.data_ptr() for t in (q, k, v, out, lse)],
@@ -273,13 +274,13 @@ def test_gluon_forward_replays_alibi_and_block_masks(fake_attention, monkeypatch
     var = launch.Variant(0.125, alibi_slopes=torch.ones(1, 2))  # (B, H) slopes: another call
     launch.attention_forward(*(torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16)
                                for _ in range(3)), var)
-    assert not replays and len(launch._CALLS) == 2
+    assert not replays and len(runtime._CALLS) == 2
     monkeypatch.setattr(launch, "gluon_misfit", lambda *a, **k: "the Triton forward")
-    launch._CALLS.clear()
+    runtime._CALLS.clear()
     for _ in range(3):
         launch.attention_forward(*(torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16)
                                    for _ in range(3)), var)
-    assert not launch._CALLS and not replays
+    assert not runtime._CALLS and not replays
 
 
 def test_gluon_replays_hand_each_pointer_to_its_kernel_argument():
@@ -295,14 +296,14 @@ def test_gluon_replays_hand_each_pointer_to_its_kernel_argument():
         return {n: (int(a.base), a.shape, a.strides) if hasattr(a, "base") else a
                 for n, a in zip(names, args)}
     got = []
-    launch.GluonReplay(lambda *a: got.append(a), views[:3])(*[16 * i for i in range(1, 8)])
+    launch.gluon_attn.GluonReplay(lambda *a: got.append(a), views[:3])(*[16 * i for i in range(1, 8)])
     assert named(got[0], gluon_fwd._attn_fwd_gluon_kernel.arg_names) == {
         "q_desc": (16, *views[0]), "k_desc": (32, *views[1]), "v_desc": (48, *views[2]),
         "O": 64, "LSE": 80, "ALIBI": 96, "BMASK": 112}
     prep, kernel = [], []
     ptrs = dict(out=1, dout=2, lse=3, lse2=4, delta=5, dq_acc=6, q=7, k=8, v=9, dk=10, dv=11,
                 alibi=12, bmask=None)
-    launch.GluonBwdReplay(lambda *a: prep.append(a), lambda *a: kernel.append(a),
+    launch.gluon_attn.GluonBwdReplay(lambda *a: prep.append(a), lambda *a: kernel.append(a),
                           views)(**ptrs)
     assert named(prep[0], _attn_bwd_prep_kernel.arg_names) == dict(
         O=1, DO=2, LSE=3, LSE2=4, DELTA=5, DQ=6)
@@ -320,13 +321,13 @@ def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_ker
     # first call also compiles the merge kernel's way, which a capture would take).
     from flashtriton import decode
     monkeypatch.setattr(decode, "check_qkv", lambda *args, **kw: None)  # CPU, no interpreter
-    monkeypatch.setattr(decode, "MERGE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
     monkeypatch.setattr(decode, "_WORKSPACES", {})
-    split = FakeAutotuner(launch._decode)
+    split = FakeAutotuner(launch.triton_attn._decode)
     split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
     merge = FakeJIT()
     merge.arg_names = decode._attn_merge_kernel.arg_names
-    monkeypatch.setattr(launch, "_decode", split)
+    monkeypatch.setattr(launch.triton_attn, "_decode", split)
     monkeypatch.setattr(decode, "_attn_merge_kernel", merge)
 
     def step(num_splits=3):
@@ -340,7 +341,7 @@ def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_ker
 
     for _ in range(2):
         step()
-    assert len(split.fn.slow) == len(merge.slow) == 1 and len(launch._CALLS) == 1
+    assert len(split.fn.slow) == len(merge.slow) == 1 and len(runtime._CALLS) == 1
     q, cache, lens, out, lse = step()
     (grid, _, args) = split.fn.compiled[0].runs[-1]
     assert len(split.fn.compiled[0].runs) == 1 + in_kernel  # call 2 replayed too
@@ -370,9 +371,9 @@ def test_call_signature_holds_the_gluon_options_where_a_gluon_kernel_may_run(mon
     monkeypatch.setattr(_env, "INTERPRET", False)
     monkeypatch.setattr(_env, "FAST_LAUNCH", True)
     t = torch.zeros(2, 3)
-    before = [launch.call_signature("s", (1, ), t, None, gluon=g) for g in (True, False)]
+    before = [runtime.call_signature("s", (1, ), t, None, gluon=g) for g in (True, False)]
     monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", not gluon_fwd.OPTIONS["HEAVY_FIRST"])
-    after = [launch.call_signature("s", (1, ), t, None, gluon=g) for g in (True, False)]
+    after = [runtime.call_signature("s", (1, ), t, None, gluon=g) for g in (True, False)]
     assert before[0] != after[0] and before[1] == after[1]
     assert after[1][-2:] == ((t.shape, t.stride(), t.dtype, -1), None)
 
@@ -384,9 +385,9 @@ def test_repeated_decode_step_replays_before_the_checks(fake_attention, monkeypa
     from flashtriton import decode
     checks = []
     monkeypatch.setattr(decode, "check_qkv", lambda *args, **kw: checks.append(args[3]))
-    split = FakeAutotuner(launch._decode)
+    split = FakeAutotuner(launch.triton_attn._decode)
     split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
-    monkeypatch.setattr(launch, "_decode", split)
+    monkeypatch.setattr(launch.triton_attn, "_decode", split)
     q = torch.zeros(2, 1, 4, 32, dtype=torch.float16)
     cache = torch.zeros(2, decode.configs.decode_split_granule(), 2, 32, dtype=torch.float16)
     lens = torch.full((2,), 50, dtype=torch.int32)
@@ -418,9 +419,9 @@ def test_descriptor_scratch_is_not_kept_between_launches():
     # calls would sit in a CUDA-graph pool during torch.compile's warmup (a live tensor that
     # is no output), and the default stream's handle is shared by every device.
     import weakref
-    buf = launch._scratch(256, 128, stream=0)
+    buf = runtime._scratch(256, 128, stream=0)
     assert buf.numel() >= 256 and buf.dtype == torch.int8
-    assert buf.device.type == ("cpu" if launch._env.INTERPRET else "cuda")
+    assert buf.device.type == ("cpu" if runtime._env.INTERPRET else "cuda")
     kept = weakref.ref(buf)
     del buf
     assert kept() is None

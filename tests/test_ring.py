@@ -140,7 +140,7 @@ def test_errors_without_process_group():
 
 
 def test_bench_ring_estimate_and_table():
-    from flashtriton import bench_ring
+    from flashtriton.bench import ring as bench_ring
     step, total, mem, compute, transfer = bench_ring.estimate(8, 131072, 400.0, 300.0)
     assert step == max(compute, transfer) and total == 8 * step
     # 4x the tokens: 16x the compute per step, 4x the bytes per step and per rank

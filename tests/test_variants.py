@@ -76,7 +76,7 @@ def test_alibi_forms_fp32(window, causal, form):
     slopes = torch.tensor([1.0, 0.25, 0.0625], device=DEVICE)
     variant = launch.Variant(0.125, causal=causal, window_left=window[0],
                              window_right=window[1], alibi_slopes=slopes)
-    assert launch._common(q, None, 37, 53, variant)[0]["HAS_ALIBI"] == form
+    assert launch.calls._common(q, None, 37, 53, variant)[0]["HAS_ALIBI"] == form
     opts = dict(window_size=window, alibi_slopes=slopes)
     check_against_reference(_run(opts, causal), q, k, v, causal, **opts)
 

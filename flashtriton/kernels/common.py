@@ -311,7 +311,7 @@ TL_COLUMNS = tl.constexpr(5)  # a timeline row: start, wait or loop end, stores,
 
 @triton.jit
 def mark(TL, row, slot: tl.constexpr):
-    """Timing only (TL not None; scripts/probe_decode_timeline.py): %globaltimer (ns) now into
+    """Timing only (TL not None; tools/timeline.py decode): %globaltimer (ns) now into
     TL[row, slot] of an int64 (programs, TL_COLUMNS) table; slot 4: the SM (%smid)."""
     if TL is not None:
         if slot == 4:

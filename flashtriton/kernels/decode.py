@@ -30,7 +30,7 @@ _cache_spans_kernel   one program: the offsets and key counts of the prefill for
 
 Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
 position SK - SQ + t: causal and window masks are aligned to the end of the cache. Both kernels
-take TL: None, or a timeline (timing only: common.mark, scripts/probe_decode_timeline.py).
+take TL: None, or a timeline (timing only: common.mark, tools/timeline.py decode).
 """
 
 import triton

@@ -45,7 +45,7 @@ keys (no mask), then masked ones again (a window's far edge, the ragged end, par
 Scope: bf16 / fp16, head dim 128, SQ == SK, GQA, q / k / v / dO in the 2-D token-row views of
 launch._token_rows. The prep kernel (kernels.attn_bwd) computes the log2 LSE and delta of
 padded rows and zeroes the fp32 dQ buffer first. Gluon does not run in the interpreter:
-scripts/compile_check.py compiles this kernel for sm_90 on any machine, tests/test_gluon.py
+tools/compile_check.py compiles this kernel for sm_90 on any machine, tests/test_gluon.py
 runs it on a Hopper GPU.
 """
 
@@ -69,7 +69,7 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
                                               coord, src.handle)
 
 
-# Timing only (TL, scripts/probe_timeline.py): a program's row at TL holds 8 marks (_mark),
+# Timing only (TL, tools/timeline.py backward): a program's row at TL holds 8 marks (_mark),
 # then TL_MARKS of each consumer in each of its first TL_STEPS steps, one a warp of the
 # consumer's TL_WARPS (_mark_step).
 TL_STEPS = gl.constexpr(32)
@@ -85,7 +85,7 @@ def _tl_row(TL):
 
 @gluon.jit
 def _mark(TL, slot: gl.constexpr):
-    """Timing only (TL not None; scripts/probe_timeline.py): %globaltimer (ns) now into slot
+    """Timing only (TL not None; tools/timeline.py backward): %globaltimer (ns) now into slot
     `slot` of the program's row at TL (slot 1: the SM's %smid instead)."""
     if TL is not None:
         if slot == 1:

@@ -20,7 +20,7 @@ plain or causal, and (launch.attention_forward_gluon, or attention_forward with
 launch.GLUON_VARIANTS) windows, softcap, ALiBi and block masks of 128-blocks.
 launch.attention_forward runs it where a call fits (Hopper, D=128: launch.gluon_misfit) and
 launch.attention_forward_gluon raises for anything else. Gluon does not run in the
-interpreter: scripts/compile_check.py compiles it for sm_90 on any
+interpreter: tools/compile_check.py compiles it for sm_90 on any
 machine, and tests/test_gluon.py runs it on a Hopper GPU.
 """
 
@@ -332,7 +332,7 @@ def grid_order(whole, ORDER: gl.constexpr):
     block by block (the walks that run whole first: the grid's tail holds the short ones);
     G >= 2 groups of G heads, the group's block i before its block i + 1 (walks that shorten
     with i: each group's longest start together, and the tail holds the last group's short
-    ones, as the longest-first rule would: scripts/simulate_schedule.py)."""
+    ones, as the longest-first rule would: tools/simulate_schedule.py)."""
     nb = gl.num_programs(0)
     P = gl.num_programs(1)
     if ORDER == 0:

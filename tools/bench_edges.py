@@ -1,7 +1,7 @@
 """The costs of the edge-correctness work, on the GPU, for an A/B of two trees in one run.
 
-    python scripts/bench_edges.py safety            # varlen, decode and paged decode times
-    python scripts/bench_edges.py prefill           # KV-cache calls with many query tokens
+    python tools/bench_edges.py safety            # varlen, decode and paged decode times
+    python tools/bench_edges.py prefill           # KV-cache calls with many query tokens
 
 ``safety`` times what the index bounds could slow (the varlen forward and backward, eager
 decoding steps over contiguous and paged caches, GPU time after a clean L2 flush) and prints
@@ -18,13 +18,15 @@ import torch
 import triton
 
 import flashtriton
-from flashtriton import bench, configs, flash_attention, flash_attention_varlen, launch
+from flashtriton import configs, flash_attention, flash_attention_varlen, launch, runtime
+from flashtriton.bench.common import cold_ms
+from flashtriton.bench.decode import decode_inputs
 from flashtriton.decode import attention_with_kvcache
 
 
 def _ms(fn, cold=False):
     if cold:
-        return bench.cold_ms(fn)
+        return cold_ms(fn)
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
@@ -44,7 +46,7 @@ def safety():
 
     rows = [("varlen fwd", _ms(fwd)), ("varlen fwd+bwd", _ms(fwd_bwd))]
     for B, N in ((1, 65536), (8, 8192), (64, 1024)):
-        qd, kc, vc, kp, vp, table, lens_t = bench.decode_inputs(B, N)
+        qd, kc, vc, kp, vp, table, lens_t = decode_inputs(B, N)
         step = lambda: attention_with_kvcache(qd, kc, vc, cache_seqlens=lens_t,  # noqa
                                               return_lse=False)
         paged = lambda: attention_with_kvcache(qd, kp, vp, cache_seqlens=lens_t,  # noqa
@@ -89,7 +91,7 @@ def prefill():
             saved = configs.KVCACHE_PREFILL_MIN_ROWS
             for route, threshold in (("split", 10**9), ("prefill", 1)):
                 configs.KVCACHE_PREFILL_MIN_ROWS = threshold
-                launch._CALLS.clear()  # a remembered step replays before the route is chosen
+                runtime._CALLS.clear()  # a remembered step replays before the route is chosen
                 call = lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens,  # noqa
                                                       causal=True, return_lse=False)
                 _check(call().out, q, kc, vc, lens, True, f"{route} D={D} SQ={SQ}")

@@ -6,7 +6,7 @@ docs/perf.md's fit, session 17). Prints the makespan of each order and the ideal
 busy to the end). Memory is not modelled: larger groups of heads read more distinct Q, dO
 and dQ rows at a time (L2).
 
-    python scripts/simulate_schedule.py [--seqlen 8192] [--heads 32] [--sms 132]
+    python tools/simulate_schedule.py [--seqlen 8192] [--heads 32] [--sms 132]
 """
 import argparse
 import heapq

@@ -1,6 +1,6 @@
 """Benchmark of the attention variants against FlexAttention on the same shapes.
 
-    python -m flashtriton.bench_variants [--seqlen 8192] [--out bench_out]
+    python -m flashtriton.bench.variants [--seqlen 8192] [--out bench_out]
         [--triton-variants] [--triton-bwd-variants] [--general-alibi]
         [--gluon-option NAME=0|1] [--ab NAME[=A,B]] [--rounds 3]
 
@@ -8,8 +8,9 @@ Variants (bf16, batch * seqlen = 16K tokens, 16 heads of 128): causal sliding wi
 of 1024, document masking (documents of 2048 tokens, through mask_mod + a block
 mask), prefix-LM (a 1024-token bidirectional prefix, causal after it; mask_mod + block
 mask), causal + ALiBi, causal + softcap 30. TFLOP/s count only the visible
-(query, key) pairs: 4 * D * pairs forward, 2.5x that backward. flashtriton's
-output is checked against FlexAttention's before its speed is reported; the two are
+(query, key) pairs: 4 * D * pairs forward, 2.5x that backward. Each provider's output and
+gradients are checked against flashtriton.reference (reference_options: the same variant
+as a float32 reference's options) before its speed is measured; the providers are
 measured in turn, --rounds times (their order rotated a round), and each figure is the
 median of its rounds.
 --ab NAME[=A,B] measures flashtriton at two settings of Gluon kernel options (off and on,
@@ -27,8 +28,9 @@ import torch
 import triton
 import triton.language as tl  # noqa: F401  (the interpreter needs it beside @triton.jit code)
 
-from . import launch
-from .bench import Shape, _measure, _meta, tiles_since
+from flashtriton import configs
+
+from .common import check, expected, failed, measure, meta as run_meta, tiles_mark, tiles_since
 
 WINDOW = 1024
 DOC = 2048
@@ -56,11 +58,33 @@ def _pairs(name, N):
     return float(N * (N + 1) / 2)
 
 
+def _slopes(H, device):
+    return torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+
+
+def reference_options(name, H, N, device):
+    """The variant as flashtriton.reference's options (common.expected's keywords)."""
+    i = torch.arange(N, device=device)[:, None]
+    j = torch.arange(N, device=device)[None, :]
+    return {"window": dict(causal=True, window_size=(WINDOW - 1, 0)),
+            "document": dict(attn_mask=(i // DOC) == (j // DOC)),
+            "prefix_lm": dict(attn_mask=(j < PREFIX) | (i >= j)),
+            "alibi": dict(causal=True, alibi_slopes=_slopes(H, device)),
+            "softcap": dict(causal=True, softcap=30.0)}[name]
+
+
+def reference(name, q, k, v, dout):
+    """expected's out, dq, dk, dv of the variant for (B, H, N, D) tensors, in that layout."""
+    opts = reference_options(name, q.shape[1], q.shape[2], q.device)
+    t = [x.transpose(1, 2) for x in (q, k, v, dout)]
+    return [x.transpose(1, 2) for x in expected(*t, **opts)]
+
+
 def _ours(name, B, H, N, device):
     from flashtriton import flash_attention
     from flashtriton.block_mask import create_block_mask
 
-    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+    slopes = _slopes(H, device)
     mods = {"document": _document_mod, "prefix_lm": _prefix_lm_mod}
     bm = create_block_mask(mods[name], None, None, N, N, device) if name in mods else None
     opts = {"window": dict(causal=True, window_size=(WINDOW - 1, 0)),
@@ -82,7 +106,7 @@ def _flex(name, B, H, N, device):
         if hasattr(torch._dynamo.config, attr):
             setattr(torch._dynamo.config, attr, 256)
     torch._functorch.config.donated_buffer = False
-    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=device)
+    slopes = _slopes(H, device)
 
     def causal(b, h, q, k):
         return q >= k
@@ -127,7 +151,7 @@ def option_tables(name: str):
     """The bare name of a Gluon kernel option and the OPTIONS tables it names: fwd.NAME
     kernels.gluon_fwd's, bwd.NAME gluon_bwd's, NAME whichever has it (both where both do:
     CONSUMER_REGS, PRODUCER_REGS). ValueError where none does."""
-    from .kernels import gluon_bwd, gluon_fwd
+    from flashtriton.kernels import gluon_bwd, gluon_fwd
     kernel, _, bare = name.rpartition(".")
     kernels = {"": (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS), "fwd": (gluon_fwd.OPTIONS, ),
                "bwd": (gluon_bwd.OPTIONS, )}.get(kernel, ())
@@ -171,7 +195,7 @@ def ab_side(ab: str, side: int) -> list:
 def _with_options(items, fn, *args):
     """fn(*args) with the Gluon kernels' OPTIONS set by items (set_gluon_options), restored
     after."""
-    from .kernels import gluon_bwd, gluon_fwd
+    from flashtriton.kernels import gluon_bwd, gluon_fwd
     saved = [(t, dict(t)) for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS)]
     set_gluon_options(items)
     try:
@@ -190,7 +214,7 @@ def rotated(providers: list, r: int) -> list:
 
 
 def _median_run(runs: list) -> dict:
-    """Each of _measure's figures: its median over the rounds, and every round's ms."""
+    """Each of common.measure's figures: its median over the rounds, and every round's ms."""
     out = {}
     for key in runs[0]:
         out[key] = statistics.median(r[key] for r in runs)
@@ -229,13 +253,13 @@ def main(argv=None):
                    help="measure flashtriton and FlexAttention in turn this many times; the "
                         "median of the rounds is reported")
     p.add_argument("--triton-variants", action="store_true",
-                   help="the variants' forwards on the Triton kernel (launch.GLUON_VARIANTS off)")
+                   help="the variants' forwards on the Triton kernel (configs.GLUON_VARIANTS off)")
     p.add_argument("--triton-bwd-variants", action="store_true",
-                   help="the variants' backwards on the Triton kernels (launch.GLUON_BWD_VARIANTS "
+                   help="the variants' backwards on the Triton kernels (configs.GLUON_BWD_VARIANTS "
                         "off)")
     p.add_argument("--general-alibi", action="store_true",
                    help="causal ALiBi's general |i - j| form in the Gluon kernels "
-                        "(launch.GLUON_ALIBI_ONE_SIDED off)")
+                        "(configs.GLUON_ALIBI_ONE_SIDED off)")
     p.add_argument("--gluon-option", "--gluon-bwd-option", dest="gluon_option",
                    action="append", default=[], metavar="NAME=0|1",
                    help="set an option of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
@@ -252,15 +276,15 @@ def main(argv=None):
         sides = [ab_side(args.ab, side) for side in (0, 1)] if args.ab else [[]]
     except ValueError as e:
         p.error(str(e))
-    launch.GLUON_VARIANTS = not args.triton_variants
-    launch.GLUON_ALIBI_ONE_SIDED = not args.general_alibi
-    launch.GLUON_BWD_VARIANTS = not args.triton_bwd_variants
+    configs.GLUON_VARIANTS = not args.triton_variants
+    configs.GLUON_ALIBI_ONE_SIDED = not args.general_alibi
+    configs.GLUON_BWD_VARIANTS = not args.triton_bwd_variants
     if not torch.cuda.is_available():
         sys.exit("the benchmark needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
     N, H, D = args.seqlen, args.heads, args.dim
     B = max(1, args.tokens // N)
-    meta = _meta(args.commit)
+    meta = run_meta(args.commit)
     ours = {" ".join(["flashtriton"] + items): items for items in sides}
     ups = " | ".join(" ".join(["speed-up"] + items + ["fwd / bwd"]) for items in sides)
     head = " | ".join(f"{o} fwd / bwd" for o in ours)
@@ -269,35 +293,38 @@ def main(argv=None):
     with open(os.path.join(args.out, "variants.jsonl"), "w") as f:
         for name in args.variants:
             res = {}
-            tuned_before = set(launch._TUNED)  # flashtriton tunes in its check call below
+            mark = tiles_mark()  # flashtriton tunes in its check call below
             fns = dict.fromkeys(ours, _ours(name, B, H, N, "cuda"))
             fns["flex"] = _flex(name, B, H, N, "cuda")
             items = dict(ours, flex=[])
-            q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            b = fns["flex"](q, k, v, None).float()
-            err = {prov: float((_with_options(items[prov], fn, q, k, v, None).float() - b).norm()
-                               / b.norm()) for prov, fn in fns.items()}
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            dout = torch.randn_like(q)
+            ref = reference(name, q, k, v, dout)
+            err = {prov: _with_options(items[prov], check, fn, q, k, v, dout, ref)
+                   for prov, fn in fns.items()}
+            del ref
             flop = 4 * B * H * D * _pairs(name, N)
-            shape = Shape(name, B, H, H, N, D, True)
-            ok = {prov: err[prov] < 2e-2 for prov in fns}
+            ok = {prov: not failed(err[prov]) for prov in fns}
             runs = {prov: [] for prov in fns}
             for r in range(args.rounds):  # the providers in turn: drift reaches all alike
                 for prov in rotated(list(fns), r):
                     fn = fns[prov]
                     if ok[prov]:
-                        runs[prov].append(_with_options(items[prov], _measure, fn, shape,
-                                                        torch.bfloat16))
+                        runs[prov].append(_with_options(items[prov], measure, fn, q, k, v, None,
+                                                        dout))
             for prov in fns:
                 row = dict(meta, variant=name, provider=prov.split()[0], B=B, H=H, N=N, D=D,
                            rel_err=err[prov], options=items[prov])
                 if not ok[prov]:
-                    row["status"] = f"FAILED check (rel err {err[prov]:.2e})"
+                    row["status"] = failed(err[prov])
                 else:
                     row.update(_median_run(runs[prov]), status="ok", rounds=args.rounds)
                     row.update(fwd_tflops=flop / row["fwd_ms"] * 1e-9,
                                bwd_tflops=2.5 * flop / row["bwd_ms"] * 1e-9)
                     if prov in ours:  # the tiles its kernels were tuned to
-                        row["tiles"] = tiles_since(tuned_before)
+                        row["tiles"] = tiles_since(mark)
                 res[prov] = row
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")

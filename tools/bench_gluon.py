@@ -10,12 +10,12 @@ dQ conversion) with dQ added by its producer's TMA reductions (w2) and not added
 only), flashtriton's Triton backward (deterministic=True) and cuDNN's, each row's dQ/dK/dV
 (w2's) checked against cuDNN's.
 
-    python scripts/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
-    python scripts/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
-    python scripts/bench_gluon.py --backward --ab EARLY_S [--rounds 5]   # an OPTIONS A/B
-    python scripts/bench_gluon.py --ab HEAVY_FIRST [--rounds 5]   # the forward's OPTIONS
-    python scripts/bench_gluon.py --ab CONSUMER_REGS=232,240   # an integer option: two values
-    timeout 200 python scripts/bench_gluon.py --smoke   # first: one small call per variant
+    python tools/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
+    python tools/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
+    python tools/bench_gluon.py --backward --ab EARLY_S [--rounds 5]   # an OPTIONS A/B
+    python tools/bench_gluon.py --ab HEAVY_FIRST [--rounds 5]   # the forward's OPTIONS
+    python tools/bench_gluon.py --ab CONSUMER_REGS=232,240   # an integer option: two values
+    timeout 200 python tools/bench_gluon.py --smoke   # first: one small call per variant
                                                        # (a barrier mistake hangs, not fails)
 """
 import argparse
@@ -26,9 +26,9 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtriton import _env, flash_attention
-from flashtriton.bench import per_call_us
-from flashtriton.bench_variants import ab_parts as variant_ab_parts
-from flashtriton.bench_variants import option_value
+from flashtriton.bench.common import per_call_us
+from flashtriton.bench.variants import ab_parts as variant_ab_parts
+from flashtriton.bench.variants import option_value
 from flashtriton.kernels import gluon_bwd, gluon_fwd
 from flashtriton.launch import attention_backward_gluon, attention_forward_gluon
 
@@ -192,7 +192,7 @@ def round_robin(fns, flops, rounds):
 
 
 def ab_parts(ab: str):
-    """--ab's parts (bench_variants.ab_parts), a bad one a SystemExit."""
+    """--ab's parts (bench.variants.ab_parts), a bad one a SystemExit."""
     try:
         return variant_ab_parts(ab)
     except ValueError as e:

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: tests (with the pass count), long-sequence / memory /
 # compile tests, the demo, the benchmark and the variants benchmark. Logs under $OUT (or ./device_out).
-# Usage: [PARTS="tests gpu demo bench variants"] bash scripts/device_check.sh [COMMIT] [bench args...]
+# Usage: [PARTS="tests gpu demo bench variants"] bash tools/device_check.sh [COMMIT] [bench args...]
 # The whole set takes longer than one 10-minute device call: run PARTS=tests, then the rest.
-# Other parts: ring (NCCL ring tests and bench_ring; 2+ GPUs), host (host-overhead profile and
-# decode split sweep), sweep (scripts/sweep_decode.py $SWEEP_ARGS: graph GB/s per split count), decode (the decode bench),
-# gluon (the Gluon kernels: smoke call, tests/test_gluon.py, bench_gluon forward and backward), probes (scripts/probe_decode_sync.py,
-# probe_backward_host.py and probe_decode_eager.py), bwdprobe (scripts/probe_backward_kernels.py: each backward kernel's
-# GPU time against cuDNN's, and dK/dV tiles forced one by one; $BWDPROBE_ARGS), atomic (the
-# atomic-dQ backward: its tests, and the bench with the switch off and on), only (tests named
-# by $ONLY), ab (the bench's flashtriton rows once more from an older tree, for A/B in one
-# run: here `mkdir -p .ab/old && git archive OLD flashtriton | tar -x -C .ab/old`, with /.ab/
-# in .git/info/exclude; then carry .ab and set AB_TREE=.ab/old AB_NAME=OLD), abvariants (the same
-# for bench_variants; VARIANTS="alibi window" picks variants for both runs), optab (a Gluon
-# kernel options $OPTION, each off and on or NAME=A,B at two values: tests, A/Bs, variants),
-# timeline (scripts/probe_timeline.py: where a Gluon backward program's time goes, and its
-# steps'; $TIMELINE_ARGS).
+# Other parts: ring (NCCL ring tests and flashtriton.bench.ring; 2+ GPUs), host (host-overhead
+# profile and decode split sweep), sweep (tools/sweep_decode.py $SWEEP_ARGS: graph GB/s per split
+# count), decode (the decode bench), gluon (the Gluon kernels: smoke call, tests/test_gluon.py,
+# bench_gluon forward and backward), atomic (the atomic-dQ backward: its tests, and the bench
+# with the switch off and on), only (tests named by $ONLY), ab (the bench's flashtriton rows
+# once more from an older tree, for A/B in one run: here `mkdir -p .ab/old && git archive OLD
+# flashtriton | tar -x -C .ab/old`, with /.ab/ in .git/info/exclude; then carry .ab and set
+# AB_TREE=.ab/old AB_NAME=OLD; a tree from before flashtriton/bench/ runs its own module names),
+# abvariants (the same for bench.variants; VARIANTS="alibi window" picks variants for both
+# runs), optab (a Gluon kernel options $OPTION, each off and on or NAME=A,B at two values:
+# tests, A/Bs, variants), timeline (tools/timeline.py backward: where a Gluon backward
+# program's time goes, and its steps'; $TIMELINE_ARGS), dtimeline (tools/timeline.py decode:
+# the decoding step's kernels; $DTIMELINE_ARGS).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -32,7 +32,7 @@ has tests && FLASHTRITON_AUTOTUNE=0 timeout ${T_TESTS:-540} python3 -m pytest te
   -p no:cacheprovider --ignore=tests/test_gpu.py -rf --tb=line --durations=5 > "$OUT/tests.log" 2>&1
 has gpu && FLASHTRITON_AUTOTUNE=0 timeout ${T_GPU:-120} python3 -m pytest tests/test_gpu.py -q \
   -p no:cacheprovider -rf --tb=line > "$OUT/gpu_tests.log" 2>&1
-has demo && timeout ${T_DEMO:-150} python3 -m flashtriton.demo > "$OUT/demo.log" 2>&1
+has demo && timeout ${T_DEMO:-150} python3 -m flashtriton.bench.demo > "$OUT/demo.log" 2>&1
 has bench && timeout ${T_BENCH:-300} python3 -m flashtriton.bench --commit "$commit" \
   --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1
 # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: the old tree
@@ -41,32 +41,23 @@ has ab && (cd "${AB_TREE:?set AB_TREE}" && PYTHONPATH=$PWD python3 -c \
   "import flashtriton; print('imported', flashtriton.__file__)" && timeout ${T_AB:-300} \
   python3 -m flashtriton.bench --commit "${AB_NAME:-old}" --providers flashtriton \
   --out "$OUT/ab_old" "$@") > "$OUT/ab_old.log" 2>&1
-has variants && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench_variants --commit "$commit" \
+has variants && timeout ${T_VARIANTS:-200} python3 -m flashtriton.bench.variants --commit "$commit" \
   --out "$OUT/bench" ${VARIANTS:+--variants $VARIANTS} > "$OUT/bench_variants.log" 2>&1
 # The variants bench once more from the older tree of `ab` (AB_TREE), for an A/B in one run.
 has abvariants && (cd "${AB_TREE:?set AB_TREE}" && PYTHONPATH=$PWD timeout ${T_VARIANTS:-200} \
-  python3 -m flashtriton.bench_variants --commit "${AB_NAME:-old}" --out "$OUT/ab_old" \
+  python3 -m $(test -d flashtriton/bench && echo flashtriton.bench.variants || echo flashtriton.bench_variants) \
+  --commit "${AB_NAME:-old}" --out "$OUT/ab_old" \
   ${VARIANTS:+--variants $VARIANTS}) > "$OUT/ab_variants.log" 2>&1
 has only && FLASHTRITON_AUTOTUNE=0 timeout ${T_ONLY:-120} python3 -m pytest $ONLY -q \
   -p no:cacheprovider -rf --tb=short > "$OUT/only.log" 2>&1
 has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_TESTS:-200} python3 -m pytest tests/test_ring.py \
   -k nccl -q -p no:cacheprovider -rf --tb=short > "$OUT/ring_tests.log" 2>&1
-has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_BENCH:-200} python3 -m flashtriton.bench_ring \
+has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_BENCH:-200} python3 -m flashtriton.bench.ring \
   --commit "$commit" --out "$OUT/bench" ${RING_ARGS:-} > "$OUT/bench_ring.log" 2>&1
 has decode && timeout ${T_DECODE_BENCH:-180} python3 -m flashtriton.bench --commit "$commit" \
   --suites decode --decode-batches 1 8 64 --decode-lens ${DECODE_LENS:-1024 8192 65536 131072} \
   --out "$OUT/decode" \
   > "$OUT/decode_bench.log" 2>&1
-# The probes run with the GPU's SM and memory clocks read once a second (nvidia-smi dmon; read
-# only: the clocks are left as they are), to see whether host-bound loops run at low clocks.
-has probes && { nvidia-smi dmon -s pc -d 1 -o T > "$OUT/clocks.log" 2>&1 & DMON=$!; }
-has probes && { timeout 90 python3 scripts/probe_decode_sync.py; timeout 90 python3 \
-  scripts/probe_backward_host.py; timeout 120 python3 scripts/probe_decode_eager.py; } 2>&1 \
-  | grep -v Warn > "$OUT/probes.log"
-has probes && kill $DMON 2>/dev/null
-has bwdprobe && timeout ${T_BWDPROBE:-300} python3 scripts/probe_backward_kernels.py \
-  ${BWDPROBE_ARGS:---dims 128 --seqlens 4096 16384 --tiles 64,64,4,2 64,64,4,3 64,128,8,2 128,64,8,2} \
-  2>&1 | grep -v Warn > "$OUT/bwdprobe.log"
 # The atomic-dQ backward (FLASHTRITON_ATOMIC_DQ=1, where the tree has it) against the default,
 # flashtriton rows only, one call: tests with the switch on, then both benches.
 has atomic && FLASHTRITON_ATOMIC_DQ=1 FLASHTRITON_AUTOTUNE=0 timeout ${T_ATOMIC_TESTS:-200} \
@@ -78,20 +69,22 @@ for flag in 0 1; do
     flashtriton.bench --commit "$commit-atomic$flag" --providers flashtriton --suites train \
     --dims 64 128 --seqlens 1024 4096 16384 --out "$OUT/atomic$flag" > "$OUT/atomic$flag.log" 2>&1
 done
-has timeline && timeout ${T_TIMELINE:-120} python3 scripts/probe_timeline.py ${TIMELINE_ARGS:-} \
+has timeline && timeout ${T_TIMELINE:-120} python3 tools/timeline.py backward ${TIMELINE_ARGS:-} \
   2>&1 | grep -v Warn > "$OUT/timeline.log"
-has sweep && timeout ${T_SWEEP:-240} python3 scripts/sweep_decode.py ${SWEEP_ARGS:-} \
+has dtimeline && timeout ${T_DTIMELINE:-120} python3 tools/timeline.py decode ${DTIMELINE_ARGS:-} \
+  2>&1 | grep -v Warn > "$OUT/dtimeline.log"
+has sweep && timeout ${T_SWEEP:-240} python3 tools/sweep_decode.py ${SWEEP_ARGS:-} \
   > "$OUT/sweep.log" 2>&1
 # The Gluon kernels: one small call of each first (a barrier mistake hangs rather than fails:
 # the rest is skipped then), their tests, the forward bench and (where the tree has the Gluon
 # backward) the backward bench.
 if has gluon; then
-  if timeout ${T_GLUON_SMOKE:-200} python3 scripts/bench_gluon.py --smoke > "$OUT/gluon_smoke.log" 2>&1; then
+  if timeout ${T_GLUON_SMOKE:-200} python3 tools/bench_gluon.py --smoke > "$OUT/gluon_smoke.log" 2>&1; then
     FLASHTRITON_AUTOTUNE=0 timeout ${T_GLUON_TESTS:-420} python3 -m pytest tests/test_gluon.py \
       -n 8 -q -p no:cacheprovider -rf --tb=short > "$OUT/gluon_tests.log" 2>&1
-    timeout ${T_GLUON_BENCH:-200} python3 scripts/bench_gluon.py --dims 128 \
+    timeout ${T_GLUON_BENCH:-200} python3 tools/bench_gluon.py --dims 128 \
       --seqlens 1024 4096 16384 > "$OUT/gluon_bench.log" 2>&1
-    timeout ${T_GLUON_BWD:-360} python3 scripts/bench_gluon.py --backward --dims 128 \
+    timeout ${T_GLUON_BWD:-360} python3 tools/bench_gluon.py --backward --dims 128 \
       --seqlens 2048 8192 16384 > "$OUT/gluon_backward.log" 2>&1
   fi
 fi
@@ -100,7 +93,7 @@ fi
 # gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS), each at A and B (off and on by default):
 # tests/test_gluon.py once (its fixtures run every form; OPTAB_TESTS=0 skips it), then per
 # option bench_gluon's round-robin A/B of each kernel that has it (a kernel that has none of
-# its parts says so in its log) and bench_variants --ab (A, B and FlexAttention in turn,
+# its parts says so in its log) and bench.variants --ab (A, B and FlexAttention in turn,
 # $VARIANT_ROUNDS rounds, 3; $VARIANTS, all five).
 has optab && : "${OPTION:?set OPTION for optab}"
 has optab && [ "${OPTAB_TESTS:-1}" != 0 ] && FLASHTRITON_AUTOTUNE=0 timeout ${T_OPTAB_TESTS:-240} \
@@ -108,11 +101,11 @@ has optab && [ "${OPTAB_TESTS:-1}" != 0 ] && FLASHTRITON_AUTOTUNE=0 timeout ${T_
   > "$OUT/optab_tests.log" 2>&1
 optab_one() {  # $1: an OPTION entry; its logs are named by its first NAME
   local opt=${1%%=*}
-  timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --ab "$1" --dims 128 \
+  timeout ${T_OPTAB:-120} python3 tools/bench_gluon.py --ab "$1" --dims 128 \
     --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_fwd_$opt.log" 2>&1
-  timeout ${T_OPTAB:-120} python3 scripts/bench_gluon.py --backward --ab "$1" --dims 128 \
+  timeout ${T_OPTAB:-120} python3 tools/bench_gluon.py --backward --ab "$1" --dims 128 \
     --seqlens 2048 8192 16384 --rounds 3 > "$OUT/optab_bwd_$opt.log" 2>&1
-  timeout ${T_OPTAB_VARIANTS:-400} python3 -m flashtriton.bench_variants --commit "$commit" \
+  timeout ${T_OPTAB_VARIANTS:-400} python3 -m flashtriton.bench.variants --commit "$commit" \
     --out "$OUT/optab_variants_$opt" --ab "$1" --rounds ${VARIANT_ROUNDS:-3} \
     ${VARIANTS:+--variants $VARIANTS} > "$OUT/optab_variants_$opt.log" 2>&1
 }
@@ -123,8 +116,8 @@ optab_report() {
   cat "$OUT/optab_variants_$opt/variants.md" 2>/dev/null || tail -5 "$OUT/optab_variants_$opt.log"
 }
 if has optab; then for o in $OPTION; do optab_one "$o"; done; fi
-has host && timeout ${T_HOST:-90} python3 scripts/profile_host.py > "$OUT/host.log" 2>&1
-has host && timeout ${T_DECODE:-90} python3 scripts/sweep_decode.py > "$OUT/decode_sweep.log" 2>&1
+has host && timeout ${T_HOST:-90} python3 tools/profile_host.py > "$OUT/host.log" 2>&1
+has host && timeout ${T_DECODE:-90} python3 tools/sweep_decode.py > "$OUT/decode_sweep.log" 2>&1
 has only     && { echo "== only"; grep -E "^(FAILED|ERROR)" "$OUT/only.log" | cut -c1-300;
                   grep -E "passed|failed" "$OUT/only.log" | tail -1; }
 has ring     && { echo "== ring"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/ring_tests.log" | tail -5;
@@ -133,11 +126,8 @@ has host     && { echo "== host"; head -14 "$OUT/host.log"; cat "$OUT/decode_swe
 has gluon    && { echo "== gluon"; cat "$OUT/gluon_smoke.log"; grep -E "^(FAILED|ERROR)" \
                   "$OUT/gluon_tests.log" | cut -c1-300; grep -E "passed|failed" "$OUT/gluon_tests.log" \
                   | tail -1; cat "$OUT/gluon_bench.log" "$OUT/gluon_backward.log" 2>/dev/null; }
-has probes   && { echo "== probes"; cut -c1-600 "$OUT/probes.log"; echo "== clocks during the probes";
-                  grep -m2 '^#' "$OUT/clocks.log"; awk '$1 !~ /^#/ && NF > 3 {n++; if (lo == "" || $NF < lo) lo = $NF;
-                  if ($NF > hi) hi = $NF} END {print "last column: min", lo, "max", hi, "over", n, "s"}' "$OUT/clocks.log"; }
-has bwdprobe && { echo "== backward kernels"; cut -c1-300 "$OUT/bwdprobe.log"; }
 has timeline && { echo "== backward timeline"; cat "$OUT/timeline.log"; }
+has dtimeline && { echo "== decode timeline"; cat "$OUT/dtimeline.log"; }
 has optab    && { echo "== gluon tests"; grep -E "^(FAILED|ERROR)" "$OUT/optab_tests.log" \
                   2>/dev/null | cut -c1-300 | head; grep -E "passed|failed" "$OUT/optab_tests.log" \
                   2>/dev/null | tail -1; for o in $OPTION; do optab_report "$o"; done; }

@@ -1,17 +1,28 @@
 """Each GPU kernel of the variants' forward and backward (torch.profiler, 5 calls), on
-bench_variants' shapes (B=2, H=16, N=8K, D=128, bf16): microseconds a call per kernel, and
-the time a call would take at the kernel's share of the TFLOP/s bench_variants reports.
+bench.variants' shapes (B=2, H=16, N=8K, D=128, bf16): microseconds a call per kernel, and
+the time a call would take at the kernel's share of the TFLOP/s bench.variants reports.
 
-    python scripts/profile_variants.py [--variants window document alibi causal] [--flex]
+    python tools/profile_variants.py [--variants window document alibi causal] [--flex]
         [--set ONE_LOOP=1]
 """
 import argparse
 
 import torch
 
-from flashtriton import bench_variants as bv
+from torch.profiler import ProfilerActivity, profile
+
 from flashtriton import flash_attention
-from probe_backward_kernels import kernel_us
+from flashtriton.bench import variants as bv
+
+
+def kernel_us(step, calls=5):
+    """{kernel name: GPU microseconds per call} of ``step`` (warmed up by the caller)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / calls for e in prof.key_averages()
+            if e.self_device_time_total > 0}
 
 
 def main():
@@ -21,7 +32,7 @@ def main():
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--flex", action="store_true", help="FlexAttention's kernels too")
     p.add_argument("--set", nargs="+", default=[], metavar="NAME=V",
-                   help="Gluon kernel options (bench_variants.set_gluon_options)")
+                   help="Gluon kernel options (bench.variants.set_gluon_options)")
     args = p.parse_args()
     try:
         bv.set_gluon_options(args.set)

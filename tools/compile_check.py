@@ -1,6 +1,6 @@
 """Compile every kernel variant of flashtriton for Hopper (sm_90) on any machine, GPU or not.
 
-    python scripts/compile_check.py        # TRITON_INTERPRET must be unset
+    python tools/compile_check.py        # TRITON_INTERPRET must be unset
 
 Triton's wheel carries ptxas, so this catches compile errors that the interpreter cannot see
 (types that only the compiler checks, shared memory over the limit) and reports the shared
@@ -21,7 +21,7 @@ from flashtriton.kernels.decode import (_attn_decode_kernel, _attn_merge_kernel,
                                         _cache_spans_kernel)
 from flashtriton.kernels.block_mask import _block_mask_kernel  # noqa: E402
 from sass_loop import (TARGET, compile_gluon_bwd, compile_gluon_fwd, compile_kernel, sass_of,  # noqa: E402
-                       softmax_overlaps, source_for, spill_counts)  # scripts/, beside this file
+                       softmax_overlaps, source_for, spill_counts)  # tools/, beside this file
 
 @triton.jit
 def causal_mod(b, h, q_idx, kv_idx):
@@ -126,7 +126,7 @@ extra = [
     ("merge", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True, TL=None), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32")),
     ("merge-no-lse", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True, LSE=None, TL=None),
      dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf)),
-    # the timelines of scripts/probe_decode_timeline.py (kernels.common.mark)
+    # the timelines of tools/timeline.py decode (kernels.common.mark)
     ("merge-timeline", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True),
      dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32", TL="*i64")),
     ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8")),
@@ -223,7 +223,7 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # the programs' order over the grid (gluon_fwd.grid_order)
                     ("causal order groups of 8 heads", dict(causal=True, ORDER=8)),
                     ("window order whole walks first", dict(lower=True, upper=True, ORDER=1)),
-                    # the timing-only marks (scripts/probe_timeline.py)
+                    # the timing-only marks (tools/timeline.py backward)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

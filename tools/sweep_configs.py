@@ -1,6 +1,6 @@
 """Time one kernel over a grid of tile configs on the GPU (a tuning aid for docs/perf.md).
 
-    python scripts/sweep_configs.py --kind fwd --dims 64 128 --seqlens 1024 4096 [--causal 0 1]
+    python tools/sweep_configs.py --kind fwd --dims 64 128 --seqlens 1024 4096 [--causal 0 1]
 
 Each config runs alone (an autotuner over that one config replaces the package's), through
 the public API, on bf16 at batch * seqlen = 16K tokens and 2048 = heads * headdim, checked
@@ -16,22 +16,23 @@ import sys
 import torch
 import triton
 
-from flashtriton import bench, flash_attention, launch
+from flashtriton import flash_attention, launch
+from flashtriton.bench import sdpa as sdpa_backend
 
-ORIGINAL = {"fwd": launch._fwd, "dkdv": launch._dkdv, "dq": launch._dq}
+ORIGINAL = {"fwd": launch.triton_attn._fwd, "dkdv": launch.triton_attn._dkdv, "dq": launch.triton_attn._dq}
 KERNELS = {"fwd": "_fwd", "dkdv": "_dkdv", "dq": "_dq"}
 
 
 def use_config(kind, cfg):
     bm, bn, w, s = cfg
     one = triton.autotune([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w,
-                                         num_stages=s)], key=launch._KEY)(ORIGINAL[kind].fn)
+                                         num_stages=s)], key=launch.calls._KEY)(ORIGINAL[kind].fn)
     setattr(launch, KERNELS[kind], one)
 
 
 def sdpa(q, k, v, causal, backend):
     """SDPA with one backend, on this script's (B, N, H, D) tensors."""
-    return bench._sdpa(backend)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+    return sdpa_backend(backend)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                 causal).transpose(1, 2)
 
 

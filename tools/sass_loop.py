@@ -3,8 +3,8 @@ products (HGMMA), waits for them (WARPGROUP.DEPBAR), exp2 (MUFU.EX2), barriers a
 with instruction counts of the non-tensor float pipes. A tuning aid (docs/perf.md): it shows
 whether a product overlaps the softmax before any GPU time is spent.
 
-    python scripts/sass_loop.py --kernel dq --dim 128 --block-m 128 --block-n 64 --warps 8 --stages 2
-    python scripts/sass_loop.py --kernel fwd --causal --set HAS_ALIBI=1   # a variant's constexprs
+    python tools/sass_loop.py --kernel dq --dim 128 --block-m 128 --block-n 64 --warps 8 --stages 2
+    python tools/sass_loop.py --kernel fwd --causal --set HAS_ALIBI=1   # a variant's constexprs
 """
 import argparse
 import collections

@@ -1,6 +1,6 @@
 """Where the host time of one call goes (a tuning aid for docs/perf.md).
 
-    python scripts/profile_host.py
+    python tools/profile_host.py
 
 At a tiny shape (the GPU work is far shorter than the launch path), prints the wall time per
 call of flashtriton's forward, forward + backward and decode step beside SDPA's, then a
@@ -13,12 +13,13 @@ import pstats
 import torch
 import torch.nn.functional as F
 
-from flashtriton import _env, bench, flash_attention
+from flashtriton import _env, flash_attention
+from flashtriton.bench import common
 from flashtriton.decode import attention_with_kvcache
 
 
 def per_call_us(fn, calls=300):
-    return bench.per_call_us(fn, calls, warmup=20)
+    return common.per_call_us(fn, calls, warmup=20)
 
 
 def main():

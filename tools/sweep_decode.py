@@ -1,26 +1,28 @@
 """GB/s of one decoding step against the number of KV splits (a tuning aid for docs/perf.md).
 
-    python scripts/sweep_decode.py [--batches 1 4] [--lens 8192 65536] [--splits 0 16 33 64]
+    python tools/sweep_decode.py [--batches 1 4] [--lens 8192 65536] [--splits 0 16 33 64]
                                    [--paged]
 
 bf16, 32 query heads, 8 KV heads of 128, one query token; contiguous cache (--paged: the same
-keys and values in shuffled 16-token pages, bench.decode_inputs'). For each split
+keys and values in shuffled 16-token pages, bench.decode.decode_inputs'). For each split
 count (0: the heuristic's) the step replayed from a CUDA graph (no host time: what the kernels
 reach), with the tuned split kernel's tile and shared memory (programs per SM follow from it),
-then SDPA's graph on the same shape; GB/s of K and V read (bench.cold_ms: clean L2).
+then SDPA's graph on the same shape; GB/s of K and V read (bench.common.cold_ms: clean L2).
 """
 
 import argparse
 
 import torch.nn.functional as F
 
-from flashtriton import decode, launch
-from flashtriton.bench import _graph, cold_ms, decode_bytes, decode_inputs
+from flashtriton import decode, launch, runtime
+from flashtriton.bench import decode_bytes
+from flashtriton.bench.common import cold_ms, cuda_graph
+from flashtriton.bench.decode import decode_inputs
 from flashtriton.decode import attention_with_kvcache
 
 
 def graph_gbps(fn, nbytes):
-    return nbytes / cold_ms(_graph(fn).replay) * 1e-6
+    return nbytes / cold_ms(cuda_graph(fn).replay) * 1e-6
 
 
 def main():
@@ -46,7 +48,7 @@ def main():
                 # the remembered step, under the signature attention_with_kvcache gave it
                 signature = decode.step_signature(q, *cache, lens, block_table=table,
                                                   num_splits=s)
-                run_split = launch.recall(signature)[0]
+                run_split = runtime.recall(signature)[0]
                 splits = run_split.grid[0]
                 meta = run_split.compiled.metadata
                 cells.append(f"{s}->{splits}: {graph_gbps(step, nbytes):.0f} "

@@ -1,6 +1,6 @@
 """Benchmark of ring attention on the GPUs of one machine (NCCL), and the 8-GPU estimate.
 
-    python -m flashtriton.bench_ring [--world 2] [--seqlens 32768 131072] [--out bench_out]
+    python -m flashtriton.bench.ring [--world 2] [--seqlens 32768 131072] [--out bench_out]
 
 Per total sequence length (bf16, batch 1, 32 query heads, 8 KV heads of 128, causal,
 zigzag shards) it times, with every rank in lockstep (fixed iteration counts, CUDA events,
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .bench import _meta
+from .common import meta as run_meta
 
 H, HKV, D = 32, 8, 128
 
@@ -45,9 +45,9 @@ def _time(fn, warmup=3, reps=10):
 
 
 def _worker(rank, world, init_file, seqlens, out_path, meta):
-    from . import distributed as ring
-    from .api import flash_attention
-    from .launch import Variant
+    from flashtriton import distributed as ring
+    from flashtriton.api import flash_attention
+    from flashtriton.launch import Variant
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
@@ -186,13 +186,13 @@ def main(argv=None):
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = p.parse_args(argv)
     if args.world < 2:
-        raise SystemExit(f"bench_ring needs 2 or more GPUs; this machine has "
+        raise SystemExit(f"flashtriton.bench.ring needs 2 or more GPUs; this machine has "
                          f"{torch.cuda.device_count()}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "ring.jsonl")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(args.world, os.path.join(tmp, "init"), args.seqlens, path,
-                                _meta(args.commit)), nprocs=args.world, join=True)
+                                run_meta(args.commit)), nprocs=args.world, join=True)
     rows = [json.loads(line) for line in open(path)]
     best = max(rows, key=lambda r: r["seqlen"])
     table = markdown(rows, best["ring_fwdbwd_TFLOPs_per_gpu"] / best["overlap_fwdbwd"],

@@ -1,0 +1,134 @@
+"""Benchmark suite: flashtriton against torch SDPA backends, FlexAttention, flash-attn and naive
+attention (the providers and suites of flashtriton.bench's registry).
+
+    python -m flashtriton.bench                                  # every suite
+    python -m flashtriton.bench --dims 128 --seqlens 4096 8192 --causal 1 --suites train
+    python -m flashtriton.bench --merge run1/results.jsonl run2/results.jsonl --out all
+                                                                 # one table and plots of several runs
+
+Suites (flashtriton.bench.SUITES):
+  train     batch * seqlen = --tokens (16K), nheads * headdim = --dmodel (2048), --dims x --seqlens x --causal
+  gqa       Llama-3 70B attention: batch 1, 64 query heads, 8 KV heads, headdim 128, causal, --gqa-seqlens
+  overhead  host time per call at a tiny shape (no CUDA graphs), each provider
+  coldstart seconds of the first forward + backward of a new shape in a fresh process with an
+            empty Triton cache, and in a second process sharing that cache
+  decode    one query token over a KV cache (32 query heads, 8 KV heads, headdim 128, bf16):
+            --decode-batches x --decode-lens; GB/s of K and V read and % of the copy
+            bandwidth measured in the same run, for eager calls (their kernels) and for the
+            step replayed from a CUDA graph (as serving engines run it); flashtriton
+            contiguous and paged (16-token pages) against torch SDPA with GQA; GPU time after
+            an L2 flush that leaves no dirty lines (cold_ms), the copy too; the host's time
+            a step, back to back
+
+Every provider's output (and, in training, its gradients) is checked against
+flashtriton.reference before its speed is measured; a row whose check fails says so instead.
+For every shape and provider: median times (triton.testing.do_bench) of forward, backward and
+forward + backward, TFLOP/s (forward 4 * B * H * SQ * SK * D, halved when causal; backward 2.5x
+that) and the peak extra memory of forward + backward. A shape that runs out of memory is a row
+that says so. Writes results.jsonl (row by row), results.csv, results.md and, when matplotlib is
+installed, tflops.png and memory.png to --out; the GPU name, versions, commit and date are in
+every row.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from . import PROVIDERS, SUITES, available, shapes
+from .common import meta as run_meta
+from .decode import copy_bandwidth_gbps, run_decode
+from .report import merge, report
+from .train import cold_start_s, host_overhead_us, run_shape
+
+
+def _progress(items):
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc="bench", file=sys.stdout)
+    except ImportError:
+        return items
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--providers", nargs="+", default=["flashtriton", "sdpa_cudnn", "flex",
+                                                      "sdpa_flash", "sdpa_efficient",
+                                                      "flash_attn", "naive"],
+                   choices=list(PROVIDERS))
+    p.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
+    p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64])
+    p.add_argument("--decode-lens", nargs="+", type=int, default=[1024, 8192, 65536, 131072])
+    p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
+    p.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384,
+                                                                  32768])
+    p.add_argument("--gqa-seqlens", nargs="+", type=int, default=[2048, 8192, 32768])
+    p.add_argument("--causal", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--dmodel", type=int, default=2048)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--merge", nargs="+", metavar="JSONL",
+                   help="write the table, CSV and plots of saved runs' results.jsonl (no GPU)")
+    args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
+    if not torch.cuda.is_available():
+        sys.exit("the benchmark needs a CUDA GPU (python -m flashtriton.bench.demo runs on the CPU)")
+    dtype = getattr(torch, args.dtype)
+    providers = [prov for prov in args.providers if available(prov)]
+    os.makedirs(args.out, exist_ok=True)
+    meta = run_meta(args.commit)
+    rows = []
+    with open(os.path.join(args.out, "results.jsonl"), "w") as jsonl:  # row by row
+        for shape in _progress(shapes(args)):
+            for row in run_shape(shape, providers, dtype, meta):
+                rows.append(row)
+                jsonl.write(json.dumps(row) + "\n")
+                jsonl.flush()
+                print(f"{row['provider']:14s} {shape.suite} B={shape.B} H={shape.H}/{shape.HKV} "
+                      f"D={shape.D} N={shape.N} causal={int(shape.causal)} "
+                      + (f"fwd {row['fwd_tflops']:6.1f} bwd {row['bwd_tflops']:6.1f} TFLOP/s "
+                         f"mem {row['peak_extra_MiB']:9.1f} MiB" if row["status"] == "ok"
+                         else row["status"])
+                      + "".join(f" {k} {v}" for k, v in row.get("tiles", {}).items()),
+                      flush=True)
+        if "overhead" in args.suites:
+            for prov in providers:
+                row = dict(meta, provider=prov, suite="overhead")
+                try:
+                    row.update(host_us=host_overhead_us(PROVIDERS[prov]), status="ok")
+                except Exception as e:
+                    row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+                rows.append(row)
+                jsonl.write(json.dumps(row) + "\n")
+        if "coldstart" in args.suites:
+            row = dict(meta, provider="flashtriton", suite="coldstart")
+            try:
+                first, second = cold_start_s()
+                row.update(status="ok", empty_cache_s=first, second_process_s=second)
+            except Exception as e:
+                row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            rows.append(row)
+            jsonl.write(json.dumps(row) + "\n")
+            print(f"coldstart {row}", flush=True)
+        if "decode" in args.suites:
+            copy = copy_bandwidth_gbps()
+            for row in run_decode(args.decode_batches, args.decode_lens, meta, copy):
+                row["copy_GBps"] = copy
+                rows.append(row)
+                jsonl.write(json.dumps(row) + "\n")
+                print(f"decode {row['provider']:20s} B={row['B']} N={row['N']} "
+                      + (f"{row['decode_GBps']:7.0f} GB/s eager, {row['graph_GBps']:7.0f} GB/s "
+                         f"graph ({row['graph_pct_of_copy']:.0f}% of copy), "
+                         f"{row['loop_us']:.1f} us per call back to back"
+                         if row["status"] == "ok" else row["status"])
+                      + "".join(f" {k} {v}" for k, v in row.get("tiles", {}).items()),
+                      flush=True)
+    report(rows, providers, meta, args.out)
+
+
+

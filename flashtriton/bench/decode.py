@@ -1,0 +1,95 @@
+"""The decode suite: one query token over a KV cache (DECODE_SHAPE: 32 query heads, 8 KV heads,
+headdim 128, bf16), --decode-batches x --decode-lens.
+
+Each provider of DECODE_PROVIDERS (flashtriton over a contiguous cache and over 16-token
+pages, torch SDPA with GQA) is checked against flashtriton.reference (float32) first; then GB/s
+of K and V read and % of the copy bandwidth measured in the same run, for eager calls (their
+kernels) and for the step replayed from a CUDA graph (as serving engines run it): GPU time
+after an L2 flush that leaves no dirty lines (common.cold_ms), the copy too; and the host's
+time a step, back to back.
+"""
+
+import torch
+
+from . import DECODE_PROVIDERS, DECODE_SHAPE, DecodeInputs, decode_bytes
+from .common import (TOLERANCE, cold_ms, cuda_graph, expected, per_call_us, rel_err,
+                     tiles_mark, tiles_since)
+
+
+def decode_inputs(B, N, H=32, HKV=8, D=128, page=16, device="cuda") -> DecodeInputs:
+    """One decoding step's bf16 inputs: q (B, 1, H, D); a full contiguous cache (B, N, HKV,
+    D); the same keys and values in shuffled pages of ``page`` tokens with their block table;
+    cache_seqlens (all N)."""
+    q = torch.randn(B, 1, H, D, device=device, dtype=torch.bfloat16)
+    kc = torch.randn(B, N, HKV, D, device=device, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(B * N // page, device=device).view(B, -1).to(torch.int32)
+    kp = torch.empty(B * N // page, page, HKV, D, device=device, dtype=torch.bfloat16)
+    vp = torch.empty_like(kp)
+    kp[table.view(-1).long()] = kc.view(-1, page, HKV, D)
+    vp[table.view(-1).long()] = vc.view(-1, page, HKV, D)
+    lens = torch.full((B,), N, dtype=torch.int32, device=device)
+    return DecodeInputs(q, kc, vc, kp, vp, table, lens)
+
+
+def copy_bandwidth_gbps(nbytes=2**31):
+    """Device-to-device copy, bytes read plus written per second (the memory ceiling)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / cold_ms(lambda: dst.copy_(src)) * 1e-6
+
+
+def check_decode(providers, x: DecodeInputs) -> dict:
+    """{provider: (its step, relative error of its output against the reference)}."""
+    ref = expected(x.q, x.k, x.v)
+    out = {}
+    for prov in providers:
+        make, output = DECODE_PROVIDERS[prov]
+        fn = make(x)
+        err = rel_err(output(fn()), ref)
+        out[prov] = (fn, err if err == err else float("inf"))
+    return out
+
+
+def run_decode(batches, lens, meta, copy_gbps, providers=tuple(DECODE_PROVIDERS)):
+    import triton
+    from flashtriton import runtime
+    H, HKV, D, page = (DECODE_SHAPE[k] for k in ("H", "HKV", "D", "page"))
+    rows = []
+    for B in batches:
+        for N in lens:
+            base = dict(meta, suite="decode", B=B, H=H, HKV=HKV, N=N, D=D, causal=False)
+            try:
+                torch.manual_seed(0)
+                x = decode_inputs(B, N, H, HKV, D, page)
+                mark = tiles_mark()  # flashtriton tunes in its check call
+                checked = check_decode(providers, x)
+                for prov, (fn, err) in checked.items():
+                    row = dict(base, provider=prov, rel_err=err)
+                    if not err < TOLERANCE:
+                        row["status"] = (f"FAILED check (rel err {err:.2e} vs reference); speed "
+                                         "not reported")
+                    else:
+                        nbytes = decode_bytes(B, N, HKV, D)
+                        ms = cold_ms(fn)
+                        graph = cuda_graph(fn)
+                        graph_ms = cold_ms(graph.replay)
+                        # do_bench's (dirty) flush, beside the runs before session 26
+                        dirty_ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100,
+                                                           return_mode="median")
+                        # the best of 5 loops: one loop of 50 calls swung with host noise
+                        replays = runtime.FAST_LAUNCHES
+                        row["loop_us"] = per_call_us(fn, calls=100, repeats=5)
+                        if prov != "sdpa":  # replayed launches per call (1 or 2; 0: slow path)
+                            row["replays_per_call"] = (runtime.FAST_LAUNCHES - replays) / 500
+                            row["tiles"] = tiles_since(mark)  # a tile tuned for this row
+                        row.update(status="ok", decode_ms=ms, decode_GBps=nbytes / ms * 1e-6,
+                                   pct_of_copy=100 * nbytes / ms * 1e-6 / copy_gbps,
+                                   graph_ms=graph_ms, graph_GBps=nbytes / graph_ms * 1e-6,
+                                   graph_pct_of_copy=100 * nbytes / graph_ms * 1e-6 / copy_gbps,
+                                   graph_dirty_GBps=nbytes / dirty_ms * 1e-6)
+                    rows.append(row)
+            except torch.cuda.OutOfMemoryError:
+                rows.append(dict(base, provider="all", status="out of memory"))
+            torch.cuda.empty_cache()
+    return rows

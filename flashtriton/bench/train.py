@@ -1,0 +1,119 @@
+"""The training suites (train, gqa: forward and backward of each provider at each shape), the
+host overhead per call and the cold start.
+
+For every shape, every provider's out, dq, dk and dv are checked against flashtriton.reference
+(common.expected, float32) before its speed is measured: median times (do_bench) of forward,
+backward and forward + backward, TFLOP/s (forward 4 * B * H * SQ * SK * D, halved when
+causal; backward 2.5x that) and the peak extra memory of forward + backward. A provider whose
+check fails, that runs out of memory or cannot run the shape is a row that says so.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from . import OVERHEAD_SHAPE, PROVIDERS, Shape, flops_fwd
+from .common import check, expected, failed, measure, tiles_mark, tiles_since
+
+
+def inputs(shape: Shape, dtype, requires_grad=True, device="cuda"):
+    """q (B, H, N, D) and k, v (B, HKV, N, D), normal."""
+    def t(heads):
+        return torch.randn(shape.B, heads, shape.N, shape.D, device=device, dtype=dtype,
+                           requires_grad=requires_grad)
+    return t(shape.H), t(shape.HKV), t(shape.HKV)
+
+
+def reference(q, k, v, dout, causal):
+    """expected's out, dq, dk, dv for (B, H, N, D) tensors, in that layout."""
+    t = [x.transpose(1, 2) for x in (q, k, v, dout)]
+    return [x.transpose(1, 2) for x in expected(*t, causal=causal)]
+
+
+def run_shape(shape: Shape, providers, dtype, meta, device="cuda", timed=True):
+    """One row per provider: its check against the reference, then (timed) its speed only
+    where the check passed. timed=False: the checks alone (no GPU needed)."""
+    rows = []
+    torch.manual_seed(0)
+    q, k, v = inputs(shape, dtype, device=device)
+    dout = torch.randn_like(q)
+    try:
+        ref = reference(q, k, v, dout, shape.causal)
+    except torch.cuda.OutOfMemoryError:
+        ref = None
+    for prov in providers:
+        row = dict(meta, provider=prov, dtype=str(dtype).split(".")[-1], **shape._asdict())
+        if ref is None:
+            rows.append(dict(row, status="out of memory (the reference)"))
+            continue
+        try:
+            mark = tiles_mark() if prov == "flashtriton" and timed else 0
+            row["rel_err"] = err = check(PROVIDERS[prov], q, k, v, dout, ref, shape.causal)
+            row["status"] = failed(err)
+            if not row["status"] and timed:
+                row.update(measure(PROVIDERS[prov], q, k, v, shape.causal, dout), status="ok")
+                if prov == "flashtriton":
+                    row["tiles"] = tiles_since(mark)
+                f = flops_fwd(shape.B, shape.H, shape.N, shape.N, shape.D, shape.causal)
+                row.update(fwd_tflops=f / row["fwd_ms"] * 1e-9,
+                           bwd_tflops=2.5 * f / row["bwd_ms"] * 1e-9,
+                           fwdbwd_tflops=3.5 * f / row["fwdbwd_ms"] * 1e-9)
+            elif not row["status"]:
+                row["status"] = "checked"
+        except torch.cuda.OutOfMemoryError:
+            row["status"] = "out of memory"
+        except Exception as e:  # a provider that cannot run this shape
+            row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+        q.grad = k.grad = v.grad = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+_COLD = """
+import sys, time, torch
+from flashtriton import flash_attention
+q, k, v = (torch.randn(2, 3000, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+torch.cuda.synchronize()
+t = time.perf_counter()
+flash_attention(q, k, v, causal=True).sum().backward()
+torch.cuda.synchronize()
+print(time.perf_counter() - t)
+"""
+
+
+def cold_start_s():
+    """Seconds of the first forward + backward of a shape in a new process: with an empty
+    Triton cache (compiling and autotuning every kernel), then in a second process that shares
+    the cache (binaries and autotuning results come from disk)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        return [float(subprocess.check_output([sys.executable, "-c", _COLD], env=env,
+                                              text=True).split()[-1]) for _ in range(2)]
+
+
+def host_overhead_us(fn, calls=300):
+    """Host microseconds per call at a tiny shape, no CUDA graphs: the GPU work is smaller
+    than the launch cost, so the wall time of many back-to-back calls is the host's. The
+    provider's result at that shape is checked first (ValueError where it fails)."""
+    torch.manual_seed(0)
+    q, k, v = inputs(OVERHEAD_SHAPE, torch.bfloat16)
+    dout = torch.randn_like(q)
+    status = failed(check(fn, q, k, v, dout, reference(q, k, v, dout, False), False))
+    if status:
+        raise ValueError(status)
+    q, k, v = (x.detach() for x in (q, k, v))
+    for _ in range(20):
+        fn(q, k, v, False)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn(q, k, v, False)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6

@@ -1,0 +1,118 @@
+"""Launchers: allocate outputs, choose the kernel family, launch.
+
+Plain Python over the ``@triton.jit`` / ``@gluon.jit`` kernels of ``flashtriton.kernels``; no
+autograd and no input validation here (``flashtriton.validation`` validates). Every tensor is
+(B, T, H, D) with a unit stride on D; everything else may be strided.
+
+- ``calls``: what a call computes (``Variant``, ``Varlen``) and the arguments every family shares;
+- ``triton_attn``: the Triton forward and backward (every variant, any GPU, the interpreter);
+- ``gluon_attn``: the warp-specialized Gluon forward and backward (Hopper, Triton 3.6);
+- this module: ``forward_route`` / ``backward_route``, the one place where a call's family is
+  chosen (policy in ``configs``), and the entry points ``attention_forward`` /
+  ``attention_backward`` that follow it.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from .. import _env, configs, runtime
+from ..runtime import on_device_of, output_like, pointers, recall, remember
+from .calls import (Variant, Varlen, _dims, _lse_buffer, _signature, _windowed, lookup_mods,
+                    register_mods)
+from .gluon_attn import (_gluon_backward, _gluon_forward, _gluon_signature, _token_rows,
+                         attention_backward_gluon, attention_forward_gluon, gluon_backward_misfit,
+                         gluon_misfit, gluon_triton_misfit)
+from .triton_attn import triton_backward, triton_forward
+
+__all__ = ["Variant", "Varlen", "attention_forward", "attention_backward", "forward_route",
+           "backward_route", "attention_forward_gluon", "attention_backward_gluon",
+           "gluon_misfit", "gluon_backward_misfit", "gluon_triton_misfit", "output_like",
+           "on_device_of", "register_mods", "lookup_mods", "triton_forward", "triton_backward"]
+
+
+def forward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+                  varlen: Optional[Varlen] = None) -> Tuple[str, List[str]]:
+    """The forward's kernel family for this call, "gluon" or "triton", and why the ones not
+    taken do not run it."""
+    SQ, D = _dims(q, k, varlen)[1], q.shape[-1]
+    if not _env.GLUON:
+        return "triton", ["gluon: FLASHTRITON_GLUON=0"]
+    if not configs.gluon_forward_first(D, SQ, variant.causal):
+        return "triton", [f"gluon: the forward takes it at head dims {configs.GLUON_FWD_HEAD_DIMS}"
+                          f" and causal sequences over {configs.GLUON_FWD_CAUSAL_MAX_TRITON} "
+                          f"(configs), got head dim {D}, {SQ} queries, causal={variant.causal}"]
+    reason = gluon_misfit(q, k, v, variant, varlen, variants=configs.GLUON_VARIANTS)
+    if reason is not None:
+        return "triton", ["gluon: " + reason]
+    return "gluon", []
+
+
+def backward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+                   varlen: Optional[Varlen] = None) -> Tuple[str, List[str]]:
+    """The backward's kernel family for this call, "gluon" or "triton", and why the ones not
+    taken do not run it."""
+    if not _env.GLUON:
+        return "triton", ["gluon: FLASHTRITON_GLUON=0"]
+    if variant.deterministic:
+        return "triton", ["gluon: its dQ sums vary in order from run to run (deterministic=True)"]
+    if varlen is not None:
+        return "triton", ["gluon: the Gluon backward takes dense batches"]
+    if q.shape[1] < configs.GLUON_BWD_MIN_SEQLEN:
+        return "triton", [f"gluon: the backward takes it from {configs.GLUON_BWD_MIN_SEQLEN} "
+                          f"tokens (configs.GLUON_BWD_MIN_SEQLEN), got {q.shape[1]}"]
+    reason = gluon_backward_misfit(None, q, k, v, variant)
+    if reason is None and not configs.GLUON_BWD_VARIANTS and (
+            _windowed(variant) or variant.softcap or variant.alibi_slopes is not None):
+        reason = "windows, softcap and ALiBi are off (configs.GLUON_BWD_VARIANTS)"
+    if reason is not None:
+        return "triton", ["gluon: " + reason]
+    return "gluon", []
+
+
+@on_device_of
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+                      varlen: Optional[Varlen] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """O in q's shape and dtype; LSE fp32 in natural log, (B, H, SQ) or (H, total_q)."""
+    SK = _dims(q, k, varlen)[2]
+    out = runtime._empty_like(q)
+    lse, stride_lb, stride_lh = _lse_buffer(q, varlen)
+    if out.numel() == 0:
+        return out, lse
+    if SK == 0 or k.numel() == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    signature = _signature("fwd", variant, varlen, q, k, v)
+    if signature is None and varlen is None:  # ALiBi or a block mask: the Gluon forward's
+        signature = _gluon_signature("gluon_fwd", variant, variant.kv_blocks, q, k, v)
+    replays = recall(signature)
+    ptrs = (pointers(q, k, v, out, lse, variant.alibi_slopes, variant.kv_blocks)
+            if replays is not None else None)
+    if ptrs is not None:
+        replays[0](*ptrs)
+        return out, lse
+    if forward_route(q, k, v, variant, varlen)[0] == "gluon":
+        remember(signature, _gluon_forward(q, k, v, out, lse, variant))
+        return out, lse
+    if signature is not None and signature[0] == "gluon_fwd":
+        signature = None  # (the Triton forward's replays take other leading tensors)
+    remember(signature, triton_forward(q, k, v, out, lse, stride_lb, stride_lh, variant, varlen))
+    return out, lse
+
+
+@on_device_of
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, variant: Variant,
+                       varlen: Optional[Varlen] = None
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV in the dtypes, shapes and (dense) layouts of q, k, v."""
+    SK = _dims(q, k, varlen)[2]
+    if q.numel() == 0 or k.numel() == 0 or SK == 0:
+        empty = runtime._empty_like
+        return empty(q).zero_(), empty(k).zero_(), empty(v).zero_()
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if backward_route(q, k, v, variant, varlen)[0] == "gluon":
+        if _token_rows(dout) is None:
+            dout = dout.contiguous()  # e.g. the expanded gradient of a sum
+        return _gluon_backward(dout, q, k, v, out, lse, variant)
+    return triton_backward(dout, q, k, v, out, lse, variant, varlen)

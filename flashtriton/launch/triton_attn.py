@@ -1,0 +1,116 @@
+"""The Triton family's launchers: the forward (kernels.attn_fwd) and the two backward kernels
+(kernels.attn_bwd), autotuned over configs' tiles; every variant, any GPU and the
+interpreter. Also the decoding kernel's autotuner (flashtriton.decode launches it)."""
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import configs, runtime
+from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _varlen_spans_kernel
+from ..kernels.attn_fwd import _attn_fwd_kernel
+from ..kernels.decode import _attn_decode_kernel
+from ..runtime import Replay, autotuned, launch_jit, pointers, recall, remember
+from .calls import (_DECODE_KEY, _KEY, Variant, Varlen, _alibi_args, _block_args, _common, _cu,
+                    _dims, _mask_args, _signature, _sizes, _strides)
+
+_fwd = autotuned("fwd", _attn_fwd_kernel, (*_KEY, "USE_TMA"))
+_dkdv = autotuned("dkdv", _attn_bwd_dkdv_kernel, (*_KEY, "USE_TMA"))
+_dq = autotuned("dq", _attn_bwd_dq_kernel, (*_KEY, "USE_TMA"))
+_decode = autotuned("decode", _attn_decode_kernel, _DECODE_KEY)
+
+
+def _bounded_spans(q, k, varlen: Varlen) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's (start, end) rows of the packed q and of k, 2B int32s each, with the
+    rows of a sequence outside the tensors made empty (kernels.attn_bwd._varlen_spans_kernel):
+    the backward kernels' CU_Q / CU_K under IS_VARLEN 2 (kernels.common.seq_bounds)."""
+    if varlen.seqused_k is not None:
+        raise ValueError("seqused_k is for the forward only")
+    B = varlen.cu_seqlens_q.numel() - 1
+    k_at = configs.cdiv(2 * B, 4) * 4  # the key pairs start 16-byte aligned
+    spans = torch.empty(k_at + 2 * B, dtype=torch.int32, device=q.device)
+    launch_jit(_varlen_spans_kernel, (configs.cdiv(B, 256),), varlen.cu_seqlens_q,
+               varlen.cu_seqlens_k, spans, B, q.shape[0], k.shape[0], k_at, BLOCK_B=256)
+    return spans[:2 * B], spans[k_at:]
+
+
+def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: Variant,
+                   varlen: Optional[Varlen] = None) -> Optional[Replay]:
+    """The Triton forward kernel into ``out`` and ``lse`` (LSE row i of batch b, head h at
+    b * stride_lb + h * stride_lh + i, i counted from the sequence's first row in the packed
+    tensors under varlen). Returns the launch's Replay, if any: its leading arguments are
+    q, k, v, out, lse, ALiBi, the score mask, CU_Q, CU_K, SEQUSED_K, the block mask."""
+    B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
+    alibi, stride_ab, stride_ah = _alibi_args(variant)
+    (mask, *mask_strides), _ = _mask_args(variant)
+    common, key = _common(q, varlen, SQ, SK, variant)
+    if common["HAS_ALIBI"] == 2:  # the forward kernel has the general form only
+        common = dict(common, HAS_ALIBI=1)
+    use_tma = runtime._use_tma(k, v)
+    return runtime._launch(
+        _fwd, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), (*key, use_tma),
+        q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
+        *_block_args(variant.kv_blocks)[1:],
+        H, H // HKV, *_sizes(q, k, varlen, SQ, SK),
+        USE_TMA=use_tma, **common,
+    )
+
+
+
+def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[Varlen] = None
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two Triton backward kernels (dQ, then dK/dV): dQ, dK, dV in the layouts of q, k, v;
+    a call whose signature was seen replays both."""
+    B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
+    dq, dk, dv = runtime._empty_like(q), runtime._empty_like(k), runtime._empty_like(v)
+    lse = lse.contiguous()  # delta below shares its strides
+    # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel
+    # (launched after it on the same stream).
+    delta = runtime._empty(lse.shape, torch.float32, lse.device)
+    signature = _signature("bwd", variant, varlen, q, k, v, out, dout)
+    replays = recall(signature)
+    ptrs = pointers(q, k, v, out, dout, lse, delta, dq, dk, dv) if replays is not None else None
+    if ptrs is not None:
+        q_, k_, v_, out_, dout_, lse_, delta_, dq_, dk_, dv_ = ptrs
+        replays[0](q_, k_, v_, out_, dout_, lse_, delta_, dq_)
+        replays[1](q_, k_, v_, dout_, lse_, delta_, dk_, dv_)
+        return dq, dk, dv
+    common, key = _common(q, varlen, SQ, SK, variant)
+    cu = _cu(varlen)
+    if varlen is not None:  # the sequences' rows bounded once, not in each program
+        cu = (*_bounded_spans(q, k, varlen), None)
+        common = dict(common, IS_VARLEN=2)
+    alibi, stride_ab, stride_ah = _alibi_args(variant)
+    (mask, *mask_strides), _ = _mask_args(variant)
+    stride_lb, stride_lh = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
+    use_tma = runtime._use_tma(q, k, v, dout)  # dQ reads K and V by TMA, dK/dV reads Q and dO
+    key = (*key, use_tma)
+    replay_dq = runtime._launch(
+        _dq, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), key,
+        q, k, v, out, dout, lse, delta, dq, alibi, mask, *cu,
+        *_block_args(variant.kv_blocks)[:1],
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
+        *_strides(dq),
+        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
+        *_block_args(variant.kv_blocks)[1:],
+        H, H // HKV, *_sizes(q, k, varlen, SQ, SK),
+        USE_TMA=use_tma, **common,
+    )
+    # dK/dV reads each query block's LSE and delta by TMA too where their rows start 16-byte
+    # aligned (delta is allocated like lse): no varlen offsets, SQ a multiple of 4.
+    stats_tma = (use_tma and varlen is None and lse.data_ptr() % 16 == 0
+                 and stride_lb % 4 == 0 and stride_lh % 4 == 0)
+    replay_dkdv = runtime._launch(
+        _dkdv, lambda meta: (configs.cdiv(SK, meta["BLOCK_N"]), B * HKV), (*key, stats_tma),
+        q, k, v, dout, lse, delta, dk, dv, alibi, mask, *cu,
+        *_block_args(variant.q_blocks)[:1],
+        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
+        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
+        *_block_args(variant.q_blocks)[1:],
+        HKV, H // HKV, *_sizes(q, k, varlen, SQ, SK),
+        USE_TMA=use_tma, STATS_TMA=stats_tma, **common,
+    )
+    remember(signature, replay_dq, replay_dkdv)
+    return dq, dk, dv

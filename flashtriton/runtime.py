@@ -1,0 +1,360 @@
+"""Host machinery with no attention semantics: GPU timing, autotuned launches, replays of
+compiled kernels and of whole calls, the device guard, output allocation and the scratch,
+TMA and PDL settings. The launchers (flashtriton.launch) build on it."""
+
+import functools
+import logging
+import operator
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime import _allocation, driver
+
+from . import _env, configs
+
+
+def flush_l2(cache: torch.Tensor) -> None:
+    """Evict the L2 and leave it clean, before a timed call: read ``cache`` (256 MB, Triton's
+    benchmark buffer). do_bench's flush zeroes it instead, which leaves the L2 full of dirty
+    lines; the timed kernel's reads evict them, so the DRAM also writes up to the L2's 50 MB
+    during it. On the H200 that took 13% of a 268 MB decoding step's time (B=8 8K: 3446 GB/s
+    after the zeroing, 3902 after this read; SDPA 3462 and 3927), a cost of the flush, not of the
+    step."""
+    cache.view(torch.int32).sum()
+
+
+def gpu_time_ms(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 40):
+    """Quantiles of fn's GPU time in ms, each call after a clean L2 flush, with the host's time
+    kept out: the GPU first sleeps while the host queues every call, so no call waits for its
+    launch. The decoding tuner's benchmarker: its candidates run 5-25 us, while each tuning
+    call goes through Triton's JITFunction.run (~60 us of host time on the H200's host, more
+    than do_bench's flush hides), so do_bench timed the host and picked tiles at random
+    (B=1 8K took a 128-key tile 13% slower in a graph than the 64-key one)."""
+    import time
+    cache = driver.active.get_empty_cache_for_benchmark()
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(3):
+        flush_l2(cache)
+        fn()
+    host = (time.perf_counter() - t) / 3  # seconds of host time a call, flush included
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    torch.cuda._sleep(int(2 * reps * host * 2e9))  # cycles (<= 2 GHz): twice the host's time
+    for start, end in events:
+        flush_l2(cache)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = torch.tensor([start.elapsed_time(end) for start, end in events])
+    return [float(torch.quantile(times, q)) for q in quantiles]
+
+
+def autotuned(kind: str, kernel, key):
+    """``kernel`` autotuned over configs.candidates(kind), pruned by configs.prune, on ``key``."""
+    cands = configs.candidates(kind)
+
+    def early_prune(cfgs, named_args, **kwargs):
+        max_block = kwargs["SPARSE"] if kwargs.get("HAS_BLOCK_MASK") else 1 << 30
+        keep = configs.prune(kind, [_cfg_tuple(c) for c in cfgs], kwargs["BLOCK_D"],
+                             named_args["Q"].element_size(), max_block)
+        return [c for c in cfgs if _cfg_tuple(c) in keep]
+
+    return triton.autotune(
+        configs=[triton.Config(configs.as_kwargs(c), num_warps=c[2], num_stages=c[3])
+                 for c in cands],
+        key=key,
+        prune_configs_by={"early_config_prune": early_prune},
+        cache_results=True,
+        do_bench=gpu_time_ms if kind == "decode" else None,
+    )(kernel)
+
+
+# (id(kernel), tuning key) -> (kernel name, its tuned triton.Config). Triton's Autotuner.run
+# rebuilds its key from every argument on every call (~100 us of host time for these kernels): after the
+# first call for a key, launch the JIT function with the tuned config directly.
+_TUNED = {}
+# Triton's JITFunction.run binds and specialises all ~75 arguments on every call (~60 us of
+# host time on the H200's host). A call whose kernel, tuning key, device, tensor dtypes and
+# every non-tensor argument equal an earlier call's, with 16-byte aligned tensors (what Triton
+# specialises pointers on), replays that call's compiled kernel: only the pointers are new.
+# The dropout seed is left out of the match: the kernels do not specialise on it.
+_COMPILED = {}
+_COMPILED_MAX = 512
+_PLANS = {}  # (id(kernel), positional count) -> (leading tensor arguments, getter of the rest)
+FAST_LAUNCHES = 0  # how many launches took a cached path (tests read it)
+
+
+class Replay(NamedTuple):
+    """A compiled kernel with its grid and every argument after the leading tensors: calling
+    it with new leading tensors (same dtypes, 16-byte aligned) launches it on the current
+    stream, as Triton's JITFunction.run would after binding the same arguments."""
+    compiled: object
+    grid: Tuple[int, int, int]
+    lead: int       # how many leading (tensor or None) arguments the kernel takes
+    tail: tuple     # the arguments after them, in the kernel's order
+    device: int
+    scratch: bool   # the kernel builds tensor descriptors in global scratch memory
+
+    def __call__(self, *pointers) -> None:
+        """Launch with the leading arguments ``pointers`` (``pointers(...)`` of the new
+        tensors, or the tensors themselves; padded with None to ``lead``)."""
+        global FAST_LAUNCHES
+        full = (*pointers, *(None,) * (self.lead - len(pointers)), *self.tail)
+        if self.scratch:
+            _ensure_allocator()
+        c, grid = self.compiled, self.grid
+        stream = driver.active.get_current_stream(self.device)
+        enter_hook = _live(knobs.runtime.launch_enter_hook)
+        exit_hook = _live(knobs.runtime.launch_exit_hook)
+        meta = c.launch_metadata(grid, stream, *full) if enter_hook or exit_hook else None
+        c.run(*grid, stream, c.function, c.packed_metadata, meta, enter_hook, exit_hook, *full)
+        FAST_LAUNCHES += 1
+
+
+def _live(hook):
+    """A launch hook, or None where it would do nothing: Triton (3.5 on) keeps an empty
+    HookChain where no hook is set, which its launcher calls, with metadata built for it,
+    on every launch."""
+    return hook if getattr(hook, "calls", hook) else None
+
+
+def pointers(*tensors) -> Optional[list]:
+    """The tensors' data pointers as ints (None stays None), or None where one is not 16-byte
+    aligned (what Triton specialises pointers on). Replays hand these to the compiled kernel:
+    for an int, Triton's launcher skips the data_ptr() call and the cuPointerGetAttribute
+    check it makes for each tensor (the tensors passed the check on the call that compiled)."""
+    ptrs = [None if t is None else t.data_ptr() for t in tensors]  # a list: ~0.2 us less
+    bits = 0
+    for p in ptrs:
+        if p:
+            bits |= p
+    return None if bits & 15 else ptrs
+
+
+def _plan(fn, args):
+    """The kernels take their tensors (or None) first, then scalars; the getter picks the
+    arguments after the positional ones, by name, in the kernel's order."""
+    plan = _PLANS.get((id(fn), len(args)))
+    if plan is None:
+        n = 0
+        while n < len(args) and (args[n] is None or isinstance(args[n], torch.Tensor)):
+            n += 1
+        names = fn.arg_names[len(args):]
+        get = (operator.itemgetter(*names) if len(names) > 1
+               else lambda m: tuple(map(m.get, names)))
+        plan = _PLANS[(id(fn), len(args))] = (n, get)
+    return plan
+
+
+def launch_jit(fn, grid, *args, _cfg=None, **kwargs) -> Optional[Replay]:
+    """Launch the @triton.jit function ``fn`` (with the tuned config ``_cfg``, if any): through
+    Triton's JITFunction.run, or the compiled kernel of an earlier call with the same
+    arguments but the pointers and the seed (see _COMPILED). Returns the launch's Replay when
+    it can be replayed (fast launches on, aligned tensors, an int32 seed)."""
+    if not _env.FAST_LAUNCH or _env.INTERPRET:
+        fn[grid](*args, **kwargs, **(_cfg.all_kwargs() if _cfg is not None else {}))
+        return None
+    meta = {**kwargs, **_cfg.kwargs} if _cfg is not None else dict(kwargs)
+    n, rest = _plan(fn, args)
+    seed = meta.pop("seed", 0)  # not part of the match (the kernels do not specialise on it)
+    device = driver.active.get_current_device()
+    key = (id(fn), id(_cfg), device, *[None if t is None else t.dtype for t in args[:n]],
+           *args[n:], *meta.values())
+    if "seed" in kwargs:
+        meta["seed"] = seed
+    ptrs = pointers(*args[:n])
+    if not (ptrs is not None and 0 <= seed < 2**31):  # as the cached kernels were compiled
+        fn[grid](*args, **kwargs, **(_cfg.all_kwargs() if _cfg is not None else {}))
+        return None
+    shown = tuple(grid(meta) if callable(grid) else grid)
+    entry = _COMPILED.get(key)
+    if entry is None:
+        compiled = fn[grid](*args, **kwargs, **(_cfg.all_kwargs() if _cfg is not None else {}))
+        if not hasattr(compiled, "packed_metadata"):
+            return None
+        if len(_COMPILED) >= _COMPILED_MAX:
+            _COMPILED.clear()
+        _COMPILED[key] = (compiled, _cfg)  # holds _cfg: its id stays its own
+    else:
+        compiled = entry[0]
+    replay = Replay(compiled, (*shown, *(1,) * (3 - len(shown))), n, (*args[n:], *rest(meta)),
+                    device, compiled.metadata.global_scratch_size > 0)
+    if entry is not None:
+        replay(*ptrs)
+    return replay
+
+
+def _launch(kernel, grid, tuning_key, *args, **kwargs) -> Optional[Replay]:
+    """Launch an autotuned kernel; at debug level, log its config, grid and new tunings.
+    Returns the launch's Replay, if it has one (not on the call that tunes)."""
+    tuned = _TUNED.get((id(kernel), tuning_key))
+    replay = None
+    if tuned is None:
+        known = len(kernel.cache)
+        kernel[grid](*args, **kwargs)
+        cfg = kernel.best_config
+        _TUNED[(id(kernel), tuning_key)] = (kernel.fn.__name__, cfg)
+        if len(kernel.cache) > known:
+            _env.logger.debug("autotuned %s for key %s: %s", kernel.fn.__name__,
+                              list(kernel.cache)[-1], cfg)
+    else:
+        cfg = tuned[1]
+        replay = launch_jit(kernel.fn, grid, *args, _cfg=cfg, **kwargs)
+    if _env.logger.isEnabledFor(logging.DEBUG):
+        meta = dict(kwargs, **cfg.kwargs)
+        shown = grid(meta) if callable(grid) else grid
+        _env.logger.debug("launch %s grid=%s BLOCK_M=%s BLOCK_N=%s num_warps=%s num_stages=%s",
+                          kernel.fn.__name__, tuple(shown), meta.get("BLOCK_M"),
+                          meta.get("BLOCK_N"), cfg.num_warps, cfg.num_stages)
+    return replay
+
+
+# Whole calls replayed: (call site, signature) -> the Replays of its launches. A signature
+# holds everything but the data pointers that decides a call's kernels, configs, grids and
+# scalar arguments (shapes, strides, dtypes and devices, the variant, the switches), so a
+# call that matches one skips the launchers' Python altogether: it allocates its outputs and
+# replays. (The launchers run on their first tensor's device, on_device_of: its device is
+# the current one.) Calls with tensors in the variant, packed sequences or dropout (a new
+# seed per call) take the launchers' path every time.
+_CALLS = {}
+_CALLS_MAX = 512
+
+
+def call_signature(site: str, scalars, *tensors, gluon: bool = True) -> Optional[tuple]:
+    """The signature of a call at ``site`` (None: do not replay): its Python scalars (hashable),
+    the switches, the policy (configs.snapshot(): every tile, threshold and kernel option that
+    chooses kernels), and the shape, strides, dtype and device index of each tensor argument
+    (None where absent); gluon: a site that may run a Gluon kernel, whose launch options
+    (kernels.gluon_fwd / gluon_bwd OPTIONS) join the signature."""
+    if not _env.FAST_LAUNCH or _env.INTERPRET:
+        return None
+    options = ()
+    if gluon:
+        from .kernels import gluon_bwd, gluon_fwd
+        options = (tuple(gluon_fwd.OPTIONS.items()), tuple(gluon_bwd.OPTIONS.items()))
+    return (site, scalars, _env.TMA, _env.AUTOTUNE, _env.PDL, _env.GLUON, configs.snapshot(),
+            *options,
+            *[None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+              for t in tensors])
+
+
+def recall(signature) -> Optional[tuple]:
+    """What ``remember`` recorded under ``signature``, or None."""
+    return _CALLS.get(signature)
+
+
+def remember(signature, *entries) -> None:
+    """Record a call's Replays (and whatever else its replay needs) under its signature, if
+    every launch of the call could be replayed."""
+    if signature is not None and all(e is not None for e in entries):
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[signature] = entries
+
+
+def on_device_of(fn):
+    """``fn`` run with the current CUDA device set to its first argument's: Triton launches on
+    the current device, while flash-attn and SDPA run on their inputs' device whatever is
+    current (a guard, as flash-attn's CUDAGuard)."""
+    @functools.wraps(fn)
+    def run(x, *args, **kwargs):
+        get_device = getattr(x, "get_device", None)  # not a tensor: fn's checks raise
+        index = get_device() if get_device is not None else -1  # -1: CPU (interpreter)
+        if index >= 0 and index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                return fn(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
+    return run
+
+
+def _cfg_tuple(cfg) -> Tuple[int, int, int, int]:
+    return (cfg.kwargs.get("BLOCK_M", 0), cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
+
+
+def tuned_tiles() -> list:
+    """Every tuned config chosen so far, in choice order: (kernel name, tuning key,
+    (BLOCK_M, BLOCK_N, num_warps, num_stages))."""
+    return [(name, key, _cfg_tuple(cfg)) for (_, key), (name, cfg) in _TUNED.items()]
+
+
+def output_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of x's shape and dtype, in x's memory layout when x is dense
+    (an output or gradient then has the layout of its input: SDPA's (B, H, N, D) tensors get
+    (B, H, N, D) gradients, which autograd accumulates without a copy), else contiguous.
+    The custom ops' fake implementations use it too, so traced strides match real ones."""
+    out = torch.empty_like(x)
+    if out.stride(-1) != 1:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out
+
+
+def _empty_like(x: torch.Tensor) -> torch.Tensor:
+    """Every output buffer comes from here (tests poison it with NaN)."""
+    return output_like(x)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+
+# The global memory in which the kernels build their tensor descriptors (TMA): a fresh block
+# from torch's caching allocator per launch, on the current device (the launchers set it to
+# the inputs'), freed when the launch returns; later kernels on the stream reuse it in stream
+# order. Not cached per stream: the legacy default stream has the same handle on every
+# device, and torch.compile's CUDA-graph warmup allocates from the graph's pool, where a
+# buffer kept alive across calls breaks its check that every live tensor is an output.
+_SCRATCH_DEVICE = "cpu" if _env.INTERPRET else "cuda"
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's allocator: ``size`` bytes (torch's blocks are 512-byte aligned)."""
+    return torch.empty(size, dtype=torch.int8, device=_SCRATCH_DEVICE)
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_capable(device: torch.device) -> bool:
+    """Whether ``device`` has TMA (the Tensor Memory Accelerator): Hopper and newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and newer): a kernel launched so may start while
+    the one before it on the stream runs, and waits for it in its code (griddepcontrol.wait)."""
+    return _env.PDL and not _env.INTERPRET and _tma_capable(device)
+
+
+def pdl_option(pdl: bool) -> dict:
+    """The launch option for a kernel taking PDL (none without: the interpreter has none)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    """Tensor-descriptor loads of these (B, T, H, D) or (T, H, D) tensors: a TMA device,
+    16-byte aligned data and strides that are 16-byte multiples (TMA's rules): the token
+    stride always (it is the descriptor's row stride), the batch and head strides where
+    their dim has more than one entry (else they never move the base). Sets Triton's
+    allocator where none is set (the kernels build their descriptors in global scratch
+    memory; the setting is per thread, and autograd runs the backward on its own)."""
+    if not (_env.TMA and _tma_capable(tensors[0].device)):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if (t.data_ptr() % 16 or t.stride(-3) <= 0 or t.stride(-3) * size % 16
+                or any(s * size % 16 for s, n in zip(t.stride()[:-1], t.shape) if n > 1)):
+            return False
+    _ensure_allocator()
+    return True
+
+
+def _ensure_allocator() -> None:
+    """Triton's allocator for the kernels' descriptor scratch memory, where this thread has
+    none (the setting is per thread)."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)

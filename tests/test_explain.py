@@ -1,0 +1,58 @@
+"""flashtriton.explain and the routing policy in configs: which family a call takes and why."""
+import pytest
+import torch
+
+import flashtriton
+from conftest import DEVICE
+from flashtriton import configs, runtime
+
+
+def _qkv(N=64, D=128, dtype=torch.float32):
+    return [torch.randn(1, N, 2, D, device=DEVICE, dtype=dtype) for _ in range(3)]
+
+
+def test_explain_names_the_triton_family_and_the_reasons_here():
+    """Off Hopper (or in fp32) both directions take the Triton kernels, with a reason for each."""
+    e = flashtriton.explain(*_qkv(), causal=True)
+    assert (e.forward, e.backward) == ("triton", "triton")
+    assert len(e.reasons) == 2 and all(r.startswith("gluon: ") for r in e.reasons)
+    assert "forward" in str(e) and "backward" in str(e)
+
+
+def test_explain_reports_the_policy_thresholds(monkeypatch):
+    """Below configs.GLUON_BWD_MIN_SEQLEN the backward's reason names the threshold; a head dim
+    outside configs.GLUON_FWD_HEAD_DIMS names the forward's."""
+    monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 4096)
+    e = flashtriton.explain(*_qkv(N=64, D=64, dtype=torch.bfloat16))
+    assert any("GLUON_BWD_MIN_SEQLEN" in r and "got 64" in r for r in e.reasons)
+    assert any("head dims (128,)" in r and "head dim 64" in r for r in e.reasons)
+
+
+def test_explain_checks_its_arguments():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="window"):
+        flashtriton.explain(q, k, v, window_size=(-5, 0))
+    with pytest.raises((TypeError, ValueError)):
+        flashtriton.explain(q, k[..., :64], v)
+
+
+@pytest.mark.parametrize("head_dim,seqlen,causal,first", [
+    (128, 8192, True, True), (128, 512, True, False), (128, 513, True, True),
+    (128, 256, False, True), (64, 8192, False, False), (256, 8192, True, False)])
+def test_gluon_forward_first(head_dim, seqlen, causal, first):
+    """configs.gluon_forward_first: head dim 128; causal calls from 513 queries."""
+    assert configs.gluon_forward_first(head_dim, seqlen, causal) is first
+
+
+def test_call_signature_holds_the_policy(monkeypatch):
+    """A change of any policy value gives calls another signature (no replay crosses it)."""
+    monkeypatch.setattr(runtime._env, "FAST_LAUNCH", True)
+    monkeypatch.setattr(runtime._env, "INTERPRET", False)
+    q = torch.empty(1, 8, 2, 16)
+    before = runtime.call_signature("fwd", (), q, gluon=False)
+    assert before == runtime.call_signature("fwd", (), q, gluon=False)
+    for name, value in (("GLUON_VARIANTS", False), ("GLUON_BWD_MIN_SEQLEN", 2048),
+                        ("DECODE_MERGE_IN_KERNEL", False), ("KVCACHE_PREFILL_MIN_ROWS", 1)):
+        with monkeypatch.context() as m:
+            m.setattr(configs, name, value)
+            assert runtime.call_signature("fwd", (), q, gluon=False) != before, name
