@@ -139,6 +139,34 @@ def test_errors_without_process_group():
         ring.ring_flash_attn_func(q, q, q, dropout_p=0.1)
 
 
+def _bench_check_worker(rank, world, init_file, errs):
+    from flashtriton.bench import ring as bench_ring
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        args = (rank, world, 32, "cpu", torch.float32, 2, 1, 16)
+        the_ring = ring._Ring.of(None)
+        errs[rank] = (bench_ring.check_ring(the_ring, *args),
+                      bench_ring.check_ring(bench_ring.LocalRing(*the_ring), *args))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(ON_GPU, reason="the gloo run of the interpreter")
+def test_bench_ring_check_passes_the_ring_and_fails_a_broken_one():
+    """flashtriton.bench.ring's check before timing: the ring matches the reference; a ring
+    whose K/V never leave their rank does not, and every rank gets the same verdict."""
+    from flashtriton.bench.common import TOLERANCE
+    with tempfile.TemporaryDirectory() as tmp:
+        errs = mp.Manager().dict()
+        mp.spawn(_bench_check_worker, args=(2, os.path.join(tmp, "init"), errs), nprocs=2,
+                 join=True)
+        errs = dict(errs)
+    assert errs[0] == errs[1]
+    good, broken = errs[0]
+    assert good < 1e-4 and broken > TOLERANCE, errs
+
+
 def test_bench_ring_estimate_and_table():
     from flashtriton.bench import ring as bench_ring
     step, total, mem, compute, transfer = bench_ring.estimate(8, 131072, 400.0, 300.0)
@@ -151,8 +179,10 @@ def test_bench_ring_estimate_and_table():
                compute_fwdbwd_ms=6.5, overlap_fwd=0.95, overlap_fwdbwd=0.93, transfer_ms=0.3,
                link_GBps=250.0, ring_fwd_TFLOPs_per_gpu=400.0, ring_fwdbwd_TFLOPs_per_gpu=350.0,
                peak_extra_MiB_per_rank=300.0)
-    table = bench_ring.markdown([row], 376.0, 250.0)
+    failed = dict(world=2, seqlen=65536, status="FAILED check")
+    table = bench_ring.markdown([row, failed], 376.0, 250.0)
     assert "| 2 | 32768 | 2.00 | 7.00 |" in table and "| 1048576 |" in table
+    assert "| 2 | 65536 | FAILED check |" in table
 
 
 @pytest.mark.parametrize("layout", ring.LAYOUTS)

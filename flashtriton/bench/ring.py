@@ -6,7 +6,10 @@ Per total sequence length (bf16, batch 1, 32 query heads, 8 KV heads of 128, cau
 zigzag shards) it times, with every rank in lockstep (fixed iteration counts, CUDA events,
 median): the ring's forward and forward + backward; the same ring with the transfers
 replaced by local copies (its compute alone); the K/V transfers alone; and one GPU over
-the whole sequence. Overlap = compute alone / ring (1.0: the transfers are hidden).
+the whole sequence. Overlap = compute alone / ring (1.0: the transfers are hidden). Before
+any timing, each length's ring output and gradients (gathered from every rank, at up to
+``--check-len`` tokens) are compared with the float32 reference over the whole sequence; a
+length that fails is reported as failed, without speed.
 Then the step time and memory per rank for 128K-1M tokens on 8 GPUs, estimated from the
 measured per-GPU attention rate and link bandwidth.
 """
@@ -21,6 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashtriton import distributed
+
+from .common import TOLERANCE, expected, failed, rel_err
 from .common import meta as run_meta
 
 H, HKV, D = 32, 8, 128
@@ -44,90 +50,130 @@ def _time(fn, warmup=3, reps=10):
     return float(t)
 
 
-def _worker(rank, world, init_file, seqlens, out_path, meta):
-    from flashtriton import distributed as ring
+class LocalRing(distributed._Ring):
+    """The ring's work per step with K/V copied locally instead of sent (its compute alone;
+    its results are wrong)."""
+
+    def exchange(self, tensors):
+        return [t.clone() for t in tensors], None
+
+
+def check_ring(the_ring, rank, world, N, device, dtype=torch.bfloat16, heads=H, kv_heads=HKV,
+               head_dim=D) -> float:
+    """Largest relative error of the causal zigzag ring's out, dq, dk, dv over N tokens (every
+    rank's shard gathered) against the float32 reference over the whole sequence; every rank
+    gets rank 0's figure (inf for NaN)."""
+    from flashtriton.launch import Variant
+
+    gen = torch.Generator(device="cpu").manual_seed(1234)  # every rank draws the same inputs
+    q, k, v, dout = (torch.randn(1, N, h, head_dim, generator=gen).to(device, dtype)
+                     for h in (heads, kv_heads, kv_heads, heads))
+    local = [distributed.shard(x, rank, world).detach().clone().requires_grad_() for x in (q, k, v)]
+    out = distributed._RingAttention.apply(*local, the_ring, "zigzag", Variant(head_dim ** -0.5), -1,
+                                    0)[0]
+    out.backward(distributed.shard(dout, rank, world))
+    got = [distributed.unshard(x, the_ring.group) for x in (out.detach(), *(x.grad for x in local))]
+    err = torch.zeros(1, device=device)
+    if rank == 0:
+        ref = expected(q, k, v, dout, causal=True)
+        e = max(rel_err(a, b) for a, b in zip(got, ref))
+        err[0] = e if e == e else float("inf")
+    dist.broadcast(err, 0, group=the_ring.group)
+    return float(err)
+
+
+def _measure(rank, world, N, the_ring, local_ring, meta, check_len, err) -> dict:
+    """The timings of one length (every rank in lockstep); rank 0's single-GPU run beside."""
     from flashtriton.api import flash_attention
     from flashtriton.launch import Variant
 
+    n = N // world
+    torch.manual_seed(rank)
+    q = torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    dout = torch.randn_like(q)
+    base = Variant(D ** -0.5)
+
+    def fwd(r):
+        return distributed._RingAttention.apply(q, k, v, r, "zigzag", base, -1, 0)[0]
+
+    def fwd_bwd(r):
+        fwd(r).backward(dout)
+
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fwd_bwd(the_ring)
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    row = dict(meta, world=world, seqlen=N, heads=H, kv_heads=HKV, D=D,
+               check_len=min(N, check_len), check_rel_err=err,
+               ring_fwd_ms=_time(lambda: fwd(the_ring)),
+               ring_fwdbwd_ms=_time(lambda: fwd_bwd(the_ring)),
+               compute_fwd_ms=_time(lambda: fwd(local_ring)),
+               compute_fwdbwd_ms=_time(lambda: fwd_bwd(local_ring)),
+               peak_extra_MiB_per_rank=peak)
+
+    def transfers():
+        kv = [k.detach(), v.detach()]
+        for _ in range(world - 1):
+            kv, pending = the_ring.exchange(kv)
+            distributed._wait(pending)
+
+    row["transfer_ms"] = _time(transfers)
+    kv_bytes = 2 * n * HKV * D * 2
+    row["link_GBps"] = kv_bytes * (world - 1) / row["transfer_ms"] * 1e-6
+    if rank == 0:
+        qf = torch.randn(1, N, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kf = torch.randn(1, N, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        vf = torch.randn_like(kf, requires_grad=True)
+        df = torch.randn_like(qf)
+        single = [None, None]
+
+        def one_fwd():
+            return flash_attention(qf, kf, vf, causal=True)
+
+        for i, fn in enumerate((one_fwd, lambda: one_fwd().backward(df))):
+            fn()
+            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+            ts = []
+            for _ in range(10):
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                ts.append(start.elapsed_time(end))
+            single[i] = statistics.median(ts)
+        row["single_gpu_fwd_ms"], row["single_gpu_fwdbwd_ms"] = single
+        del qf, kf, vf, df
+    dist.barrier()
+    flops = 4 * H * N * N * D / 2  # causal forward
+    row["ring_fwd_TFLOPs_per_gpu"] = flops / world / row["ring_fwd_ms"] * 1e-9
+    row["ring_fwdbwd_TFLOPs_per_gpu"] = 3.5 * flops / world / row["ring_fwdbwd_ms"] * 1e-9
+    row["overlap_fwd"] = row["compute_fwd_ms"] / row["ring_fwd_ms"]
+    row["overlap_fwdbwd"] = row["compute_fwdbwd_ms"] / row["ring_fwdbwd_ms"]
+    return row
+
+
+def _worker(rank, world, init_file, seqlens, out_path, meta, check_len):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    the_ring = ring._Ring.of(None)
-
-    class NoTransfer(ring._Ring):  # same work per step, K/V copied locally instead of sent
-        def exchange(self, tensors):
-            return [t.clone() for t in tensors], None
-
-    local_ring = NoTransfer(*the_ring)
+    the_ring = distributed._Ring.of(None)
+    local_ring = LocalRing(*the_ring)
     rows = []
     for N in seqlens:
-        n = N // world
-        torch.manual_seed(rank)
-        q = torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn_like(k, requires_grad=True)
-        dout = torch.randn_like(q)
-        base = Variant(D ** -0.5)
-
-        def fwd(r):
-            return ring._RingAttention.apply(q, k, v, r, "zigzag", base, -1, 0)[0]
-
-        def fwd_bwd(r):
-            fwd(r).backward(dout)
-
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fwd_bwd(the_ring)
-        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-        row = dict(meta, world=world, seqlen=N, heads=H, kv_heads=HKV, D=D,
-                   ring_fwd_ms=_time(lambda: fwd(the_ring)),
-                   ring_fwdbwd_ms=_time(lambda: fwd_bwd(the_ring)),
-                   compute_fwd_ms=_time(lambda: fwd(local_ring)),
-                   compute_fwdbwd_ms=_time(lambda: fwd_bwd(local_ring)),
-                   peak_extra_MiB_per_rank=peak)
-
-        def transfers():
-            kv = [k.detach(), v.detach()]
-            for _ in range(world - 1):
-                kv, pending = the_ring.exchange(kv)
-                ring._wait(pending)
-
-        row["transfer_ms"] = _time(transfers)
-        kv_bytes = 2 * n * HKV * D * 2
-        row["link_GBps"] = kv_bytes * (world - 1) / row["transfer_ms"] * 1e-6
-        if rank == 0:
-            qf = torch.randn(1, N, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            kf = torch.randn(1, N, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            vf = torch.randn_like(kf, requires_grad=True)
-            df = torch.randn_like(qf)
-            single = [None, None]
-
-            def one_fwd():
-                return flash_attention(qf, kf, vf, causal=True)
-
-            for i, fn in enumerate((one_fwd, lambda: one_fwd().backward(df))):
-                fn()
-                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-                ts = []
-                for _ in range(10):
-                    start.record()
-                    fn()
-                    end.record()
-                    torch.cuda.synchronize()
-                    ts.append(start.elapsed_time(end))
-                single[i] = statistics.median(ts)
-            row["single_gpu_fwd_ms"], row["single_gpu_fwdbwd_ms"] = single
-            del qf, kf, vf, df
-        dist.barrier()
-        flops = 4 * H * N * N * D / 2  # causal forward
-        row["ring_fwd_TFLOPs_per_gpu"] = flops / world / row["ring_fwd_ms"] * 1e-9
-        row["ring_fwdbwd_TFLOPs_per_gpu"] = 3.5 * flops / world / row["ring_fwdbwd_ms"] * 1e-9
-        row["overlap_fwd"] = row["compute_fwd_ms"] / row["ring_fwd_ms"]
-        row["overlap_fwdbwd"] = row["compute_fwdbwd_ms"] / row["ring_fwdbwd_ms"]
+        err = check_ring(the_ring, rank, world, min(N, check_len), "cuda")
+        if err >= TOLERANCE:
+            if rank == 0:
+                row = dict(meta, world=world, seqlen=N, check_len=min(N, check_len),
+                           check_rel_err=err, status=failed(err))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            continue
+        row = _measure(rank, world, N, the_ring, local_ring, meta, check_len, err)
         if rank == 0:
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del q, k, v, dout
         torch.cuda.empty_cache()
     if rank == 0:
         with open(out_path, "w") as f:
@@ -159,6 +205,9 @@ def markdown(rows, tflops, link_gbps):
              "TFLOP/s per GPU fwd / fwd+bwd | peak extra MiB per rank |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "status" in r:
+            lines.append(f"| {r['world']} | {r['seqlen']} | {r['status']} |" + " |" * 8)
+            continue
         lines.append(
             f"| {r['world']} | {r['seqlen']} | {r['ring_fwd_ms']:.2f} | {r['ring_fwdbwd_ms']:.2f} | "
             f"{r['compute_fwd_ms']:.2f} / {r['compute_fwdbwd_ms']:.2f} | "
@@ -183,6 +232,8 @@ def main(argv=None):
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--check-len", type=int, default=16384,
+                   help="tokens of the reference check before each length's timing")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = p.parse_args(argv)
     if args.world < 2:
@@ -192,9 +243,13 @@ def main(argv=None):
     path = os.path.join(args.out, "ring.jsonl")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(args.world, os.path.join(tmp, "init"), args.seqlens, path,
-                                run_meta(args.commit)), nprocs=args.world, join=True)
+                                run_meta(args.commit), args.check_len), nprocs=args.world, join=True)
     rows = [json.loads(line) for line in open(path)]
-    best = max(rows, key=lambda r: r["seqlen"])
+    timed = [r for r in rows if "status" not in r]
+    if not timed:
+        raise SystemExit(f"flashtriton.bench.ring: every length failed its reference check: "
+                         f"{[r['check_rel_err'] for r in rows]}")
+    best = max(timed, key=lambda r: r["seqlen"])
     table = markdown(rows, best["ring_fwdbwd_TFLOPs_per_gpu"] / best["overlap_fwdbwd"],
                      best["link_GBps"])
     m = rows[0]
