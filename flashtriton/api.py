@@ -7,12 +7,11 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .autograd import attention
+from .autograd import attention, register_mods
 from .block_mask import BlockMask, create_block_mask
-from .launch import register_mods
-from .validation import (check_alibi, check_cu_seqlens, check_dropout, check_max_seqlen,
-                         check_qkv, check_scale, check_softcap, check_varlen_indices,
-                         check_window, describe)
+from .validation import (check_alibi, check_cu_seqlens, check_deterministic, check_dropout,
+                         check_max_seqlen, check_qkv, check_scale, check_softcap,
+                         check_varlen_indices, check_window, describe, unit_last)
 
 
 class AttentionOutput(NamedTuple):
@@ -63,15 +62,6 @@ def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_
     return (*blocks, register_mods(score_mod, score_mod_grad, mask_mod))
 
 
-def _deterministic(deterministic) -> bool:
-    """A bitwise-repeatable backward: asked for, or torch.use_deterministic_algorithms(True)."""
-    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
-
-
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
          dropout_p=0.0, names=("q", "k", "v"), attn_mask=None, score_mod=None,
          score_mod_grad=None, mask_mod=None, block_mask=None,
@@ -85,9 +75,9 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
     dropout_p, seed = check_dropout(dropout_p)
     blocks = _check_mods(q, k, causal, (left, right), softcap, alibi_slopes, attn_mask, dropout_p,
                          score_mod, score_mod_grad, mask_mod, block_mask)
-    out, lse = attention(_unit_last(q), _unit_last(k), _unit_last(v), None, None, 0, 0,
+    out, lse = attention(unit_last(q), unit_last(k), unit_last(v), None, None, 0, 0,
                          alibi_slopes, attn_mask, scale, bool(causal), left, right, softcap,
-                         dropout_p, seed, *blocks, _deterministic(deterministic))
+                         dropout_p, seed, *blocks, check_deterministic(deterministic))
     return AttentionOutput(out, lse)
 
 
@@ -118,9 +108,9 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi(alibi_slopes, cu_q.numel() - 1, q.shape[1], q.device)
     dropout_p, seed = check_dropout(dropout_p)
-    out, lse = attention(_unit_last(q), _unit_last(k), _unit_last(v), cu_q, cu_k, max_q, max_k,
+    out, lse = attention(unit_last(q), unit_last(k), unit_last(v), cu_q, cu_k, max_q, max_k,
                          alibi_slopes, None, scale, bool(causal), left, right, softcap,
-                         dropout_p, seed, None, None, 128, 0, _deterministic(deterministic))
+                         dropout_p, seed, None, None, 128, 0, check_deterministic(deterministic))
     return AttentionOutput(out, lse)
 
 

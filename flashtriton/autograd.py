@@ -142,6 +142,12 @@ class FlashAttnFunction(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def register_mods(score_mod, score_mod_grad, mask_mod) -> int:
+    """The integer key that the custom ops carry for the user's ``@triton.jit`` modifiers
+    (0: none); their schemas cannot hold functions (``launch.calls._MODS`` maps it back)."""
+    return launch.register_mods(score_mod, score_mod_grad, mask_mod)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *args) -> Tuple[Tensor, Tensor]:
     """(out, lse) = FlashAttnFunction.apply(q, k, v, *args), or, in plain eager mode when no
     gradient can flow (inference, ``torch.no_grad()``), the forward op alone: the

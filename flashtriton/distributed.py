@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from . import launch
-from .api import AttentionOutput, _deterministic, _unit_last
-from .validation import check_qkv, check_scale, check_softcap, check_window
+from .api import AttentionOutput
+from .validation import (check_deterministic, check_qkv, check_scale, check_softcap,
+                         check_window, unit_last)
 from .launch import Variant
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -200,7 +201,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(_unit_last(dout), q, k, v, out, lse, *ctx.options)
+        dq, dk, dv = _ring_backward(unit_last(dout), q, k, v, out, lse, *ctx.options)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -241,8 +242,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if causal:
         right = 0
     base = Variant(check_scale(softmax_scale, q.shape[-1]), softcap=check_softcap(softcap),
-                   deterministic=_deterministic(deterministic))
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+                   deterministic=check_deterministic(deterministic))
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
     out, lse = _RingAttention.apply(q, k, v, ring, layout, base, left, right)
     return AttentionOutput(out, lse) if return_lse else out
 

@@ -1,6 +1,13 @@
 """Input checks of every public entry point: one module, raising TypeError / ValueError that
 name the argument and show shapes and dtypes.
 
+``supported(q, k, v, **options)`` answers whether the kernels can run a call, and if not why
+(a ``Reason`` naming the argument): dtypes, devices, dims, head dims, GQA heads, strides and
+the options. ``check_qkv`` raises with the same rules; the drop-ins that fall back to torch
+for what the kernels cannot do (``sdpa.sdpa_misfit``, ``integrations.comfyui.misfit``, the
+transformers integration) are adapters over ``supported`` that translate their own layouts
+and conventions, and log the reason at debug level.
+
 Two kinds of check:
 
 - Arguments (types, shapes, dtypes, devices, option values): always. They read tensor
@@ -12,9 +19,6 @@ Two kinds of check:
   CPU (Triton's interpreter) are always checked. Without the checks the kernels still never
   read or write outside their tensors: a sequence whose indices are out of range sees no
   keys and writes nothing of others' (its output rows are 0, its LSE -inf).
-
-The drop-ins that fall back to torch for what the kernels cannot do (``sdpa.sdpa_misfit``,
-``integrations.comfyui.misfit``, the transformers integration) log the reason at debug level.
 """
 
 import math
@@ -48,64 +52,202 @@ def describe(x: torch.Tensor) -> str:
     return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
 
 
-def check_qkv(q, k, v, names=("q", "k", "v"), same_batch: bool = True) -> None:
-    """Raise TypeError/ValueError naming the argument for input the kernels cannot take.
-    same_batch=False: k and v may have another batch size than q (KV caches).
+class Reason(str):
+    """Why the kernels cannot run a call: the message, which names the argument, and in
+    ``error`` the exception class (TypeError or ValueError) that ``check_qkv`` and the option
+    checks raise with it."""
 
-    Every call pays for this (host time): valid input passes one combined test, reading
-    each attribute once; anything else goes through the checks one by one, which name
-    the problem."""
+    error: type
+
+    def __new__(cls, message: str, error: type = ValueError) -> "Reason":
+        reason = super().__new__(cls, message)
+        reason.error = error
+        return reason
+
+
+# The layouts of q, k, v that ``supported`` reads: the axis of the heads, and the 4-D shape's
+# description. headdim is always last, batch first.
+_LAYOUTS = {"bshd": (2, "(batch, seqlen, nheads, headdim)"),
+            "bhsd": (1, "(batch, nheads, seqlen, headdim)")}
+
+
+def _fits(q, k, v, same_batch: bool, h: int) -> bool:
+    """The one combined test for valid q, k, v (heads on axis h): reads each attribute once.
+    False: ``_qkv_reason`` names the problem."""
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         qs, ks, dtype = q.shape, k.shape, q.dtype
         if (len(qs) == 4 and len(ks) == 4 and ks == v.shape and dtype in SUPPORTED_DTYPES
                 and k.dtype == dtype and v.dtype == dtype and 1 <= qs[3] <= MAX_HEAD_DIM
                 and ks[3] == qs[3] and (ks[0] == qs[0] or not same_batch)
-                and ks[2] > 0 and qs[2] % ks[2] == 0):
-            device = q.device
-            if (k.device == device and v.device == device
-                    and (device.type == "cuda" or (device.type == "cpu" and _env.INTERPRET))):
-                return
-    _diagnose_qkv(q, k, v, names, same_batch)
+                and ks[h] > 0 and qs[h] % ks[h] == 0):
+            device = q.device  # each .device builds a torch.device: read once per tensor
+            return (k.device == device and v.device == device
+                    and (device.type == "cuda" or (device.type == "cpu" and _env.INTERPRET)))
+    return False
 
 
-def _diagnose_qkv(q, k, v, names, same_batch: bool) -> None:
-    """check_qkv's checks one by one: raises naming the first problem."""
+def _qkv_reason(q, k, v, names, same_batch: bool, layout: str) -> Optional[Reason]:
+    """The checks of ``_fits`` one by one: the first problem, named."""
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            return Reason(f"{name} must be a torch.Tensor, got {type(x).__name__}", TypeError)
+    h, dims = _LAYOUTS[layout]
     nq, nk, nv = names
     for name, x in zip(names, (q, k, v)):
         if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim); got {describe(x)}")
+            return Reason(f"{name} must be 4-D {dims}; got {describe(x)}")
         if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has unsupported dtype {x.dtype}; flashtriton computes in "
-                            f"float16, bfloat16 or float32 ({describe(x)})")
+            return Reason(f"{name} has unsupported dtype {x.dtype}; flashtriton computes in "
+                          f"float16, bfloat16 or float32 ({describe(x)})", TypeError)
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{nq}, {nk}, {nv} must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    device = q.device  # each .device builds a torch.device: read once per tensor
+        return Reason(f"{nq}, {nk}, {nv} must share one dtype; got {q.dtype}, {k.dtype}, "
+                      f"{v.dtype}", TypeError)
+    device = q.device
     if k.device != device or v.device != device:
-        raise ValueError(f"{nq}, {nk}, {nv} must be on one device; got {device}, {k.device}, {v.device}")
+        return Reason(f"{nq}, {nk}, {nv} must be on one device; got {device}, {k.device}, "
+                      f"{v.device}")
     if device.type == "cpu" and not _env.INTERPRET:
-        raise ValueError(f"{nq} is a CPU tensor ({describe(q)}); flashtriton runs on a GPU, or on "
-                         "the CPU through Triton's interpreter: set TRITON_INTERPRET=1 in the "
-                         "environment before importing flashtriton")
+        return Reason(f"{nq} is a CPU tensor ({describe(q)}); flashtriton runs on a GPU, or on "
+                      "the CPU through Triton's interpreter: set TRITON_INTERPRET=1 in the "
+                      "environment before importing flashtriton")
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{nq} is on device {device}; flashtriton supports CUDA/ROCm GPUs "
-                         "(and the CPU with TRITON_INTERPRET=1)")
-    B, SQ, H, D = q.shape
+        return Reason(f"{nq} is on device {device}; flashtriton supports CUDA/ROCm GPUs "
+                      "(and the CPU with TRITON_INTERPRET=1)")
     if k.shape != v.shape:
-        raise ValueError(f"{nk} and {nv} must have the same shape; got {nk} {describe(k)} and "
-                         f"{nv} {describe(v)}")
-    if same_batch and k.shape[0] != B:
-        raise ValueError(f"batch mismatch: {nq} {describe(q)}, {nk} {describe(k)}")
+        return Reason(f"{nk} and {nv} must have the same shape; got {nk} {describe(k)} and "
+                      f"{nv} {describe(v)}")
+    if same_batch and k.shape[0] != q.shape[0]:
+        return Reason(f"batch mismatch: {nq} {describe(q)}, {nk} {describe(k)}")
+    D = q.shape[3]
     if k.shape[3] != D:
-        raise ValueError(f"headdim mismatch: {nq} {describe(q)}, {nk} {describe(k)}")
+        return Reason(f"headdim mismatch: {nq} {describe(q)}, {nk} {describe(k)}")
     if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"headdim must be in 1..{MAX_HEAD_DIM}; got {D} ({nq} {describe(q)})")
-    HKV = k.shape[2]
+        return Reason(f"headdim must be in 1..{MAX_HEAD_DIM}; got {D} ({nq} {describe(q)})")
+    H, HKV = q.shape[h], k.shape[h]
     if HKV == 0 or H % HKV != 0:
-        raise ValueError(f"nheads of {nq} ({H}) must be a multiple of nheads of {nk} ({HKV}); "
-                         f"{nq} {describe(q)}, {nk} {describe(k)}")
+        return Reason(f"nheads of {nq} ({H}) must be a multiple of nheads of {nk} ({HKV}); "
+                      f"{nq} {describe(q)}, {nk} {describe(k)}")
+    return None
+
+
+def _mask_reason(mask, name: str, target: tuple, device) -> Optional[Reason]:
+    """Why the kernels cannot read ``mask`` tile by tile in place as a (B, H, SQ, SK) view."""
+    if not isinstance(mask, torch.Tensor):
+        return Reason(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}",
+                      TypeError)
+    if mask.requires_grad:
+        return Reason(f"{name} requires grad: the kernels give no mask gradient "
+                      f"({describe(mask)})")
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        return Reason(f"{name} has dtype {mask.dtype}; the kernels read a boolean mask (True = "
+                      f"attend) or an additive float one ({describe(mask)})", TypeError)
+    if mask.device != device:
+        return Reason(f"{name} must be on the device of the queries ({device}); got "
+                      f"{describe(mask)}")
+    shape = tuple(mask.shape)
+    if not 1 <= len(shape) <= 4 or any(s != 1 and s != t
+                                        for s, t in zip(shape[::-1], target[::-1])):
+        return Reason(f"{name} of shape {shape} does not broadcast to (batch, nheads, seqlen_q, "
+                      f"seqlen_k) = {target}")
+    return None
+
+
+def _option_reason(check, *args) -> Optional[Reason]:
+    """The problem an option check raises, as a Reason (None: the option is valid)."""
+    try:
+        check(*args)
+    except (TypeError, ValueError) as e:
+        return Reason(str(e), type(e))
+    return None
+
+
+def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout: str = "bshd",
+              same_batch: bool = True, unit_stride: bool = False, attn_mask=None,
+              mask_name: str = "attn_mask", dropout_p=None, softmax_scale=None, window_size=None,
+              softcap=None, alibi_slopes=None) -> Optional[Reason]:
+    """Whether the kernels can run this call: None, or why not -- a ``Reason`` (a str naming
+    the argument, with the exception class ``check_qkv`` raises in ``reason.error``). Reads
+    tensor metadata only (a tensor-valued scalar option is read on the host).
+
+    q, k, v: 4-D tensors in ``layout`` ("bshd": (batch, seqlen, nheads, headdim), the native
+    API's; "bhsd": (batch, nheads, seqlen, headdim), torch SDPA's), float16 / bfloat16 /
+    float32 of one dtype, on one CUDA device (or the CPU under TRITON_INTERPRET=1); k and v
+    of one shape with q's head dim (1..MAX_HEAD_DIM) and batch (any batch with
+    ``same_batch=False``: KV caches); q's heads a multiple of k's (GQA/MQA). ``names``:
+    the arguments' names in the messages.
+
+    Any strides: the entry points copy a tensor whose stride on headdim is not 1
+    (``unit_last``). ``unit_stride=True`` refuses such tensors instead (for tensors the
+    kernels write in place, which a copy would detach).
+
+    Options, checked when given (None: not given):
+      attn_mask (named ``mask_name``): a mask the kernels read in place through a
+        (batch, nheads, seqlen_q, seqlen_k) broadcast view: a tensor, bool or floating, on
+        q's device, 1..4 dims broadcastable to that shape, not requiring grad.
+      dropout_p: a real number in [0, 1).
+      softmax_scale, window_size, softcap, alibi_slopes: as ``check_scale``,
+        ``check_window``, ``check_softcap`` and ``check_alibi`` accept them.
+
+    The drop-ins add their own conventions on top (``sdpa.sdpa_misfit``:
+    ``enable_gqa``, a mask in query's dtype, no mask with ``is_causal``;
+    ``integrations.comfyui.misfit``: (batch, seqlen, heads * headdim) inputs)."""
+    try:
+        h = _LAYOUTS[layout][0]
+    except KeyError:
+        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}") from None
+    if not _fits(q, k, v, same_batch, h):
+        return _qkv_reason(q, k, v, names, same_batch, layout)
+    if unit_stride:
+        for name, x in zip(names, (q, k, v)):
+            if x.stride(-1) != 1:
+                return Reason(f"{name} must have a unit stride on headdim; got strides "
+                              f"{x.stride()} ({describe(x)})")
+    if attn_mask is not None:
+        seq = 3 - h  # the seqlen axis
+        target = (q.shape[0], q.shape[h], q.shape[seq], k.shape[seq])
+        reason = _mask_reason(attn_mask, mask_name, target, q.device)
+        if reason is not None:
+            return reason
+    if dropout_p is not None and not (type(dropout_p) in (float, int) and 0 <= dropout_p < 1):
+        reason = _option_reason(_dropout_p, dropout_p)
+        if reason is not None:
+            return reason
+    if softmax_scale is None and window_size is None and softcap is None \
+            and alibi_slopes is None:
+        return None
+    for check, args in ((check_scale, (softmax_scale, q.shape[3])),
+                        (check_window, (window_size,)), (check_softcap, (softcap,)),
+                        (check_alibi, (alibi_slopes, q.shape[0], q.shape[h], q.device))):
+        if args[0] is not None:
+            reason = _option_reason(check, *args)
+            if reason is not None:
+                return reason
+    return None
+
+
+def check_qkv(q, k, v, names=("q", "k", "v"), same_batch: bool = True) -> None:
+    """Raise TypeError/ValueError naming the argument for input the kernels cannot take
+    (``supported``'s rules for (batch, seqlen, nheads, headdim) q, k, v).
+    same_batch=False: k and v may have another batch size than q (KV caches).
+
+    Every call pays for this (host time): valid input passes one combined test, reading
+    each attribute once; anything else goes through the checks one by one, which name
+    the problem."""
+    if _fits(q, k, v, same_batch, 2):
+        return
+    reason = _qkv_reason(q, k, v, names, same_batch, "bshd")
+    if reason is not None:
+        raise reason.error(str(reason))
+
+
+def check_deterministic(deterministic) -> bool:
+    """A bitwise-repeatable backward: asked for, or torch.use_deterministic_algorithms(True)."""
+    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+
+
+def unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy where its stride on headdim is not 1 (what the kernels need)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _real(name: str, value) -> float:
@@ -190,12 +332,17 @@ def check_alibi(alibi_slopes, B: int, H: int, device) -> Optional[torch.Tensor]:
     return alibi_slopes
 
 
-def check_dropout(dropout_p) -> Tuple[float, Optional[torch.Tensor]]:
-    """(p, seed): the seed is drawn from torch's default CPU generator, so
-    torch.manual_seed makes dropout reproducible; a CPU tensor, so no device sync."""
+def _dropout_p(dropout_p) -> float:
     p = _real("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return p
+
+
+def check_dropout(dropout_p) -> Tuple[float, Optional[torch.Tensor]]:
+    """(p, seed): the seed is drawn from torch's default CPU generator, so
+    torch.manual_seed makes dropout reproducible; a CPU tensor, so no device sync."""
+    p = _dropout_p(dropout_p)
     if p == 0.0:
         return 0.0, None
     return p, torch.randint(0, 2**31 - 1, (), dtype=torch.int64)

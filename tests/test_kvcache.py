@@ -278,11 +278,11 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     # One split (batches that fill the GPU, or num_splits=1) writes its result as the
     # output: no partial buffers, no merge launch; more splits merge (here by the merge
     # kernel, as under a CUDA graph's capture).
-    from flashtriton import decode
+    from flashtriton.launch import decode as decode_launch
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", False)
     merges = []
-    real = decode.merge_partials
-    monkeypatch.setattr(decode, "merge_partials",
+    real = decode_launch.merge_partials
+    monkeypatch.setattr(decode_launch, "merge_partials",
                         lambda *a: merges.append(a[0].shape[0]) or real(*a))  # splits merged
     gen = torch.Generator().manual_seed(3)
     B, H, HKV, D = 2, 4, 2, 32
@@ -306,7 +306,7 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     # it loads them at once (4 here: 16 rows of 128); with the switch off (or under a capture,
     # over large caches, over more splits) the merge kernel does. Both match the reference,
     # and the counts end at zero.
-    from flashtriton import decode, launch
+    from flashtriton.launch import decode as decode_launch
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 30)  # the GPU's caches are larger
     merges = []  # the MERGE of each split kernel launch
@@ -320,7 +320,7 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     q = torch.randn(B, SQ, H, D, generator=gen).to(DEVICE, DT)
     lens = torch.tensor([CAP - 3, CAP // 2], dtype=torch.int32, device=DEVICE)
     ref_out, ref_lse, pt_out, pt_lse = _reference(q, k_cache, v_cache, lens, True)
-    assert decode._splits(4, B, HKV, CAP, decode.configs.decode_split_granule(), q.device) == 4
+    assert decode_launch._splits(4, B, HKV, CAP, configs.decode_split_granule(), q.device) == 4
     for _ in range(2):  # the first call launches, the second replays (on the GPU)
         out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
                                           num_splits=4)
@@ -333,7 +333,7 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     else:
         assert merges[0] is False and True not in merges
     if in_kernel:
-        counts = decode._workspace(q, 0)[0][:decode._COUNTS].view(torch.int32)
+        counts = decode_launch._workspace(q, 0)[0][:decode_launch._COUNTS].view(torch.int32)
         assert int(counts.abs().sum()) == 0
         merges.clear()
         attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=5)
@@ -346,7 +346,6 @@ def test_without_lse_the_output_is_the_same(monkeypatch, splits, in_kernel):
     # return_lse=False (flash-attn's return_softmax_lse=False) stores and allocates no LSE:
     # the output is the one with the LSE, bit for bit, on each way a step can take (on the GPU
     # also when replayed), and the LSE's own calls still return it.
-    from flashtriton import decode, launch
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 30)
     merges = []  # the MERGE of each split kernel launch
@@ -377,15 +376,16 @@ def test_without_lse_the_output_is_the_same(monkeypatch, splits, in_kernel):
 def test_workspaces_of_many_streams_are_bounded(monkeypatch):
     # A workspace per (device, stream) for the in-kernel merge: a program that makes streams
     # without end must not keep one for each; a workspace grows (zeroed) for larger steps.
-    from flashtriton import decode
-    full = {(7, stream): None for stream in range(decode._WORKSPACES_MAX)}
-    monkeypatch.setattr(decode, "_WORKSPACES", full)
+    from flashtriton.launch import decode as decode_launch
+    full = {(7, stream): None for stream in range(decode_launch._WORKSPACES_MAX)}
+    monkeypatch.setattr(decode_launch, "_WORKSPACES", full)
     x = torch.zeros(1, device=DEVICE)
-    buf, n, ptr = decode._workspace(x, 100)
-    assert len(decode._WORKSPACES) == 1 and n == decode._COUNTS + 100 and ptr == buf.data_ptr()
-    assert decode._workspace(x, 50)[0] is buf  # room enough: the same one
-    bigger = decode._workspace(x, 200)[0]
-    assert bigger.numel() == decode._COUNTS + 200 and int(bigger.abs().sum()) == 0
+    buf, n, ptr = decode_launch._workspace(x, 100)
+    assert (len(decode_launch._WORKSPACES) == 1 and n == decode_launch._COUNTS + 100
+            and ptr == buf.data_ptr())
+    assert decode_launch._workspace(x, 50)[0] is buf  # room enough: the same one
+    bigger = decode_launch._workspace(x, 200)[0]
+    assert bigger.numel() == decode_launch._COUNTS + 200 and int(bigger.abs().sum()) == 0
 
 
 def test_merge_partials_over_many_splits():
@@ -421,28 +421,29 @@ def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want)
     # 132 SMs (H200): one program per SM where that makes >= 8 splits of >= 256 keys, else
     # at most two per SM, without a nearly empty extra wave, at most one 128-key tile each (a
     # 1K cache at B=1: 8 splits).
-    from flashtriton import decode
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
-    splits = decode._splits(0, B, HKV, N, 128, torch.device("cuda", 0))
+    from flashtriton.launch import decode as decode_launch
+    monkeypatch.setattr(decode_launch, "_num_sms", lambda device: 132)
+    splits = decode_launch._splits(0, B, HKV, N, 128, torch.device("cuda", 0))
     assert splits == want
     programs = splits * B * HKV
     if splits >= 8 and N >= 256 * splits and programs <= 132:
         assert 132 - B * HKV < programs  # one wave
     else:
         assert splits in (1, N // 128) or 132 < programs <= 2 * 132
-    assert decode._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit
-    paged = decode._splits(0, B, HKV, N, 128, torch.device("cuda", 0), paged=True)
+    assert decode_launch._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit
+    paged = decode_launch._splits(0, B, HKV, N, 128, torch.device("cuda", 0), paged=True)
     assert paged in (1, N // 128) or 132 < paged * B * HKV <= 2 * 132  # paged: two per SM
 
 
 def test_decode_tile_is_tuned_per_grid_waves(monkeypatch):
     # Splits of the same length over grids of different sizes tune their own tiles (a tile
-    # tuned for one wave of programs read four waves 0.5% slower than SDPA, session 26): on
+    # tuned for one wave of programs read four waves 0.5% slower than SDPA, perf-journal.md): on
     # 4 SMs, B=1 over 8 split granules (8 splits of one) and B=16 over one (one split each)
     # share the split bucket, in 2 and 4 waves.
-    from flashtriton import configs, decode, launch
+    from flashtriton import configs, launch
+    from flashtriton.launch import decode as decode_launch
     monkeypatch.setattr(runtime, "_TUNED", {})
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(decode_launch, "_num_sms", lambda device: 4)
     g = configs.decode_split_granule()  # 16 in the interpreter, 128 on a GPU
     keys = []
     for B, N in [(1, 8 * g), (16, g)]:

@@ -288,7 +288,7 @@ def test_gluon_replays_hand_each_pointer_to_its_kernel_argument():
     backward's prep kernel) take it: descriptors over q, k, v (and dO, the fp32 dQ buffer,
     the log2 LSE and delta) by their views, then the plain pointers, named as the kernels
     name their leading arguments."""
-    from flashtriton.kernels import gluon_bwd, gluon_fwd
+    from flashtriton.kernels.gluon import bwd as gluon_bwd, fwd as gluon_fwd
     from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
     views = tuple(([40 + i, 128], [128 + i, 1]) for i in range(7))
 
@@ -320,19 +320,20 @@ def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_ker
     # partials and counts in the stream's workspace, the output and LSE its merge's (its
     # first call also compiles the merge kernel's way, which a capture would take).
     from flashtriton import decode
+    from flashtriton.launch import decode as decode_launch
     monkeypatch.setattr(decode, "check_qkv", lambda *args, **kw: None)  # CPU, no interpreter
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
-    monkeypatch.setattr(decode, "_WORKSPACES", {})
+    monkeypatch.setattr(decode_launch, "_WORKSPACES", {})
     split = FakeAutotuner(launch.triton_attn._decode)
     split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
     merge = FakeJIT()
-    merge.arg_names = decode._attn_merge_kernel.arg_names
+    merge.arg_names = decode_launch._attn_merge_kernel.arg_names
     monkeypatch.setattr(launch.triton_attn, "_decode", split)
-    monkeypatch.setattr(decode, "_attn_merge_kernel", merge)
+    monkeypatch.setattr(decode_launch, "_attn_merge_kernel", merge)
 
     def step(num_splits=3):
         q = torch.zeros(2, 1, 4, 32, dtype=torch.float16)
-        cache = torch.zeros(2, 3 * decode.configs.decode_split_granule(), 2, 32,
+        cache = torch.zeros(2, 3 * configs.decode_split_granule(), 2, 32,
                             dtype=torch.float16)
         lens = torch.full((2,), 50, dtype=torch.int32)
         out, lse = decode.attention_with_kvcache(q, cache, cache, cache_seqlens=lens,
@@ -342,14 +343,18 @@ def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_ker
     for _ in range(2):
         step()
     assert len(split.fn.slow) == len(merge.slow) == 1 and len(runtime._CALLS) == 1
+    (record,), = runtime._CALLS.values()  # the step's one record, by how it merges
+    assert type(record) is (decode_launch.MergedInKernel if in_kernel
+                            else decode_launch.MergeKernel)
     q, cache, lens, out, lse = step()
     (grid, _, args) = split.fn.compiled[0].runs[-1]
     assert len(split.fn.compiled[0].runs) == 1 + in_kernel  # call 2 replayed too
     assert grid == (3, 4, 1)                   # splits x (B * HKV)
     if in_kernel:
-        (ws, _, counts), = decode._WORKSPACES.values()
+        (ws, _, counts), = decode_launch._WORKSPACES.values()
         assert counts == ws.data_ptr() and args[12] == counts  # the counts, then the partials
-        assert args[8] == counts + 4 * decode._COUNTS and args[9] - args[8] == 4 * 3 * 2 * 4 * 32
+        assert (args[8] == counts + 4 * decode_launch._COUNTS
+                and args[9] - args[8] == 4 * 3 * 2 * 4 * 32)
         assert args[10:12] == (out.data_ptr(), lse.data_ptr())
         return
     _, _, merge_args = merge.compiled[0].runs[-1]   # call 2 ran it cached, call 3 replayed
@@ -367,7 +372,7 @@ def test_call_signature_holds_the_gluon_options_where_a_gluon_kernel_may_run(mon
     """call_signature: a change of a Gluon kernel option gives a site that may run a Gluon
     kernel a new signature (its kernels change), and leaves a decode site's (gluon=False: no
     Gluon kernel there, and the options' tables cost host time a step) as it was."""
-    from flashtriton.kernels import gluon_fwd
+    from flashtriton.kernels.gluon import fwd as gluon_fwd
     monkeypatch.setattr(_env, "INTERPRET", False)
     monkeypatch.setattr(_env, "FAST_LAUNCH", True)
     t = torch.zeros(2, 3)
@@ -389,7 +394,7 @@ def test_repeated_decode_step_replays_before_the_checks(fake_attention, monkeypa
     split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
     monkeypatch.setattr(launch.triton_attn, "_decode", split)
     q = torch.zeros(2, 1, 4, 32, dtype=torch.float16)
-    cache = torch.zeros(2, decode.configs.decode_split_granule(), 2, 32, dtype=torch.float16)
+    cache = torch.zeros(2, configs.decode_split_granule(), 2, 32, dtype=torch.float16)
     lens = torch.full((2,), 50, dtype=torch.int32)
 
     def step(**kw):

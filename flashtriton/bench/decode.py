@@ -74,7 +74,7 @@ def run_decode(batches, lens, meta, copy_gbps, providers=tuple(DECODE_PROVIDERS)
                         ms = cold_ms(fn)
                         graph = cuda_graph(fn)
                         graph_ms = cold_ms(graph.replay)
-                        # do_bench's (dirty) flush, beside the runs before session 26
+                        # do_bench's (dirty) flush, beside the runs timed with it before
                         dirty_ms = triton.testing.do_bench(graph.replay, warmup=25, rep=100,
                                                            return_mode="median")
                         # the best of 5 loops: one loop of 50 calls swung with host noise

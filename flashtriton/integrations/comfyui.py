@@ -4,13 +4,17 @@ The node itself lives in ``integrations/comfyui/`` (a folder for ComfyUI/custom_
 module holds what can be tested without ComfyUI (it is not on PyPI).
 """
 
-from typing import Optional
+import numbers
+from typing import Optional, Tuple
 
 import torch
 
-from ..validation import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from .. import _env, validation
 from ..sdpa import scaled_dot_product_attention
-from .. import _env
+
+# attention_flashtriton's parameters, in ComfyUI's order.
+_PARAMS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape",
+           "skip_output_reshape")
 
 
 def _to_bhnd(x: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
@@ -20,32 +24,62 @@ def _to_bhnd(x: torch.Tensor, heads: int, skip_reshape: bool) -> torch.Tensor:
     return x.view(B, N, heads, C // heads).transpose(1, 2)       # (B, N, H*D) -> (B, H, N, D)
 
 
+def _split_misfit(q, k, v, heads) -> Optional[str]:
+    """Why (B, N, heads * D) q, k, v do not split into ``heads`` heads, or None."""
+    for name, x in zip("qkv", (q, k, v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            got = (f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor)
+                   else type(x).__name__)
+            return f"{name} must be a 3-D (batch, seqlen, heads * headdim) tensor; got {got}"
+    if isinstance(heads, bool) or not isinstance(heads, numbers.Integral) or heads < 1:
+        return f"heads must be a positive int, got {heads!r}"
+    for name, x in zip("qkv", (q, k, v)):
+        if x.shape[-1] % heads:
+            return f"{name}'s {x.shape[-1]} channels do not split into {heads} heads"
+    return None
+
+
+def _as_sdpa(q, k, v, heads, mask, skip_reshape) -> tuple:
+    """(q, k, v, mask) as the SDPA drop-in takes them: (B, H, N, D) views, a (B, N, M) mask
+    as (B, 1, N, M), an additive mask in q's dtype."""
+    qb, kb, vb = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
+    if isinstance(mask, torch.Tensor) and isinstance(qb, torch.Tensor):
+        if mask.dim() == 3:                                      # (B, N, M): one mask per batch
+            mask = mask[:, None]
+        if mask.dtype != torch.bool:
+            mask = mask.to(qb.dtype)
+    return qb, kb, vb, mask
+
+
+def _prepare(q, k, v, heads, mask, skip_reshape, scale=None) -> Tuple[Optional[str], tuple]:
+    """(reason, ``_as_sdpa``'s tensors): reason None where the kernels run these inputs,
+    else why not (``validation.supported`` on the (B, H, N, D) views)."""
+    if not skip_reshape:
+        reason = _split_misfit(q, k, v, heads)
+        if reason is not None:
+            return reason, ()
+    prepared = _as_sdpa(q, k, v, heads, mask, skip_reshape)
+    return validation.supported(*prepared[:3], layout="bhsd", attn_mask=prepared[3],
+                                mask_name="mask", softmax_scale=scale), prepared
+
+
 def misfit(q, k, v, heads, mask=None, skip_reshape=False) -> Optional[str]:
     """Why ``attention_flashtriton`` cannot run these inputs on its kernels, or None."""
-    if not all(isinstance(x, torch.Tensor) for x in (q, k, v)):
-        return "q, k, v are not all tensors"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}"
-    if not (q.is_cuda or (q.device.type == "cpu" and _env.INTERPRET)):
-        return f"{q.device} tensors"
-    if q.dim() != (4 if skip_reshape else 3) or k.dim() != q.dim() or v.shape != k.shape:
-        return f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    D = q.shape[-1] if skip_reshape else q.shape[-1] // heads
-    kv_heads = k.shape[1] if skip_reshape else heads
-    q_heads = q.shape[1] if skip_reshape else heads
-    if not skip_reshape and (q.shape[-1] % heads or k.shape[-1] != q.shape[-1]):
-        return f"q's {q.shape[-1]} channels do not split into {heads} heads like k's"
-    if not 1 <= D <= MAX_HEAD_DIM or kv_heads == 0 or q_heads % kv_heads:
-        return f"head dim {D}, {q_heads} query heads, {kv_heads} key heads"
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.requires_grad
-                             or mask.dim() > 4):
-        return "a mask that is not a tensor of at most 4 dims without grad"
-    return None
+    return _prepare(q, k, v, heads, mask, skip_reshape)[0]
 
 
 def supported(q, k, v, heads, mask=None, skip_reshape=False) -> bool:
     """Whether ``attention_flashtriton`` runs these inputs on its kernels."""
     return misfit(q, k, v, heads, mask, skip_reshape) is None
+
+
+def _attend(qb, kb, vb, mask, skip_output_reshape, scale):
+    out = scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                       enable_gqa=kb.shape[1] != qb.shape[1])
+    if skip_output_reshape:
+        return out                                               # (B, H, N, D)
+    B, H, N, D = out.shape
+    return out.transpose(1, 2).reshape(B, N, H * D)
 
 
 def attention_flashtriton(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
@@ -58,27 +92,18 @@ def attention_flashtriton(q, k, v, heads, mask=None, attn_precision=None, skip_r
     not needed (scores are accumulated in float32). ``kwargs`` may carry ``scale``.
     Returns (B, N, heads * D), or (B, H, N, D) with ``skip_output_reshape``.
     """
-    qb, kb, vb = (_to_bhnd(x, heads, skip_reshape) for x in (q, k, v))
-    if mask is not None:
-        if mask.dim() == 3:                                      # (B, N, M): one mask per batch
-            mask = mask[:, None]
-        if mask.dtype != torch.bool:
-            mask = mask.to(qb.dtype)
-    out = scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=kwargs.get("scale"),
-                                       enable_gqa=kb.shape[1] != qb.shape[1])
-    if skip_output_reshape:
-        return out                                               # (B, H, N, D)
-    B, H, N, D = out.shape
-    return out.transpose(1, 2).reshape(B, N, H * D)
+    return _attend(*_as_sdpa(q, k, v, heads, mask, skip_reshape), skip_output_reshape,
+                   kwargs.get("scale"))
 
 
 def attention_override(func, *args, **kwargs):
     """``transformer_options["optimized_attention_override"]``: ComfyUI calls it with its own
     attention function ``func`` and that function's arguments; unsupported calls go to func."""
-    call = dict(zip(("q", "k", "v", "heads"), args), **kwargs)
-    reason = misfit(call.get("q"), call.get("k"), call.get("v"), call.get("heads"),
-                    call.get("mask"), call.get("skip_reshape", False))
+    call = dict(zip(_PARAMS, args), **kwargs)
+    reason, prepared = _prepare(call.get("q"), call.get("k"), call.get("v"), call.get("heads"),
+                                call.get("mask"), call.get("skip_reshape", False),
+                                call.get("scale"))
     if reason is None:
-        return attention_flashtriton(*args, **kwargs)
+        return _attend(*prepared, call.get("skip_output_reshape", False), call.get("scale"))
     _env.logger.debug("ComfyUI attention falls back to ComfyUI's own: %s", reason)
     return func(*args, **kwargs)

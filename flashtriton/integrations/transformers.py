@@ -70,7 +70,7 @@ import torch
 
 from .._env import logger
 from ..api import _run, flash_attention, flash_attention_varlen
-from ..validation import check_qkv
+from ..validation import supported
 from ..compat.bert_padding import index_first_axis, pad_input, unpad_input
 
 NAME = "triton_fa"
@@ -135,22 +135,6 @@ def _packed_positions(position_ids, B: int, SQ: int, SK: int) -> Optional[torch.
     if not bool((position_ids[:, 1:] == 0).any()):
         return None
     return position_ids.expand(B, SQ)
-
-
-def _mask_problem(mask: torch.Tensor, q: torch.Tensor, B: int, H: int, SQ: int, SK: int):
-    """Why the kernels cannot read this 4-D mask in place (None: they can)."""
-    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        return f"a 4-D attention_mask of dtype {mask.dtype} (the kernels read bool or float)"
-    if mask.requires_grad:
-        return "a 4-D attention_mask that requires grad"
-    if mask.device != q.device:
-        return f"a 4-D attention_mask on {mask.device}, query on {q.device}"
-    try:
-        torch.broadcast_shapes(mask.shape, (B, H, SQ, SK))
-    except RuntimeError:
-        return (f"a 4-D attention_mask of shape {tuple(mask.shape)} that does not broadcast "
-                f"to (batch, heads, q_len, kv_len) = {(B, H, SQ, SK)}")
-    return None
 
 
 def _segments(cu: torch.Tensor, n: int):
@@ -255,15 +239,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         window = ((sliding_window - 1, sliding_window - 1)
                   if sliding_window is not None and SK > sliding_window else (-1, -1))
 
-    reason = None
-    try:
-        check_qkv(q, k, v, names=("query", "key", "value"))
-    except (TypeError, ValueError) as e:
-        reason = str(e)
+    reason = supported(q, k, v, names=("query", "key", "value"),
+                       attn_mask=attention_mask if full_mask else None,
+                       mask_name="attention_mask")
     if reason is None and position_bias is not None:
         reason = "position_bias (an additive bias the kernels do not take)"
-    if reason is None and full_mask:
-        reason = _mask_problem(attention_mask, q, B, H, SQ, SK)
     packed = None  # position_ids that pack sequences: only without a mask and cu_seq_lens
     if attention_mask is None and (cu_q is None or cu_k is None):
         packed = _packed_positions(position_ids, B, SQ, SK)

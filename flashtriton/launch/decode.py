@@ -1,0 +1,434 @@
+"""The KV-cache launcher: appends, the split count, the split-KV and merge launches, the prefill
+route, and the replay of remembered calls (``flashtriton.decode`` checks the arguments and
+calls ``attend``; no validation here). Kernels in ``kernels/decode.py``; the split kernel's
+autotuner is ``triton_attn._decode``.
+
+A remembered call is one record, by the way its splits are merged: ``OneSplit``,
+``MergeKernel``, ``MergedInKernel`` or ``PrefillRoute``; each holds its launches' Replays and
+``replay(tensors, out, lse)`` launches them on new tensors of the same signature.
+"""
+
+import functools
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from .. import _env, configs, launch, runtime
+from ..api import AttentionOutput
+from ..kernels.decode import _attn_merge_kernel, _cache_spans_kernel, _kv_append_kernel
+from . import triton_attn
+from .calls import Variant, Varlen
+
+
+# Eager steps that read at most configs.DECODE_MERGE_MAX_BYTES of cache, with splits that the
+# merge loads at once, merge them in the split kernel (MERGE: one launch, ~7 us less host time
+# a step on the H200's host); other steps and CUDA graph captures take the merge kernel (1-8 us
+# less GPU time a step). The split kernel's counts and partials live in a workspace per
+# (device, stream): steps on one stream run in order.
+_COUNTS = 4096  # counters at a workspace's head: one per (sequence, KV head) of a launch
+_WORKSPACES = {}  # (device index, stream) -> (workspace, its fp32 elements, its address)
+_WORKSPACES_MAX = 64  # more streams start over (torch reuses a freed block in its stream's order)
+# Timing only (tools/timeline.py decode): None, or the split and the merge kernel's int64
+# tables of (programs, 5) rows (kernels.common.mark); steps with a timeline are not remembered.
+TIMELINE = None
+
+
+def _eager(q: torch.Tensor) -> bool:
+    """Not under a CUDA graph's capture (whose replays may run on several streams at once)."""
+    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _workspace(x: torch.Tensor, elements: int) -> tuple:
+    """The workspace of x's device's current stream, with room for ``elements`` fp32 partials
+    after its counters (zero between steps: the split that merges sets its count back)."""
+    index = x.get_device()  # -1: the CPU (the interpreter), whose steps run in order
+    key = (index, runtime.driver.active.get_current_stream(index) if index >= 0 else 0)
+    entry = _WORKSPACES.get(key)
+    if entry is None or entry[1] < _COUNTS + elements:
+        if entry is None and len(_WORKSPACES) >= _WORKSPACES_MAX:
+            _WORKSPACES.clear()
+        buf = torch.zeros(_COUNTS + elements, dtype=torch.float32, device=x.device)
+        entry = _WORKSPACES[key] = (buf, buf.numel(), buf.data_ptr())
+    return entry
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """The device's SMs (the interpreter's CPU: 4)."""
+    if device.type == "cpu":
+        return 4
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
+
+
+def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device,
+            paged: bool = False) -> int:
+    """KV splits per sequence: ``num_splits`` where given; else one program per SM (one wave)
+    where that makes >= 8 splits of >= 256 keys each of a contiguous cache, else at most two
+    programs per SM (the decode tiles fit two per SM); at most 128 splits, and at least one
+    tile of ``block_n`` keys per split. Batch x KV heads >= SMs: one split, and no merge runs.
+
+    Why, measured on the H200 with 8 KV heads from CUDA graph replays (docs/perf.md; the runs
+    in docs/journal/perf-journal.md, its decode split entries):
+    one wave beat two programs per SM by 1-3% from 32K keys (B=1 64K: 16 splits 3441-3507 GB/s
+    in four runs, 33 splits 3384-3395); with one tile (64 keys, 4 warps) also below 32K, from
+    256 keys a split (one wave / two per SM: B=1 4K 16 splits 1118 GB/s / 33 splits 1051, 8K
+    1649 / 1603, 16K 2189 / 2178; B=2 2K 8 splits 1116 / 1090, 4K 1657 / 1636, 8K 2185 / 2196),
+    not at 128 keys a split (B=1 2K: 672 / 701); one wave's 16 splits also merge in the split
+    kernel (an eager step: one launch). With fewer, longer splits the tuner's tile was not
+    stable (B=8 64K, 2 splits: 4422-4457 GB/s, then 3301 in a run where it picked another
+    tile), hence at least 8 splits for one wave. Paged caches ran 12-19% behind contiguous
+    ones with one wave: they keep two programs per SM. Rounding up past two programs per SM
+    left a nearly empty second wave (B=4 64K: 9 splits 3353 GB/s, 8 splits 4219). Short caches
+    split too: one program per (sequence, KV head) over 1K keys ran B=1 at 207 GB/s, split
+    383."""
+    max_splits = max(1, configs.cdiv(capacity, block_n))
+    if num_splits > 0:
+        return min(num_splits, max_splits)
+    sms = _num_sms(device)
+    one_wave = sms // (B * HKV)
+    if not paged and one_wave >= 8 and capacity >= 256 * one_wave:
+        return min(max_splits, one_wave, 128)
+    return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
+
+
+# A remembered call: one record per way its splits are merged. ``tensors`` are the call's
+# leading tensors (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
+# alibi), out and lse its new outputs; replay returns False where one is not 16-byte aligned
+# (nothing launched). lse_always: the record writes an LSE even without return_lse.
+
+class OneSplit(NamedTuple):
+    """One split: the split kernel writes the output and its LSE (or None) itself."""
+    run_decode: runtime.Replay
+    mode = "one"
+    lse_always = False
+
+    def replay(self, tensors, out, lse) -> bool:
+        ptrs = runtime.pointers(*tensors, out, lse)
+        if ptrs is None:
+            return False
+        self.run_decode(*ptrs)
+        return True
+
+
+class MergeKernel(NamedTuple):
+    """Splits into fp32 partials (one allocation of ``size`` elements, the LSEs from
+    ``lse_at``: _partials_layout), then the merge kernel into the output."""
+    run_decode: runtime.Replay
+    run_merge: runtime.Replay
+    size: int
+    lse_at: int
+    mode = "merge"
+    lse_always = False
+
+    def replay(self, tensors, out, lse) -> bool:
+        # the partials as one allocation, passed as two addresses (see _partials)
+        ptrs = runtime.pointers(*tensors, torch.empty(self.size, dtype=torch.float32,
+                                                      device=out.device), out, lse)
+        if ptrs is None:
+            return False
+        o_part = ptrs[-3]
+        lse_part = o_part + 4 * self.lse_at
+        self.run_decode(*ptrs[:-3], o_part, lse_part)
+        self.run_merge(o_part, lse_part, ptrs[-2], ptrs[-1])
+        return True
+
+
+class MergedInKernel(NamedTuple):
+    """Splits merged in the split kernel: its partials (``size``, ``lse_at`` as MergeKernel's)
+    and counts in the stream's workspace, the output and LSE its merge's."""
+    run_decode: runtime.Replay
+    size: int
+    lse_at: int
+    mode = "in-kernel"
+    lse_always = False
+
+    def replay(self, tensors, out, lse) -> bool:
+        ptrs = runtime.pointers(*tensors, out, lse)
+        if ptrs is None:
+            return False
+        counts = _workspace(out, self.size)[2]  # 512-byte aligned (torch's allocator)
+        o_part = counts + 4 * _COUNTS
+        self.run_decode(*ptrs[:-2], o_part, o_part + 4 * self.lse_at, *ptrs[-2:], counts)
+        return True
+
+
+class PrefillRoute(NamedTuple):
+    """The prefill route (_prefill): the spans kernel, then the forward over packed views;
+    ``seg`` int32s per part of the spans. It always writes an LSE."""
+    run_spans: runtime.Replay
+    run_fwd: runtime.Replay
+    seg: int
+    mode = "prefill"
+    lse_always = True
+
+    def replay(self, tensors, out, lse) -> bool:
+        q, k_cache, v_cache, seqlens, _, cache_batch_idx, cache_leftpad = tensors[:7]
+        seg = self.seg
+        spans = torch.empty(3 * seg, dtype=torch.int32, device=out.device)
+        ptrs = runtime.pointers(q, k_cache, v_cache, out, lse, seqlens, cache_batch_idx,
+                                cache_leftpad, spans)
+        if ptrs is None:
+            return False
+        self.run_spans(*ptrs[5:])
+        self.run_fwd(*ptrs[:5], None, None, ptrs[8], ptrs[8] + 4 * seg, ptrs[8] + 8 * seg)
+        return True
+
+
+def _remember(signature, record) -> None:
+    """Remember a call's record under its signature, if each of its launches replays."""
+    if None not in record:
+        runtime.remember(signature, record)
+
+
+def remembered(signature):
+    """The record remembered under ``signature`` (OneSplit, MergeKernel, MergedInKernel or
+    PrefillRoute), or None."""
+    known = runtime.recall(signature)
+    if known is None:
+        return None
+    (record,) = known
+    return record
+
+
+def step_signature(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_batch_idx=None,
+                   cache_leftpad=None, alibi_slopes=None, softmax_scale=None, causal=False,
+                   window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=True):
+    """What a plain step of attention_with_kvcache with these arguments is remembered under
+    (``remembered`` of it: the step's record; the tools in tools/ read them)."""
+    return runtime.call_signature(
+        "decode-step", (softmax_scale, causal, window_size, softcap, num_splits, return_lse,
+                        configs.DECODE_MERGE_IN_KERNEL and _eager(q)), q, k_cache, v_cache, cache_seqlens,
+        block_table, cache_batch_idx, cache_leftpad, alibi_slopes, gluon=False)
+
+
+def replay_step(signature, tensors, return_lse) -> Optional[AttentionOutput]:
+    """A plain step's remembered launches on its tensors (q first), into new outputs; None
+    where nothing is remembered under ``signature`` or a tensor is not 16-byte aligned."""
+    known = runtime.recall(signature)
+    if known is None:
+        return None
+    (record,) = known
+    q = tensors[0]
+    B, SQ, H, _ = q.shape
+    out = runtime._empty(q.shape, q.dtype, q.device)
+    lse = (runtime._empty((B, H, SQ), torch.float32, q.device)
+           if return_lse or record.lse_always else None)
+    if record.replay(tensors, out, lse):
+        return AttentionOutput(out, lse if return_lse else None)
+    return None
+
+
+def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
+              cache_batch_idx=None) -> None:
+    """Write k, v (B, S_new, HKV, D) into the caches at positions cache_seqlens[b] + i, in
+    place (into pages with block_table; rows cache_batch_idx[b]); no host sync. Positions
+    past the cache's end, pages outside the pool and rows outside the cache are not written
+    (kernels.decode._kv_append_kernel)."""
+    B, S_new, HKV, D = k.shape
+    if B * S_new == 0:
+        return
+    paged = block_table is not None
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    runtime.launch_jit(
+        _kv_append_kernel, (B * S_new, HKV), k, v, k_cache, v_cache, cache_seqlens,
+        block_table, cache_batch_idx, *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3],
+        *v_cache.stride()[:3], block_table.stride(0) if paged else 0, S_new, HKV, D,
+        k_cache.shape[0], capacity, PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
+        HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_D=configs.block_d(D), num_warps=1)
+
+
+def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
+           cache_leftpad, alibi, scale, causal, left, right, softcap, num_splits, return_lse,
+           signature, step) -> AttentionOutput:
+    """attention_with_kvcache over checked arguments (q and k rotated): append k, v, then the
+    prefill route (many query tokens over a contiguous cache) or the split kernel; a plain
+    step (``step``) is remembered under ``signature``."""
+    s_new = 0
+    if k is not None:
+        s_new = k.shape[1]
+        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
+    seqlens = cache_seqlens if s_new == 0 else (cache_seqlens + s_new).to(torch.int32)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1]) and block_table is None:
+        prefill = _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad,
+                           Variant(scale, causal, left, right, softcap, alibi), return_lse,
+                           signature, step)
+        if prefill is not None:
+            return prefill
+    return _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
+                   alibi, scale, left, right, softcap, num_splits, return_lse, signature, step)
+
+
+def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, variant, return_lse,
+             signature, step) -> Optional[AttentionOutput]:
+    """Many query tokens over a contiguous cache: the prefill forward kernel over packed views
+    (q as (B * SQ, H, D), the cache as (rows * S, HKV, D); sequence b's keys are the
+    seqlens[b] - leftpad[b] rows from cache_row(b) * S + leftpad[b] on, Varlen's seqused_k,
+    computed on the device by _cache_spans_kernel), two launches that a later call with the
+    same signature replays. None where q or the cache do not flatten (the split kernel runs
+    instead)."""
+    B, SQ, H, D = q.shape
+    rows, S = k_cache.shape[0], k_cache.shape[1]
+    if (q.stride(0) != SQ * q.stride(1) or rows * S >= 2**31
+            or any(c.stride(0) != S * c.stride(1) for c in (k_cache, v_cache))):
+        return None
+    if variant.alibi_slopes is not None:
+        signature = None
+    elif not step:  # appends, rotary: the same call but for the data replays its launches
+        signature = runtime.call_signature("kvcache-prefill", (variant, return_lse), q, k_cache,
+                                           v_cache, seqlens, cache_batch_idx, cache_leftpad,
+                                           gluon=False)
+    out = runtime._empty(q.shape, q.dtype, q.device)
+    lse = runtime._empty((B, H, SQ), torch.float32, q.device)
+    tensors = (q, k_cache, v_cache, seqlens, None, cache_batch_idx, cache_leftpad)
+    known = remembered(signature)
+    if known is not None and known.replay(tensors, out, lse):
+        return AttentionOutput(out, lse if return_lse else None)
+    seg = configs.cdiv(B + 1, 4) * 4  # int32s: each part of the spans 16-byte aligned
+    spans = torch.empty(3 * seg, dtype=torch.int32, device=q.device)
+    run_spans = runtime.launch_jit(
+        _cache_spans_kernel, (1,), seqlens, cache_batch_idx, cache_leftpad, spans, B, SQ, S,
+        rows, seg, HAS_BATCH_IDX=cache_batch_idx is not None,
+        HAS_LEFTPAD=cache_leftpad is not None, BLOCK_B=configs.next_pow2(B + 1), num_warps=1)
+    flat = [c.as_strided((rows * S, c.shape[2], D), (c.stride(1), c.stride(2), 1))
+            for c in (k_cache, v_cache)]
+    # LSE (B, H, SQ) in place: row i of sequence b (packed row b * SQ + i), head h at
+    # b * (H - 1) * SQ + h * SQ + (b * SQ + i)
+    run_fwd = launch.triton_forward(
+        q.view(B * SQ, H, D), *flat, out.view(B * SQ, H, D), lse, (H - 1) * SQ, SQ, variant,
+        Varlen(spans[:B + 1], spans[seg:seg + B], SQ, S, spans[2 * seg:2 * seg + B]))
+    _remember(signature, PrefillRoute(run_spans, run_fwd, seg))
+    return AttentionOutput(out, lse if return_lse else None)
+
+
+def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
+            scale, left, right, softcap, num_splits, return_lse, signature,
+            step) -> AttentionOutput:
+    """The split kernel (and the merge kernel, or its in-kernel merge) over checked
+    arguments; a plain step's launches are remembered under ``signature``."""
+    B, SQ, H, D = q.shape
+    HKV = k_cache.shape[2]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    out = runtime._empty(q.shape, q.dtype, q.device)
+    lse = runtime._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
+    if out.numel() == 0:
+        return AttentionOutput(out, lse)
+    tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi)
+    block_m, row_blocks = configs.decode_rows(H // HKV, SQ, D)
+    merge_ok = configs.DECODE_MERGE_IN_KERNEL and _eager(q) and row_blocks == 1  # may merge in the split kernel
+    if not step and TIMELINE is None:  # appends, rotary: the same call but for the data replays
+        signature = runtime.call_signature(
+            "decode", (scale, left, right, softcap, num_splits, return_lse, merge_ok), *tensors,
+            gluon=False)
+        known = remembered(signature)
+        if known is not None and known.replay(tensors, out, lse):
+            return AttentionOutput(out, lse)
+    granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
+    splits = _splits(num_splits, B * row_blocks, HKV, capacity, granule, q.device, paged)
+    split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
+    block_r = configs.next_pow2((H // HKV) * SQ)
+    bd = configs.block_d(D)
+    block_c = max(1, 8192 // (block_r * bd))  # splits the in-kernel merge loads at once
+    has_softcap = softcap > 0
+    flags = dict(BLOCK_D=bd, EVEN_D=bd == D, PAGED=paged,
+                 SAME_LAYOUT=k_cache.stride()[:3] == v_cache.stride()[:3], HAS_LOWER=left >= 0,
+                 HAS_UPPER=right >= 0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
+                 HAS_BATCH_IDX=cache_batch_idx is not None,
+                 HAS_LEFTPAD=cache_leftpad is not None, PDL=runtime.use_pdl(q.device),
+                 BLOCK_M=block_m)
+    # One tile for both merges, per split length and grid: a tile tuned for B=1 128K's one
+    # wave of 16 splits of 8K keys read B=64 8K's four waves (one split of 8K keys) at 0.995x
+    # SDPA; tuned there, 1.009x.
+    waves = min(4, configs.next_pow2(configs.cdiv(splits * B * HKV * row_blocks,
+                                                  _num_sms(q.device))))
+    key = (q.dtype, configs.bucket(split_size), waves, *flags.values())
+
+    def split_kernel(o_part, lse_part, merge_args=(None, None, None, 0, 0, 0)):
+        """Launch the split kernel; merge_args: MERGE's OUT, LSE, COUNTERS, OUT's strides."""
+        merge = merge_args[0] is not None
+        if o_part is out:  # one split: (split, b, h, t) of the output and its LSE (or None)
+            o_strides = (0, out.stride(0), out.stride(2), out.stride(1))
+            lse_strides = (0, 0, 0) if lse is None else (0, lse.stride(0), lse.stride(1))
+        else:
+            o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
+        return runtime._launch(
+            triton_attn._decode, (splits, B * HKV, row_blocks), key, *tensors, o_part, lse_part,
+            *merge_args[:3], None if TIMELINE is None else TIMELINE[0],
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            block_table.stride(0) if paged else 0,
+            (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
+            alibi.stride(-1) if alibi is not None else 0,
+            *o_strides, *lse_strides, *merge_args[3:],
+            HKV, H // HKV, SQ, D, left, right,
+            scale * (1.0 / softcap if has_softcap else math.log2(math.e)),
+            softcap * math.log2(math.e),
+            split_size, k_cache.shape[0], capacity, k_cache.shape[1] if paged else 1,
+            configs.bucket(split_size), waves,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags, MERGE=merge,
+            BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,
+            **runtime.pdl_option(flags["PDL"]))
+
+    if splits == 1:  # the split's normalised result and LSE are the output
+        _remember(signature, OneSplit(split_kernel(out, lse)))
+        return AttentionOutput(out, lse)
+    size, lse_at = _partials_layout(splits, B, H, SQ, D)
+    in_kernel = (merge_ok and splits <= block_c and B * HKV <= _COUNTS
+                 and 2 * B * capacity * HKV * D * q.element_size() <= configs.DECODE_MERGE_MAX_BYTES)
+    if not in_kernel or signature is not None:
+        # The merge kernel's way; into spare outputs before a merge in the kernel whose step
+        # will replay: a capture of the same step takes this way, and finds its kernels
+        # compiled and its tile tuned.
+        o_part, lse_part = _partials(
+            splits, B, H, SQ, D, torch.empty(size, dtype=torch.float32, device=q.device))
+        run_decode = split_kernel(o_part, lse_part)
+        run_merge = merge_partials(o_part, lse_part, *(
+            (torch.empty_like(out), lse if lse is None else torch.empty_like(lse)) if in_kernel
+            else (out, lse)))
+    if in_kernel:
+        ws = _workspace(q, size)[0]
+        o_part, lse_part = _partials(splits, B, H, SQ, D, ws[_COUNTS:])
+        run_decode = split_kernel(o_part, lse_part,
+                                  (out, lse, ws[:_COUNTS].view(torch.int32), *out.stride()[:3]))
+        _remember(signature, MergedInKernel(run_decode, size, lse_at))
+    else:
+        _remember(signature, MergeKernel(run_decode, run_merge, size, lse_at))
+    return AttentionOutput(out, lse)
+
+
+def _partials_layout(splits, B, H, SQ, D) -> Tuple[int, int]:
+    """fp32 elements of the partials' one allocation, and where its LSEs start (a multiple of
+    4: 16-byte aligned like the outputs before them)."""
+    n = splits * B * H * SQ
+    lse_at = -(-n * D // 4) * 4
+    return lse_at + n, lse_at
+
+
+def _partials(splits, B, H, SQ, D, buf):
+    """The split kernel's fp32 partial outputs (S, B, H, SQ, D) and LSEs (S, B, H, SQ): views of
+    one buffer laid out by _partials_layout (a replayed step passes its two addresses)."""
+    n = splits * B * H * SQ
+    lse_at = _partials_layout(splits, B, H, SQ, D)[1]
+    return buf[:n * D].view(splits, B, H, SQ, D), buf[lse_at:lse_at + n].view(splits, B, H, SQ)
+
+
+@runtime.on_device_of
+def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
+                   lse: Optional[torch.Tensor]) -> Optional[runtime.Replay]:
+    """out (B, SQ, H, D), lse (B, H, SQ) or None <- S partial results o_part (S, B, H, SQ, D)
+    fp32 and lse_part (S, B, H, SQ), weighted by exp(lse_s - lse). Empty partials (lse -inf)
+    weigh 0; all empty gives out 0, lse -inf. Returns the launch's Replay, if any."""
+    S, B, H, SQ, D = o_part.shape
+    pdl = runtime.use_pdl(out.device)
+    return runtime.launch_jit(
+        _attn_merge_kernel, (B * H * SQ,),
+        o_part, lse_part, out, lse, None if TIMELINE is None else TIMELINE[1],
+        o_part.stride(0), lse_part.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
+        BLOCK_C=min(configs.next_pow2(S), 8192 // configs.block_d(D)), BLOCK_D=configs.block_d(D),
+        PDL=pdl,
+        **runtime.pdl_option(pdl))
