@@ -3,20 +3,15 @@
 Layout is flash-attn's: (batch, seqlen, nheads, headdim).
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .autograd import attention, register_mods
+from .autograd import AttentionOutput, attention, register_mods
 from .block_mask import BlockMask, create_block_mask
 from .validation import (check_alibi, check_cu_seqlens, check_deterministic, check_dropout,
                          check_max_seqlen, check_qkv, check_scale, check_softcap,
                          check_varlen_indices, check_window, describe, unit_last)
-
-
-class AttentionOutput(NamedTuple):
-    out: torch.Tensor  # (batch, seqlen_q, nheads, headdim), dtype of q
-    lse: torch.Tensor  # (batch, nheads, seqlen_q) float32, natural log; -inf for rows with no key
 
 
 def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_p, score_mod,

@@ -20,6 +20,8 @@ from torch import Tensor
 from . import launch
 from .launch import Variant, Varlen
 
+AttentionOutput = launch.AttentionOutput  # the result type, for the API above
+
 
 def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Optional[Varlen]:
     if cu_seqlens_q is None:

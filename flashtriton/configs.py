@@ -167,7 +167,7 @@ def as_kwargs(cfg: Tuple[int, int, int, int]) -> Dict[str, int]:
 # Which kernel family runs a call (flashtriton.launch.route reads these; every call signature
 # holds snapshot(), so a call replayed never crosses a change of them). Figures: H200, bf16,
 # docs/perf.md's decisions table.
-# The Triton releases whose Gluon the kernels of kernels/gluon_*.py are written for: Gluon's
+# The Triton releases whose Gluon the kernels of kernels/gluon/ are written for: Gluon's
 # API changes between releases (3.5's warp_specialize takes other arguments; 3.7 has no
 # gl.thread_barrier), so on any other release the Triton kernels run every call.
 GLUON_TRITONS = ((3, 6),)
@@ -189,6 +189,91 @@ GLUON_ALIBI_ONE_SIDED = True
 # take it too (causal 8K: window 315, softcap 387, ALiBi 382 TFLOP/s against 304, 297, 393).
 GLUON_BWD_MIN_SEQLEN = 1024
 GLUON_BWD_VARIANTS = True
+# The Gluon kernels' tiles: what kernels/gluon/fwd.py and bwd.py are written for (each
+# static_asserts them), not candidates to tune. The forward's program takes
+# GLUON_FWD_BLOCK_M query rows (two consumer warpgroups of 64) over key blocks of
+# GLUON_FWD_BLOCK_N in a ring of GLUON_FWD_STAGES slots; the backward's takes
+# GLUON_BWD_BLOCK_N keys (two consumers of 64) over query blocks of GLUON_BWD_BLOCK_M, and its
+# prep kernel pads each head's LSE and delta rows to a multiple of GLUON_BWD_BLOCK_N (a block
+# mask's walk reads both halves of its last 128-row query block). Block masks run them with
+# blocks of GLUON_FWD_BLOCK_N only. The head dims each kernel takes (launch.gluon_misfit);
+# GLUON_FWD_HEAD_DIMS above is where attention_forward routes to the forward.
+GLUON_FWD_BLOCK_M = 128
+GLUON_FWD_BLOCK_N = 128
+GLUON_FWD_STAGES = 2
+GLUON_FWD_KERNEL_HEAD_DIMS = (64, 128)
+GLUON_BWD_BLOCK_M = 64
+GLUON_BWD_BLOCK_N = 128
+GLUON_BWD_KERNEL_HEAD_DIMS = (128,)
+
+
+class OptionTable(dict):
+    """A table of launch constants (a dict) that keeps its items as a tuple for snapshot(),
+    which every call signature reads (two tables' tuple(items()) cost more than the rest of
+    the snapshot); each change through a dict method drops the tuple."""
+    __slots__ = ("_items", )
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._items = None
+
+    def frozen(self) -> tuple:
+        """The items as a tuple (hashable), cached until the next change."""
+        if self._items is None:
+            self._items = tuple(self.items())
+        return self._items
+
+    def __setitem__(self, key, value):
+        self._items = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._items = None
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self._items = None
+        return super().__ior__(other)
+
+    def update(self, *args, **kwargs):
+        self._items = None
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self._items = None
+        return super().setdefault(key, default)
+
+    def pop(self, *args):
+        self._items = None
+        return super().pop(*args)
+
+    def popitem(self):
+        self._items = None
+        return super().popitem()
+
+    def clear(self):
+        self._items = None
+        super().clear()
+
+
+# The Gluon forward's launch constants (constexprs of kernels/gluon/fwd.py): the first
+# consumer's 4 warps, and the registers of the second consumer and of the producer
+# (setmaxnreg; 4 warps each). HEAVY_FIRST: under a causal bound (no lower one) the programs
+# of a head take its query blocks last first, so the blocks that see the most keys start
+# first and the grid's tail holds the light ones (as the Triton kernels' common.heavy_first).
+# ORDER: the programs' order over the grid's query blocks and heads (gluon/common.grid_order:
+# 0 the grid's, 1 whole windows first, G >= 2 groups of G heads block by block); None: as
+# gluon_fwd_options chooses. tools/bench_gluon.py --ab and bench.variants --ab A/B them.
+GLUON_FWD_OPTIONS = OptionTable(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40,
+                                HEAVY_FIRST=True, ORDER=None)
+# The Gluon backward's (kernels/gluon/bwd.py): the first consumer's 4 warps, and the registers
+# of the consumers and of the producer (setmaxnreg; 4 warps each). EARLY_S: each step issues
+# the next step's S^T before it stages dQ; ONE_LOOP: the walk in one loop, every step masked,
+# rather than masked, unmasked and masked loops; SKIP_EMPTY: in walks in one loop with a
+# bound, a group's steps whose queries see none of its keys issue none of its products but
+# dQ's; ORDER: as the forward's (1: whole walks first). None: as gluon_bwd_options chooses.
+GLUON_BWD_OPTIONS = OptionTable(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None,
+                                ONE_LOOP=None, SKIP_EMPTY=None, ORDER=None)
 # Decoding: eager steps that read at most DECODE_MERGE_MAX_BYTES of cache, with splits that the
 # merge loads at once, merge in the split kernel (flashtriton.decode); DECODE_MERGE_IN_KERNEL
 # off: never.
@@ -201,9 +286,50 @@ def gluon_forward_first(head_dim: int, seqlen: int, causal: bool) -> bool:
     return head_dim in GLUON_FWD_HEAD_DIMS and (seqlen > GLUON_FWD_CAUSAL_MAX_TRITON or not causal)
 
 
+def gluon_fwd_options(has_lower: bool) -> dict:
+    """The Gluon forward's launch constants for a walk with or without a lower bound:
+    GLUON_FWD_OPTIONS with ORDER chosen where it is None: 1 (whole windows first) with a lower
+    bound, else 0. Measured on the H200 (six rounds, bf16 8K; docs/journal/perf-journal.md):
+    the causal window 412 -> 427 TFLOP/s with ORDER 1; causal and dense walks unchanged."""
+    opts = dict(GLUON_FWD_OPTIONS)
+    if opts["ORDER"] is None:
+        opts["ORDER"] = 1 if has_lower else 0
+    return opts
+
+
+def gluon_bwd_options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
+    """The Gluon backward's launch constants for a walk with or without an upper bound, a
+    lower bound and ALiBi: GLUON_BWD_OPTIONS with each None chosen: SKIP_EMPTY with a lower
+    bound; ORDER 1 with a lower bound, else 0; ONE_LOOP with a lower bound or ALiBi; EARLY_S
+    with an upper bound and three loops (causal, softcap). Measured on the H200 (bf16, 8K;
+    docs/journal/perf-journal.md): EARLY_S (five rounds at 8K and 16K) causal 373 -> 409 and
+    401 -> 439 TFLOP/s with it, without a bound 486 -> 463 and 495 -> 472; ONE_LOOP (3.3K
+    instructions a step against 6.0K, no spills) ALiBi 450 -> 472 and the causal window 347 ->
+    354, but softcap 428 -> 393 and the block masks -2-3%; EARLY_S on one loop (five rounds):
+    ALiBi 494 with it off against 483 on, the window 363 against 359 (and off with three
+    loops, ALiBi 401: ONE_LOOP stays); SKIP_EMPTY and ORDER 1 (six rounds, the causal window):
+    369 -> 381 and 369 -> 374 TFLOP/s; ORDER 1 on causal walks 503 -> 478 (it is for walks
+    with a lower bound)."""
+    opts = dict(GLUON_BWD_OPTIONS)
+    if opts["SKIP_EMPTY"] is None:
+        opts["SKIP_EMPTY"] = bool(has_lower)
+    if opts["ORDER"] is None:
+        opts["ORDER"] = 1 if has_lower else 0
+    if opts["ONE_LOOP"] is None:
+        opts["ONE_LOOP"] = bool(has_lower or alibi)
+    if opts["EARLY_S"] is None:
+        opts["EARLY_S"] = bool(has_upper) and not opts["ONE_LOOP"]
+    return opts
+
+
 def snapshot() -> tuple:
-    """Every policy value that chooses kernels, as one hashable tuple (call signatures)."""
+    """Every policy value that chooses kernels, as one hashable tuple (call signatures): the
+    switches and thresholds, the Gluon kernels' tiles and their launch constants (the option
+    tables as they are now: a change gives every call a new signature)."""
     return (GLUON_TRITONS, GLUON_FWD_HEAD_DIMS, GLUON_FWD_CAUSAL_MAX_TRITON, GLUON_VARIANTS,
             GLUON_ALIBI_ONE_SIDED, GLUON_BWD_MIN_SEQLEN, GLUON_BWD_VARIANTS,
+            GLUON_FWD_BLOCK_M, GLUON_FWD_BLOCK_N, GLUON_FWD_STAGES, GLUON_FWD_KERNEL_HEAD_DIMS,
+            GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N, GLUON_BWD_KERNEL_HEAD_DIMS,
+            GLUON_FWD_OPTIONS.frozen(), GLUON_BWD_OPTIONS.frozen(),
             DECODE_MERGE_IN_KERNEL, DECODE_MERGE_MAX_BYTES, DECODE_MAX_ROWS,
             KVCACHE_PREFILL_MIN_ROWS)

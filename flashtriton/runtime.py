@@ -226,20 +226,14 @@ _CALLS = {}
 _CALLS_MAX = 512
 
 
-def call_signature(site: str, scalars, *tensors, gluon: bool = True) -> Optional[tuple]:
+def call_signature(site: str, scalars, *tensors) -> Optional[tuple]:
     """The signature of a call at ``site`` (None: do not replay): its Python scalars (hashable),
     the switches, the policy (configs.snapshot(): every tile, threshold and kernel option that
-    chooses kernels), and the shape, strides, dtype and device index of each tensor argument
-    (None where absent); gluon: a site that may run a Gluon kernel, whose launch options
-    (kernels.gluon_fwd / gluon_bwd OPTIONS) join the signature."""
+    chooses kernels, the Gluon kernels' launch constants included), and the shape, strides,
+    dtype and device index of each tensor argument (None where absent)."""
     if not _env.FAST_LAUNCH or _env.INTERPRET:
         return None
-    options = ()
-    if gluon:
-        from .kernels import gluon_bwd, gluon_fwd
-        options = (tuple(gluon_fwd.OPTIONS.items()), tuple(gluon_bwd.OPTIONS.items()))
     return (site, scalars, _env.TMA, _env.AUTOTUNE, _env.PDL, _env.GLUON, configs.snapshot(),
-            *options,
             *[None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
               for t in tensors])
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashtriton import bench
-from flashtriton import runtime
+from flashtriton import configs
 from flashtriton.bench import common, report, train
 from flashtriton.bench.cli import main as bench_main
 from conftest import DEVICE
@@ -244,24 +244,22 @@ def test_variants_bench_sets_gluon_options(monkeypatch):
     booleans, integers such as CONSUMER_REGS integers; fwd.NAME the forward's only) before it
     needs the GPU, and rejects a name neither has."""
     from flashtriton.bench import variants as bv
-    from flashtriton import configs
-    from flashtriton.kernels import gluon_bwd, gluon_fwd
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", True)
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", None)
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "CONSUMER_REGS", 240)
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "PRODUCER_REGS", 40)
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "PRODUCER_REGS", 24)
+    monkeypatch.setitem(configs.GLUON_FWD_OPTIONS, "HEAVY_FIRST", True)
+    monkeypatch.setitem(configs.GLUON_BWD_OPTIONS, "EARLY_S", None)
+    monkeypatch.setitem(configs.GLUON_BWD_OPTIONS, "CONSUMER_REGS", 240)
+    monkeypatch.setitem(configs.GLUON_FWD_OPTIONS, "PRODUCER_REGS", 40)
+    monkeypatch.setitem(configs.GLUON_BWD_OPTIONS, "PRODUCER_REGS", 24)
     for name in ("GLUON_VARIANTS", "GLUON_ALIBI_ONE_SIDED", "GLUON_BWD_VARIANTS"):
         monkeypatch.setattr(configs, name, getattr(configs, name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA GPU"):
         bv.main(["--gluon-option", "HEAVY_FIRST=0", "--gluon-option", "EARLY_S=0",
                  "--gluon-option", "CONSUMER_REGS=232", "--gluon-option", "fwd.PRODUCER_REGS=32"])
-    regs = gluon_bwd.OPTIONS["CONSUMER_REGS"]
+    regs = configs.GLUON_BWD_OPTIONS["CONSUMER_REGS"]
     assert regs == 232 and type(regs) is int
-    assert gluon_fwd.OPTIONS["PRODUCER_REGS"] == 32 and gluon_bwd.OPTIONS["PRODUCER_REGS"] == 24
-    assert gluon_fwd.OPTIONS["HEAVY_FIRST"] is False and "HEAVY_FIRST" not in gluon_bwd.OPTIONS
-    assert gluon_bwd.OPTIONS["EARLY_S"] is False and "EARLY_S" not in gluon_fwd.OPTIONS
+    assert configs.GLUON_FWD_OPTIONS["PRODUCER_REGS"] == 32 and configs.GLUON_BWD_OPTIONS["PRODUCER_REGS"] == 24
+    assert configs.GLUON_FWD_OPTIONS["HEAVY_FIRST"] is False and "HEAVY_FIRST" not in configs.GLUON_BWD_OPTIONS
+    assert configs.GLUON_BWD_OPTIONS["EARLY_S"] is False and "EARLY_S" not in configs.GLUON_FWD_OPTIONS
     with pytest.raises(SystemExit) as exc:
         bv.main(["--gluon-option", "NO_SUCH=1"])
     assert exc.value.code == 2
@@ -290,18 +288,17 @@ def test_variants_bench_ab(monkeypatch):
     after (an exception included), a table line with both sides and their speed-ups over
     FlexAttention (a failed row shows its status), and argparse's error for a bad --ab."""
     from flashtriton.bench import variants as bv
-    from flashtriton.kernels import gluon_bwd, gluon_fwd
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", None)
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "CONSUMER_REGS", 240)
+    monkeypatch.setitem(configs.GLUON_BWD_OPTIONS, "EARLY_S", None)
+    monkeypatch.setitem(configs.GLUON_FWD_OPTIONS, "CONSUMER_REGS", 240)
     ab = "EARLY_S+fwd.CONSUMER_REGS=232,240"
     assert [bv.ab_side(ab, s) for s in (0, 1)] == [["EARLY_S=0", "fwd.CONSUMER_REGS=232"],
                                                    ["EARLY_S=1", "fwd.CONSUMER_REGS=240"]]
-    seen = bv._with_options(bv.ab_side(ab, 0), lambda x: (x, gluon_bwd.OPTIONS["EARLY_S"],
-                                                          gluon_fwd.OPTIONS["CONSUMER_REGS"]), 7)
+    seen = bv._with_options(bv.ab_side(ab, 0), lambda x: (x, configs.GLUON_BWD_OPTIONS["EARLY_S"],
+                                                          configs.GLUON_FWD_OPTIONS["CONSUMER_REGS"]), 7)
     assert seen == (7, False, 232)
     with pytest.raises(ZeroDivisionError):
         bv._with_options(["EARLY_S=1"], lambda: 1 / 0)
-    assert gluon_bwd.OPTIONS["EARLY_S"] is None and gluon_fwd.OPTIONS["CONSUMER_REGS"] == 240
+    assert configs.GLUON_BWD_OPTIONS["EARLY_S"] is None and configs.GLUON_FWD_OPTIONS["CONSUMER_REGS"] == 240
     for bad in ("NO_SUCH", "EARLY_S=0,1,1"):
         with pytest.raises(ValueError):
             bv.ab_parts(bad)

@@ -49,10 +49,10 @@ def test_call_signature_holds_the_policy(monkeypatch):
     monkeypatch.setattr(runtime._env, "FAST_LAUNCH", True)
     monkeypatch.setattr(runtime._env, "INTERPRET", False)
     q = torch.empty(1, 8, 2, 16)
-    before = runtime.call_signature("fwd", (), q, gluon=False)
-    assert before == runtime.call_signature("fwd", (), q, gluon=False)
+    before = runtime.call_signature("fwd", (), q)
+    assert before == runtime.call_signature("fwd", (), q)
     for name, value in (("GLUON_VARIANTS", False), ("GLUON_BWD_MIN_SEQLEN", 2048),
                         ("DECODE_MERGE_IN_KERNEL", False), ("KVCACHE_PREFILL_MIN_ROWS", 1)):
         with monkeypatch.context() as m:
             m.setattr(configs, name, value)
-            assert runtime.call_signature("fwd", (), q, gluon=False) != before, name
+            assert runtime.call_signature("fwd", (), q) != before, name

@@ -1,8 +1,8 @@
 """The floors pyproject.toml declares (Python, torch, triton) against what the code needs.
 
-The code needs Triton 3.6: ``triton.knobs`` (launch.py) came in 3.4, the Gluon Hopper module's
+The code needs Triton 3.6: ``triton.knobs`` (runtime.py) came in 3.4, the Gluon Hopper module's
 ``warpgroup_mma`` in 3.5, and the Gluon kernels' ``gl.warp_specialize([(fn, args), ...])`` in
-3.6 (3.5's takes the partitions as separate lists, so kernels.gluon_fwd / gluon_bwd do not
+3.6 (3.5's takes the partitions as separate lists, so kernels/gluon/ does not
 compile there). .ci/run runs this file and a few interpreter tests in a venv holding exactly
 the declared Triton floor, with FLASHTRITON_FLOOR=1: there
 test_this_triton_imports_and_compiles_every_version_gated_part is the floor's own test."""
@@ -77,7 +77,7 @@ def test_the_setup_commands_install_what_is_declared():
 GATED = """
 import flashtriton.launch  # triton.knobs: Triton 3.4
 import flashtriton.kernels.decode  # gdc_wait, gdc_launch_dependents
-import flashtriton.kernels.gluon_fwd, flashtriton.kernels.gluon_bwd  # warpgroup_mma: 3.5
+import flashtriton.kernels.gluon.fwd, flashtriton.kernels.gluon.bwd  # warpgroup_mma: 3.5
 from tools.sass_loop import compile_gluon_bwd, compile_gluon_fwd
 from flashtriton.launch import gluon_triton_misfit
 if gluon_triton_misfit() is None:  # a release the Gluon kernels are written for

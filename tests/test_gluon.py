@@ -1,10 +1,11 @@
-"""The Gluon forward and backward (kernels.gluon_fwd, kernels.gluon_bwd, Hopper only) against
+"""The Gluon forward and backward (kernels/gluon/fwd.py and bwd.py, Hopper only) against
 the float64 reference (their variants too), the layouts they read, and when
 attention_forward / attention_backward choose them (deterministic=True keeps the backward on
 the repeatable Triton kernels).
 Their compiled sm_90 code (the forward's softmax between the two products' waits, the
 backward's dQ reductions) is checked on any machine by tools/compile_check.py, which CI
-runs; the layout and eligibility rules and the backward's Triton prep kernel run on the CPU."""
+runs; the layout and eligibility rules and the backward's Triton prep kernel run on the CPU
+(their option rules: tests/test_configs.py; their masks: tests/test_mask.py)."""
 
 import math
 
@@ -102,14 +103,13 @@ def test_gluon_forward_matches_reference(B, N, H, HKV, D, causal, dtype):
                                            (True, (100, 0))],
                          ids=["causal", "upper-bound", "causal-window"])
 def test_gluon_forward_query_block_order(heavy_first, order, causal, window, monkeypatch):
-    """gluon_fwd.OPTIONS["HEAVY_FIRST"] both ways (a walk with an upper bound and no lower one
-    takes each head's query blocks last first; a window with both bounds keeps the order)
-    and ORDER 0, 1 and 3 (grid_order: the grid's order, whole windows first, groups of 3
-    heads: the last group of 8 is 2) against the float64 reference: ragged, GQA, several
+    """configs.GLUON_FWD_OPTIONS["HEAVY_FIRST"] both ways (a walk with an upper bound and no
+    lower one takes each head's query blocks last first; a window with both bounds keeps the
+    order) and ORDER 0, 1 and 3 (grid_order: the grid's order, whole windows first, groups of
+    3 heads: the last group of 8 is 2) against the float64 reference: ragged, GQA, several
     heads."""
-    from flashtriton.kernels import gluon_fwd
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", heavy_first)
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "ORDER", order)
+    monkeypatch.setitem(configs.GLUON_FWD_OPTIONS, "HEAVY_FIRST", heavy_first)
+    monkeypatch.setitem(configs.GLUON_FWD_OPTIONS, "ORDER", order)
     q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
     check_against_reference(
         lambda q, k, v: launch.attention_forward_gluon(q, k, v, causal, window_size=window),
@@ -142,7 +142,7 @@ VARIANTS = [(False, (100, -1), 0.0, None), (False, (-1, 37), 0.0, None),
 @pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 64)])
 def test_gluon_forward_variants_match_reference(B, N, H, HKV, D, causal, window, softcap,
                                                 alibi):
-    """kernels.gluon_fwd's windows, softcap and ALiBi (launch.attention_forward_gluon)
+    """The Gluon forward's windows, softcap and ALiBi (launch.attention_forward_gluon)
     against the float64 reference."""
     q, k, v = make_qkv(B, N, N, H, HKV, D, torch.bfloat16, "cuda", requires_grad=False)
     if softcap:
@@ -294,7 +294,7 @@ def _prefix_mod(b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
 @pytest.mark.parametrize("N", [1024, 1000])
 def test_gluon_forward_block_masks_match_reference(mask_mod, N):
-    """kernels.gluon_fwd over a block mask's lists (full blocks unmasked but at a ragged end,
+    """The Gluon forward over a block mask's lists (full blocks unmasked but at a ragged end,
     mask_mod on the partial ones) against the float64 reference of the same mask."""
     from flashtriton.block_mask import create_block_mask
     B, H, HKV, D = 2, 4, 2, 128
@@ -308,7 +308,7 @@ def test_gluon_forward_block_masks_match_reference(mask_mod, N):
 
 
 class _GluonBackward(torch.autograd.Function):
-    """flashtriton's forward, then kernels.gluon_bwd for the gradients (the options as
+    """flashtriton's forward, then the Gluon backward for the gradients (the options as
     attention_backward_gluon's)."""
 
     @staticmethod
@@ -334,16 +334,15 @@ def _gluon_backward(**opts):
                         dict(ORDER=1), dict(ORDER=3)],
                 ids=["s0", "s1", "one", "split", "skip", "skipone", "plain", "order1", "order3"])
 def bwd_options(request, monkeypatch):
-    """The Gluon backward's forms (kernels.gluon_bwd.OPTIONS): EARLY_S both ways (the next
+    """The Gluon backward's forms (configs.GLUON_BWD_OPTIONS): EARLY_S both ways (the next
     step's S^T issued before dQ's staging), ONE_LOOP both ways (the walk in one loop, every
     step masked, or masked, unmasked and masked loops), SKIP_EMPTY (in a walk in one loop,
     a group's steps that see none of its keys run without its products) with the default
     walks and with every walk in one loop, and off with ORDER 0 (the window's walks as they
-    were before options() chose both for them), ORDER 1 and 3 (the programs' order over the
-    grid: whole walks first; groups of 3 heads, which leave a last group of 1 or 2)."""
-    from flashtriton.kernels import gluon_bwd
+    were before gluon_bwd_options chose both for them), ORDER 1 and 3 (the programs' order
+    over the grid: whole walks first; groups of 3 heads, which leave a last group of 1 or 2)."""
     for name, value in request.param.items():
-        monkeypatch.setitem(gluon_bwd.OPTIONS, name, value)
+        monkeypatch.setitem(configs.GLUON_BWD_OPTIONS, name, value)
 
 
 @needs_hopper
@@ -360,7 +359,7 @@ def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, bwd_op
 @pytest.mark.parametrize("B,N,H,HKV", [(2, 1000, 4, 2), (1, 333, 2, 2)])
 def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, softcap, alibi,
                                                  bwd_options):
-    """kernels.gluon_bwd with windows (one- and two-sided, with causal, narrower than a block),
+    """The Gluon backward with windows (one- and two-sided, with causal, narrower than a block),
     softcap and ALiBi (per head and per batch and head), gradients against the float64
     reference."""
     q, k, v = make_qkv(B, N, N, H, HKV, 128, torch.bfloat16, "cuda", requires_grad=False)
@@ -380,7 +379,7 @@ def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, s
 @pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
 @pytest.mark.parametrize("N,H,HKV", [(1024, 4, 2), (1000, 2, 2), (700, 2, 2)])
 def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, bwd_options):
-    """kernels.gluon_bwd over a block mask's transposed lists (GQA with a shared mask, ragged
+    """The Gluon backward over a block mask's transposed lists (GQA with a shared mask, ragged
     ends; N = 700: the last 128-row query block's second half is all padding), gradients
     against the float64 reference of the same mask."""
     from flashtriton.block_mask import create_block_mask
@@ -424,17 +423,17 @@ def test_gluon_backward_timeline_rows_and_step_parts():
     reads a consumer's step marks, one a warp: the mean cycles of each part over the steps
     that are neither a walk's first nor its last, a column a warp, and the SM's cycles a
     ns."""
-    from flashtriton.kernels import gluon_bwd
+    from flashtriton.kernels.gluon import bwd
     from tools import timeline as probe
     q = torch.zeros(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 300, 2, 128, dtype=torch.bfloat16)
-    row = gluon_bwd.TL_ROW.value
+    row = bwd.TL_ROW.value
     for bad in (torch.zeros(12, 8, dtype=torch.int64), torch.zeros(13, row, dtype=torch.int64),
                 torch.zeros(12, row, dtype=torch.int32), torch.zeros(row, 12).long().t()):
         with pytest.raises(ValueError, match="_timeline must be"):
             launch.attention_backward_gluon(q, q, k, k, q, None, _timeline=bad)
-    steps, n = gluon_bwd.TL_STEPS.value, gluon_bwd.TL_MARKS.value
-    warps = gluon_bwd.TL_WARPS.value
+    steps, n = bwd.TL_STEPS.value, bwd.TL_MARKS.value
+    warps = bwd.TL_WARPS.value
     assert len(probe.STEP_PARTS) == n - 1  # a name for each part between two marks
     assert row == 8 + 2 * steps * n * warps
     tl = torch.zeros(2, row, dtype=torch.int64)
@@ -465,37 +464,35 @@ def test_gluon_backward_timeline_rows_and_step_parts():
 
 
 def test_bench_gluon_ab_settings(monkeypatch):
-    """bench_gluon --ab NAME[=A,B]: a boolean option (or one left None for options() to
-    choose) off and on (a None one's other values integers: ORDER=0,2), an integer option at
-    A and B (CONSUMER_REGS=232,240), several joined by + together, fwd. / bwd. naming one
-    kernel's (left out of the other kernel's A/B, an error where nothing is left),
-    bench.variants.ab_side's items for either side, and an error for an unknown name or a
-    third value."""
-    from flashtriton.kernels import gluon_bwd, gluon_fwd
+    """bench_gluon --ab NAME[=A,B]: a boolean option (or one left None for configs'
+    gluon_*_options to choose) off and on (a None one's other values integers: ORDER=0,2),
+    an integer option at A and B (CONSUMER_REGS=232,240), several joined by + together,
+    fwd. / bwd. naming one kernel's (left out of the other kernel's A/B, an error where
+    nothing is left), bench.variants.ab_side's items for either side, and an error for an
+    unknown name or a third value."""
     from tools import bench_gluon as bench
-    regs = bench.ab_settings("CONSUMER_REGS=232,240", gluon_fwd.OPTIONS)
+    fwd, bwd = configs.GLUON_FWD_OPTIONS, configs.GLUON_BWD_OPTIONS
+    regs = bench.ab_settings("CONSUMER_REGS=232,240", fwd)
     assert regs == [{"CONSUMER_REGS": 232}, {"CONSUMER_REGS": 240}]
     assert all(type(st["CONSUMER_REGS"]) is int for st in regs)
-    assert bench.ab_settings("EARLY_S", gluon_bwd.OPTIONS) == [{"EARLY_S": False},
-                                                               {"EARLY_S": True}]
-    assert bench.ab_settings("ONE_LOOP=1,0", gluon_bwd.OPTIONS) == [{"ONE_LOOP": True},
-                                                                    {"ONE_LOOP": False}]
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "ORDER", None)  # (options() chooses; 2: groups)
-    order = bench.ab_settings("ORDER=0,2", gluon_bwd.OPTIONS)
+    assert bench.ab_settings("EARLY_S", bwd) == [{"EARLY_S": False}, {"EARLY_S": True}]
+    assert bench.ab_settings("ONE_LOOP=1,0", bwd) == [{"ONE_LOOP": True}, {"ONE_LOOP": False}]
+    monkeypatch.setitem(bwd, "ORDER", None)  # (gluon_bwd_options chooses; 2: groups)
+    order = bench.ab_settings("ORDER=0,2", bwd)
     assert order == [{"ORDER": False}, {"ORDER": 2}] and type(order[1]["ORDER"]) is int
     both = "fwd.CONSUMER_REGS=232,240+fwd.PRODUCER_REGS=40,24"
-    assert bench.ab_settings(both, gluon_fwd.OPTIONS) == [
+    assert bench.ab_settings(both, fwd) == [
         {"CONSUMER_REGS": 232, "PRODUCER_REGS": 40}, {"CONSUMER_REGS": 240, "PRODUCER_REGS": 24}]
-    assert bench.ab_labels(bench.ab_settings(both, gluon_fwd.OPTIONS))[1] == \
+    assert bench.ab_labels(bench.ab_settings(both, fwd))[1] == \
         "CONSUMER_REGS=240,PRODUCER_REGS=24"
-    assert bench.ab_settings(both + "+ONE_LOOP", gluon_bwd.OPTIONS) == [{"ONE_LOOP": False},
-                                                                        {"ONE_LOOP": True}]
+    assert bench.ab_settings(both + "+ONE_LOOP", bwd) == [{"ONE_LOOP": False},
+                                                          {"ONE_LOOP": True}]
     from flashtriton.bench.variants import ab_side
     assert ab_side(both + "+ONE_LOOP", 1) == \
         ["fwd.CONSUMER_REGS=240", "fwd.PRODUCER_REGS=24", "ONE_LOOP=1"]
     assert ab_side("HEAVY_FIRST", 0) == ["HEAVY_FIRST=0"]
-    for bad, table in (("NO_SUCH", gluon_fwd.OPTIONS), ("CONSUMER_REGS=1,2,3", gluon_fwd.OPTIONS),
-                       ("bwd.HEAVY_FIRST", gluon_fwd.OPTIONS), (both, gluon_bwd.OPTIONS)):
+    for bad, table in (("NO_SUCH", fwd), ("CONSUMER_REGS=1,2,3", fwd),
+                       ("bwd.HEAVY_FIRST", fwd), (both, bwd)):
         with pytest.raises(SystemExit):
             bench.ab_settings(bad, table)
 
@@ -531,11 +528,10 @@ def test_gluon_forward_replays_alibi_and_block_masks(monkeypatch):
 def test_gluon_backward_replays(monkeypatch):
     """A Gluon backward whose signature was seen replays its prep kernel and kernel over new
     tensors (a window, ALiBi and a block mask; gradients against the float64 reference both
-    times): _gluon_bwd_launch runs once a variant, and again after a gluon_bwd.OPTIONS
-    change (part of the signature)."""
+    times): _gluon_bwd_launch runs once a variant, and again after a change of
+    configs.GLUON_BWD_OPTIONS (part of the signature)."""
     monkeypatch.setattr(runtime, "_CALLS", {})  # no replay of another test's calls
     from flashtriton.block_mask import create_block_mask
-    from flashtriton.kernels import gluon_bwd
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
     calls = []
     real = launch.gluon_attn._gluon_bwd_launch
@@ -555,7 +551,7 @@ def test_gluon_backward_replays(monkeypatch):
                                     **{**ref, **{n: x for n, x in opts.items()
                                                  if n not in ("causal", "block_mask")}})
             assert len(calls) == n + 1, (opts, trial)
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", True)
+    monkeypatch.setitem(configs.GLUON_BWD_OPTIONS, "EARLY_S", True)
     q, k, v = make_qkv(2, 700, 700, 4, 2, 128, torch.bfloat16, "cuda")
     check_against_reference(lambda q, k, v: flash_attention_with_lse(q, k, v, **cases[0][0]),
                             q, k, v, True, window_size=(256, 0))
@@ -656,51 +652,3 @@ def test_gluon_alibi_form_follows_the_switch_and_the_mask(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_ALIBI_ONE_SIDED", True)
     assert form(causal=True) == 2 and form(window_left=30, window_right=0) == 2
     assert form() == 1 and form(window_left=30, window_right=5) == 1
-
-
-def test_gluon_backward_early_s_follows_the_upper_bound(monkeypatch):
-    """kernels.gluon_bwd.options: EARLY_S None (the default) is on for walks with an upper
-    bound (causal, a window's: measured faster there) and off without one; a set value
-    stays."""
-    from flashtriton.kernels import gluon_bwd
-    assert gluon_bwd.OPTIONS["EARLY_S"] is None
-    assert gluon_bwd.options(True)["EARLY_S"] is True
-    assert gluon_bwd.options(False)["EARLY_S"] is False
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "EARLY_S", False)
-    assert gluon_bwd.options(True)["EARLY_S"] is False
-
-
-def test_gluon_backward_one_loop_follows_the_variant(monkeypatch):
-    """kernels.gluon_bwd.options: ONE_LOOP None (the default) is on for walks with ALiBi or a
-    lower bound (a window's: measured faster there) and off otherwise (plain, causal,
-    softcap, block masks); a set value stays."""
-    from flashtriton.kernels import gluon_bwd
-    assert gluon_bwd.OPTIONS["ONE_LOOP"] is None
-    assert gluon_bwd.options(True, has_lower=True)["ONE_LOOP"] is True
-    assert gluon_bwd.options(True, alibi=True)["ONE_LOOP"] is True
-    assert gluon_bwd.options(True)["ONE_LOOP"] is False
-    assert gluon_bwd.options(False)["ONE_LOOP"] is False
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "ONE_LOOP", False)
-    assert gluon_bwd.options(True, alibi=True)["ONE_LOOP"] is False
-
-
-def test_gluon_window_walks_skip_empty_steps_and_run_whole_walks_first(monkeypatch):
-    """kernels.gluon_bwd.options and gluon_fwd.options: SKIP_EMPTY and ORDER None (the
-    defaults) are on (ORDER 1, whole walks first) for walks with a lower bound (a window's:
-    measured faster there) and off (ORDER 0) otherwise, ALiBi's and causal ones included;
-    a set value stays."""
-    from flashtriton.kernels import gluon_bwd, gluon_fwd
-    assert gluon_bwd.OPTIONS["SKIP_EMPTY"] is None and gluon_bwd.OPTIONS["ORDER"] is None
-    assert gluon_fwd.OPTIONS["ORDER"] is None
-    window = gluon_bwd.options(True, has_lower=True)
-    assert window["SKIP_EMPTY"] is True and window["ORDER"] == 1
-    for opts in (gluon_bwd.options(True), gluon_bwd.options(True, alibi=True),
-                 gluon_bwd.options(False)):
-        assert opts["SKIP_EMPTY"] is False and opts["ORDER"] == 0
-    assert gluon_fwd.options(True)["ORDER"] == 1 and gluon_fwd.options(False)["ORDER"] == 0
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "SKIP_EMPTY", False)
-    monkeypatch.setitem(gluon_bwd.OPTIONS, "ORDER", 3)
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "ORDER", 0)
-    window = gluon_bwd.options(True, has_lower=True)
-    assert window["SKIP_EMPTY"] is False and window["ORDER"] == 3
-    assert gluon_fwd.options(True)["ORDER"] == 0

@@ -138,7 +138,7 @@ def test_flush_l2_leaves_no_write_back_on_the_timed_call():
     """bench.cold_ms times after runtime.flush_l2, which reads 256 MB; do_bench's flush zeroes
     them, and the dirty lines it leaves in the L2 are written back during the timed call. A
     268 MB read (a decoding step's size at B=8 8K) runs >= 5% faster after flush_l2 (the
-    H200: ~11% for a reduction, 13% for a decoding step, session 26)."""
+    H200: ~11% for a reduction, 13% for a decoding step)."""
     import triton
     from triton.runtime import driver
 
@@ -163,7 +163,6 @@ def test_decode_step_replays_from_a_cuda_graph(monkeypatch):
     in the split kernel (small caches; here all): equal to an eager call that takes the
     merge kernel too, and close to one that merges in the split kernel (another order of the
     same sums)."""
-    from flashtriton import decode
     from flashtriton.decode import attention_with_kvcache
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 40)
     B, N, H, HKV, D = 4, 4096, 32, 8, 128
@@ -197,18 +196,18 @@ def test_decode_merge_in_the_kernel_is_the_same_every_step(monkeypatch):
     or a count left behind for the next step, repeated steps would differ: 300 steps over 16
     splits (one wave of 128 programs) all equal the first, bit for bit, and the counts end at
     zero."""
-    from flashtriton import decode
     from flashtriton.decode import attention_with_kvcache
+    from flashtriton.launch import decode as decode_launch
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 40)  # a 268 MB cache merged in the kernel
     B, N, H, HKV, D = 1, 65536, 32, 8, 128
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
-    assert decode._splits(0, B, HKV, N, decode.configs.decode_split_granule(), q.device) == 16
+    assert decode_launch._splits(0, B, HKV, N, configs.decode_split_granule(), q.device) == 16
     monkeypatch.setattr(runtime, "_CALLS", {})
     first = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
-    (_, _, mode, _), = runtime._CALLS.values()
-    assert mode == 2  # merged in the split kernel
+    (record,), = runtime._CALLS.values()
+    assert type(record) is decode_launch.MergedInKernel  # merged in the split kernel
     steps = [attention_with_kvcache(q, kc, vc, cache_seqlens=lens) for _ in range(300)]
     for step in steps:
         torch.testing.assert_close(step.out, first.out, atol=0, rtol=0)
@@ -216,7 +215,7 @@ def test_decode_merge_in_the_kernel_is_the_same_every_step(monkeypatch):
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
                                          enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(first.out, ref, atol=2e-2, rtol=0)
-    counts = decode._workspace(q, 0)[0][:decode._COUNTS].view(torch.int32)
+    counts = decode_launch._workspace(q, 0)[0][:decode_launch._COUNTS].view(torch.int32)
     assert int(counts.abs().sum()) == 0
 
 
@@ -226,8 +225,9 @@ def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl, in_kernel):
     """Launched as programmatic dependents (Hopper), the split and merge kernels may start
     before the kernel ahead of them on the stream ends: a cache rewritten by the kernel just
     before the step must be read whole, and the result must equal a synchronised call's."""
-    from flashtriton import _env, decode, launch
+    from flashtriton import _env
     from flashtriton.decode import attention_with_kvcache
+    from flashtriton.launch import decode as decode_launch
     monkeypatch.setattr(_env, "PDL", pdl)
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 40)
@@ -250,10 +250,12 @@ def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl, in_kernel):
         got = attention_with_kvcache(q, kv[0], kv[1], cache_seqlens=lens)
         torch.testing.assert_close(got.out, want.out, atol=0, rtol=0)
         torch.testing.assert_close(got.lse, want.lse, atol=0, rtol=0)
-    (run_split, run_merge, mode, _), = runtime._CALLS.values()  # this step's launches
-    assert mode == (2 if in_kernel else 1) and runtime.use_pdl(q.device) == pdl  # Hopper
-    assert run_split.compiled.metadata.launch_pdl == pdl
-    assert in_kernel or run_merge.compiled.metadata.launch_pdl == pdl
+    (record,), = runtime._CALLS.values()  # this step's launches
+    assert type(record) is (decode_launch.MergedInKernel if in_kernel
+                            else decode_launch.MergeKernel)
+    assert runtime.use_pdl(q.device) == pdl  # Hopper
+    assert record.run_decode.compiled.metadata.launch_pdl == pdl
+    assert in_kernel or record.run_merge.compiled.metadata.launch_pdl == pdl
 
 
 def test_forward_replays_from_a_cuda_graph():

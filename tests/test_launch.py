@@ -368,21 +368,6 @@ def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_ker
     assert split.tuned + len(split.fn.slow) == 3 and len(split.fn.compiled[0].runs) == 1
 
 
-def test_call_signature_holds_the_gluon_options_where_a_gluon_kernel_may_run(monkeypatch):
-    """call_signature: a change of a Gluon kernel option gives a site that may run a Gluon
-    kernel a new signature (its kernels change), and leaves a decode site's (gluon=False: no
-    Gluon kernel there, and the options' tables cost host time a step) as it was."""
-    from flashtriton.kernels.gluon import fwd as gluon_fwd
-    monkeypatch.setattr(_env, "INTERPRET", False)
-    monkeypatch.setattr(_env, "FAST_LAUNCH", True)
-    t = torch.zeros(2, 3)
-    before = [runtime.call_signature("s", (1, ), t, None, gluon=g) for g in (True, False)]
-    monkeypatch.setitem(gluon_fwd.OPTIONS, "HEAVY_FIRST", not gluon_fwd.OPTIONS["HEAVY_FIRST"])
-    after = [runtime.call_signature("s", (1, ), t, None, gluon=g) for g in (True, False)]
-    assert before[0] != after[0] and before[1] == after[1]
-    assert after[1][-2:] == ((t.shape, t.stride(), t.dtype, -1), None)
-
-
 def test_repeated_decode_step_replays_before_the_checks(fake_attention, monkeypatch):
     # A plain decoding step that matches a remembered one replays without checking its
     # arguments again (host time); a step that differs in a dtype, a stride, a setting or

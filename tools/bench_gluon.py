@@ -12,8 +12,8 @@ only), flashtriton's Triton backward (deterministic=True) and cuDNN's, each row'
 
     python tools/bench_gluon.py [--dims 64 128] [--seqlens 4096 8192 16384] [--gqa]
     python tools/bench_gluon.py --backward [--dims 128] [--seqlens 2048 8192 16384]
-    python tools/bench_gluon.py --backward --ab EARLY_S [--rounds 5]   # an OPTIONS A/B
-    python tools/bench_gluon.py --ab HEAVY_FIRST [--rounds 5]   # the forward's OPTIONS
+    python tools/bench_gluon.py --backward --ab EARLY_S [--rounds 5]   # an option A/B
+    python tools/bench_gluon.py --ab HEAVY_FIRST [--rounds 5]   # the forward's options
     python tools/bench_gluon.py --ab CONSUMER_REGS=232,240   # an integer option: two values
     timeout 200 python tools/bench_gluon.py --smoke   # first: one small call per variant
                                                        # (a barrier mistake hangs, not fails)
@@ -25,11 +25,10 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashtriton import _env, flash_attention
+from flashtriton import _env, configs, flash_attention
 from flashtriton.bench.common import per_call_us
 from flashtriton.bench.variants import ab_parts as variant_ab_parts
 from flashtriton.bench.variants import option_value
-from flashtriton.kernels import gluon_bwd, gluon_fwd
 from flashtriton.launch import attention_backward_gluon, attention_forward_gluon
 
 
@@ -71,7 +70,8 @@ def main():
     p.add_argument("--gqa", action="store_true", help="8 KV heads")
     p.add_argument("--backward", action="store_true", help="the backward instead")
     p.add_argument("--ab", metavar="NAME[=A,B]",
-                   help="gluon_fwd.OPTIONS[NAME] (--backward: gluon_bwd's) off and on (or A "
+                   help="configs.GLUON_FWD_OPTIONS[NAME] (--backward: GLUON_BWD_OPTIONS') "
+                   "off and on (or A "
                    "and B, e.g. CONSUMER_REGS=232,240; several joined by + change together), "
                    "round-robin")
     p.add_argument("--rounds", type=int, default=5, help="--ab's rounds")
@@ -163,8 +163,8 @@ def backward(args):
 
 
 def with_options(fn, table, **options):
-    """fn with the kernel's OPTIONS (table: gluon_fwd's or gluon_bwd's) updated by options
-    while it runs."""
+    """fn with a kernel's options (table: configs.GLUON_FWD_OPTIONS or GLUON_BWD_OPTIONS)
+    updated by options while it runs."""
     def run():
         saved = dict(table)
         table.update(options)
@@ -178,7 +178,7 @@ def with_options(fn, table, **options):
 def round_robin(fns, flops, rounds):
     """fns timed in turn, `rounds` times (100 ms each): per fn the median TFLOP/s over the
     rounds and, in brackets, (max - min) / median in %. Identical kernels measured one after
-    the other differ by up to 7% (session 15): an A/B needs the rounds."""
+    the other differ by up to 7% on the H200: an A/B needs the rounds."""
     runs = [[] for _ in fns]
     for _ in range(rounds):
         for fn, got in zip(fns, runs):
@@ -200,11 +200,12 @@ def ab_parts(ab: str):
 
 
 def ab_settings(ab: str, table: dict):
-    """--ab [fwd.|bwd.]NAME[=A,B]: the two settings of `table` (gluon_fwd or gluon_bwd.OPTIONS)
-    {NAME: A} and {NAME: B} (default 0 and 1), booleans where the option is one (or None:
-    chosen by the kernel's options()), integers else. Several joined by + change together
-    (fwd.CONSUMER_REGS=232,240+fwd.PRODUCER_REGS=40,24: {232, 40} and {240, 24}); parts
-    naming the other kernel's table only are left out, and none left is an error."""
+    """--ab [fwd.|bwd.]NAME[=A,B]: the two settings of `table` (configs.GLUON_FWD_OPTIONS or
+    GLUON_BWD_OPTIONS) {NAME: A} and {NAME: B} (default 0 and 1), booleans where the option is
+    one (or None: chosen by configs.gluon_fwd_options / gluon_bwd_options), integers else.
+    Several joined by + change together (fwd.CONSUMER_REGS=232,240+fwd.PRODUCER_REGS=40,24:
+    {232, 40} and {240, 24}); parts naming the other kernel's table only are left out, and
+    none left is an error."""
     settings = [{}, {}]
     for _, tables, bare, vals in ab_parts(ab):
         if any(t is table for t in tables):
@@ -221,9 +222,9 @@ def ab_labels(settings):
 
 
 def forward_ab(args):
-    """--ab NAME[=A,B]: the Gluon forward with gluon_fwd.OPTIONS[NAME] off and on (A and B),
-    and cuDNN's, round-robin (round_robin)."""
-    settings = ab_settings(args.ab, gluon_fwd.OPTIONS)
+    """--ab NAME[=A,B]: the Gluon forward with configs.GLUON_FWD_OPTIONS[NAME] off and on (A
+    and B), and cuDNN's, round-robin (round_robin)."""
+    settings = ab_settings(args.ab, configs.GLUON_FWD_OPTIONS)
     a, b = ab_labels(settings)
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {a:>14} {b:>14} {'cudnn':>14}  "
           f"max|x-cudnn| (each)")
@@ -231,7 +232,7 @@ def forward_ab(args):
         for causal in (False, True):
             flops = 4 * q.shape[0] * H * N * N * D / (2 if causal else 1)
             fwd = lambda: attention_forward_gluon(q, k, v, causal)[0]  # noqa: E731
-            fns = [with_options(fwd, gluon_fwd.OPTIONS, **st) for st in settings]
+            fns = [with_options(fwd, configs.GLUON_FWD_OPTIONS, **st) for st in settings]
             cudnn = cudnn_forward(q, k, v, causal)
             ref = cudnn().transpose(1, 2).float()
             errs = " ".join(f"{float((fn().float() - ref).abs().max()):.1e}" for fn in fns)
@@ -240,9 +241,9 @@ def forward_ab(args):
 
 
 def backward_ab(args):
-    """--backward --ab NAME[=A,B]: the Gluon backward (w2) with gluon_bwd.OPTIONS[NAME] off and
-    on (A and B), and cuDNN's, round-robin (round_robin)."""
-    settings = ab_settings(args.ab, gluon_bwd.OPTIONS)
+    """--backward --ab NAME[=A,B]: the Gluon backward (w2) with configs.GLUON_BWD_OPTIONS[NAME]
+    off and on (A and B), and cuDNN's, round-robin (round_robin)."""
+    settings = ab_settings(args.ab, configs.GLUON_BWD_OPTIONS)
     a, b = ab_labels(settings)
     print(f"{'D':>4} {'N':>6} {'HKV':>4} {'causal':>6} {a:>14} {b:>14} {'cudnn':>14}  "
           f"max|x-cudnn| dq/dk/dv (each)")
@@ -256,7 +257,7 @@ def backward_ab(args):
                                                          enable_gqa=HKV != H)
             out, lse = attention_forward_gluon(q, k, v, causal)
             w2 = lambda: attention_backward_gluon(dout, q, k, v, out, lse, causal)  # noqa: E731
-            fns = [with_options(w2, gluon_bwd.OPTIONS, **st) for st in settings]
+            fns = [with_options(w2, configs.GLUON_BWD_OPTIONS, **st) for st in settings]
             fns.append(lambda: torch.autograd.grad(ref_out, leaves, dout.transpose(1, 2),
                                                    retain_graph=True))
             ref = [g.transpose(1, 2).float() for g in fns[2]()]

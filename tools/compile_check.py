@@ -1,13 +1,20 @@
 """Compile every kernel variant of flashtriton for Hopper (sm_90) on any machine, GPU or not.
 
-    python tools/compile_check.py        # TRITON_INTERPRET must be unset
+    python tools/compile_check.py            # TRITON_INTERPRET must be unset
+    python tools/compile_check.py --hashes   # also each kernel's SASS and PTX hashes
 
 Triton's wheel carries ptxas, so this catches compile errors that the interpreter cannot see
 (types that only the compiler checks, shared memory over the limit) and reports the shared
 memory of each kernel, whether its matrix products use Hopper's wgmma and whether its loads
 are pipelined (asynchronous copies), with the alignment the launcher sees at runtime. CI runs it.
+--hashes adds to each line the SHA-256 (12 hex digits) of the kernel's SASS (cuobjdump's
+instruction stream) and of its PTX without line info (.loc / .file, the debug sections and
+the $L__tmp labels that only they reference, which mark the inlined functions' scopes):
+two trees whose hashes agree compile to the same code (a refactor's equivalence check).
 """
+import hashlib
 import os
+import re
 import sys
 
 if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
@@ -56,14 +63,26 @@ variants = {
                            HAS_BLOCK_MASK=True),
 }
 fails = 0
+HASHES = "--hashes" in sys.argv[1:]
+
+
+def code_hashes(k):
+    """' sass=... ptx=...': SHA-256 prefixes of k's SASS and of its PTX without line info."""
+    ptx = k.asm["ptx"].split("\t.section\t.debug", 1)[0]
+    ptx = re.sub(r"^(\s*\.(loc|file)\b.*|\$L__tmp\d+:)\n", "", ptx, flags=re.M)
+    digest = lambda text: hashlib.sha256(text.encode()).hexdigest()[:12]  # noqa: E731
+    return f" sass={digest(sass_of(k))} ptx={digest(ptx)}"
 
 
 def check(name, build, judge):
     """Compile with build(), judge the kernel (-> ok, details), print one line, count a
-    failure (a compile error is one)."""
+    failure (a compile error is one); --hashes: with the kernel's code_hashes."""
     global fails
     try:
-        ok, details = judge(build())
+        k = build()
+        ok, details = judge(k)
+        if HASHES:
+            details += code_hashes(k)
     except Exception as e:
         ok, details = False, f"{type(e).__name__}: {str(e)[:300]}"
     fails += not ok
@@ -170,7 +189,7 @@ def gluon_judge(dim):
     return judge
 
 
-# The Gluon forward (kernels.gluon_fwd): it exists for the softmax running while the P V
+# The Gluon forward (kernels/gluon/fwd.py): it exists for the softmax running while the P V
 # product does, so at D=128 (where attention_forward runs it) each consumer's loop must keep
 # its exp2s (64 x 128 per 4-warp consumer: 64 a thread) between the two waits. At D=64
 # (tests and benchmarks only) ptxas waits for P V before the exp2s of the non-causal loop:
@@ -192,7 +211,7 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                                                               ORDER=1))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
-# The Gluon backward (kernels.gluon_bwd): dQ added by TMA bulk reductions (two UTMAREDG a
+# The Gluon backward (kernels/gluon/bwd.py): dQ added by TMA bulk reductions (two UTMAREDG a
 # query block, from the producer), within the shared memory; plain, causal and its variants.
 def gluon_bwd_judge(k):
     sass = sass_of(k)
@@ -207,11 +226,11 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("alibi", dict(alibi=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
                     ("block mask", dict(mask_mod=causal_mod)),
-                    # EARLY_S the other way round (gluon_bwd.options)
+                    # EARLY_S the other way round (configs.gluon_bwd_options)
                     ("plain early-s", dict(EARLY_S=True)),
                     ("causal no early-s", dict(causal=True, EARLY_S=False)),
                     ("window early-s", dict(lower=True, upper=True, EARLY_S=True)),
-                    # ONE_LOOP the other way round (gluon_bwd.options)
+                    # ONE_LOOP the other way round (configs.gluon_bwd_options)
                     ("window split walk", dict(lower=True, upper=True, ONE_LOOP=False)),
                     ("causal one loop", dict(causal=True, ONE_LOOP=True)),
                     # a group's steps that see none of its keys: no products but dQ's
@@ -220,7 +239,7 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                                                         SKIP_EMPTY=True)),
                     ("one-sided alibi causal skip empty", dict(alibi=2, causal=True,
                                                                SKIP_EMPTY=True)),
-                    # the programs' order over the grid (gluon_fwd.grid_order)
+                    # the programs' order over the grid (gluon/common.grid_order)
                     ("causal order groups of 8 heads", dict(causal=True, ORDER=8)),
                     ("window order whole walks first", dict(lower=True, upper=True, ORDER=1)),
                     # the timing-only marks (tools/timeline.py backward)

@@ -90,7 +90,7 @@ if has gluon; then
 fi
 # Options of the Gluon kernels ($OPTION: one or more of [fwd.|bwd.]NAME or NAME=A,B, several
 # joined by + changing together, e.g. "EARLY_S fwd.CONSUMER_REGS=232,240+fwd.PRODUCER_REGS=40,24";
-# gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS), each at A and B (off and on by default):
+# configs.GLUON_FWD_OPTIONS and / or GLUON_BWD_OPTIONS), each at A and B (off and on by default):
 # tests/test_gluon.py once (its fixtures run every form; OPTAB_TESTS=0 skips it), then per
 # option bench_gluon's round-robin A/B of each kernel that has it (a kernel that has none of
 # its parts says so in its log) and bench.variants --ab (A, B and FlexAttention in turn,

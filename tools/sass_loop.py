@@ -99,41 +99,49 @@ def _gluon_compile(fn, consts, types):
     return triton.compile(source, target=TARGET, options={"num_warps": consts["num_warps"]})
 
 
-def compile_gluon_fwd(dim=128, causal=False, stages=2, lower=False, upper=False,
+def compile_gluon_fwd(dim=128, causal=False, stages=None, lower=False, upper=False,
                       softcap=False, alibi=False, mask_mod=None, **options):
-    """The Gluon forward (kernels.gluon_fwd) for sm_90, bf16, its descriptors typed as the
-    launcher makes them (launch._gluon_forward: 128-row blocks); a variant by its flags (alibi
-    1 / True the general form, 2 one-sided; mask_mod: a block mask's lists, LISTED, with this
-    @triton.jit mask_mod)."""
+    """The Gluon forward (kernels/gluon/fwd.py) for sm_90, bf16, its descriptors typed as the
+    launcher makes them (launch._gluon_forward: configs.GLUON_FWD_BLOCK_M / _N blocks, the
+    ring of configs.GLUON_FWD_STAGES unless stages); a variant by its flags (alibi 1 / True
+    the general form, 2 one-sided; mask_mod: a block mask's lists, LISTED, with this
+    @triton.jit mask_mod); options override configs.gluon_fwd_options's."""
     import torch
 
-    from flashtriton.kernels import gluon_fwd
-    desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
-    consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages, HAS_LOWER=lower, HAS_UPPER=upper,
-                  HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
-                  MASK_MOD=mask_mod, **{**gluon_fwd.options(lower), **options})
-    return _gluon_compile(gluon_fwd._attn_fwd_gluon_kernel, consts, dict(
-        q_desc=desc, k_desc=desc, v_desc=desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
+    from flashtriton import configs
+    from flashtriton.kernels.gluon import fwd
+    q_desc = _gluon_desc([configs.GLUON_FWD_BLOCK_M, dim], torch.bfloat16, 16 * dim)
+    kv_desc = _gluon_desc([configs.GLUON_FWD_BLOCK_N, dim], torch.bfloat16, 16 * dim)
+    consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages or configs.GLUON_FWD_STAGES,
+                  HAS_LOWER=lower, HAS_UPPER=upper, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
+                  LISTED=mask_mod is not None, MASK_MOD=mask_mod,
+                  **{**configs.gluon_fwd_options(lower), **options})
+    return _gluon_compile(fwd._attn_fwd_gluon_kernel, consts, dict(
+        q_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
         BMASK="*i32", qk_scale="fp32", cap2="fp32"))
 
 
 def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False,
                       softcap=False, alibi=False, mask_mod=None, timeline=False, **options):
-    """The Gluon backward (kernels.gluon_bwd) for sm_90, bf16, its descriptors typed as
-    launch._gluon_backward makes them (64-row query blocks, 128-row key blocks, dQ halves);
-    causal is the upper bound (as launch._common gives it); alibi 1 / True the general form,
-    2 one-sided; timeline: with the timing-only marks (TL an int64 pointer)."""
+    """The Gluon backward (kernels/gluon/bwd.py) for sm_90, bf16, its descriptors typed as
+    launch._gluon_backward makes them (query blocks of configs.GLUON_BWD_BLOCK_M rows, key
+    blocks of GLUON_BWD_BLOCK_N, dQ halves); causal is the upper bound (as launch._common
+    gives it); alibi 1 / True the general form, 2 one-sided; timeline: with the timing-only
+    marks (TL an int64 pointer); options override configs.gluon_bwd_options's."""
     import torch
 
-    from flashtriton.kernels import gluon_bwd
+    from flashtriton import configs
+    from flashtriton.kernels.gluon import bwd
     consts = dict(DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
                   MASK_MOD=mask_mod,
-                  **{**gluon_bwd.options(upper or causal, lower, bool(alibi)), **options})
-    q_desc = _gluon_desc([64, dim], torch.bfloat16, 16 * dim)
-    kv_desc = _gluon_desc([128, dim], torch.bfloat16, 16 * dim)
-    dq_desc = _gluon_desc([64, dim // 2], torch.float32, 16 * dim)
-    stats_desc = _gluon_desc([64], torch.float32, 16)  # the rows' LSE and delta
+                  **{**configs.gluon_bwd_options(upper or causal, lower, bool(alibi)),
+                     **options})
+    bm, bn = configs.GLUON_BWD_BLOCK_M, configs.GLUON_BWD_BLOCK_N
+    q_desc = _gluon_desc([bm, dim], torch.bfloat16, 16 * dim)
+    kv_desc = _gluon_desc([bn, dim], torch.bfloat16, 16 * dim)
+    dq_desc = _gluon_desc([bm, dim // 2], torch.float32, 16 * dim)
+    stats_desc = _gluon_desc([bm], torch.float32, 16)  # the rows' LSE and delta
     types = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
                  dq_desc=dq_desc, lse_desc=stats_desc, delta_desc=stats_desc, DK="*bf16",
                  DV="*bf16", ALIBI="*fp32", BMASK="*i32", qk_scale="fp32", sm_scale="fp32",
@@ -142,7 +150,7 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
         types["TL"] = "*i64"
     else:
         consts["TL"] = None
-    return _gluon_compile(gluon_bwd._attn_bwd_gluon_kernel, consts, types)
+    return _gluon_compile(bwd._attn_bwd_gluon_kernel, consts, types)
 
 
 def softmax_overlaps(sass, exps):

@@ -1,7 +1,7 @@
 """The Gluon backward's grid as the GPU's block scheduler would run it, in each program order
-of gluon_fwd.grid_order (ORDER 0, 1, and groups of 2-16 heads): programs dispatched in launch
+of kernels.gluon.common.grid_order (ORDER 0, 1, and groups of 2-16 heads): programs dispatched in launch
 order to the first SM that frees up (greedy list scheduling), each taking steps * s + o
-microseconds (its walk's steps as gluon_bwd._walk_bounds counts them; s and o from
+microseconds (its walk's steps as kernels.gluon.bwd._walk_bounds counts them; s and o from
 the fit in docs/journal/perf-journal.md). Prints the makespan of each order and the ideal (every SM
 busy to the end). Memory is not modelled: larger groups of heads read more distinct Q, dO
 and dQ rows at a time (L2).

@@ -5,18 +5,18 @@ kernels' TL arguments; %globaltimer and %clock64 written by the programs). Needs
     python tools/timeline.py decode [--shapes 1x65536 8x8192 64x1024] [--paged] [--rounds 5]
 
 backward: where a Gluon backward program's time goes. The kernel run with a timeline
-(launch.attention_backward_gluon's _timeline; kernels.gluon_bwd._mark: %globaltimer at the
+(launch.attention_backward_gluon's _timeline; kernels.gluon.bwd._mark: %globaltimer at the
 program's start, K and V's arrival, each consumer's end of walk and of dK / dV stores, the
 producer's last reduction; and the SM), then per program the mean of each phase, and per SM
 the gap between one program's end and the next one's start. Then the steps
-(gluon_bwd._mark_step: %clock64 at TL_MARKS points of each consumer's first TL_STEPS steps, in
+(kernels.gluon.bwd._mark_step: %clock64 at TL_MARKS points of each consumer's first TL_STEPS steps, in
 each of its warps): the mean SM cycles of each part of a step, a column a warp, over the steps
 that are neither a walk's first nor its last.
 
 decode: where a decoding step's GPU time goes. The step run with timelines
-(flashtriton.decode.TIMELINE: kernels.common.mark's %globaltimer at each program's start, after
-its loop (split kernel) or its wait (merge kernel), after its stores and at its end, and its
-SM), beside the same step's graph time without them. Each timed step follows
+(flashtriton.launch.decode.TIMELINE: kernels.common.mark's %globaltimer at each program's
+start, after its loop (split kernel) or its wait (merge kernel), after its stores and at its
+end, and its SM), beside the same step's graph time without them. Each timed step follows
 runtime.flush_l2 (a clean L2); it is an eager call (the launchers' path: steps with a
 timeline are not remembered), so the GPU is idle when it starts. Per shape, the median over
 --rounds of: the split kernel's span (first start to last end), the programs' start skew (mean
@@ -34,12 +34,13 @@ import triton
 from triton.runtime import driver
 
 from flashtriton import decode, launch
+from flashtriton.launch import decode as decode_launch
 from flashtriton.bench import decode_bytes
 from flashtriton.bench.common import cold_ms, cuda_graph
 from flashtriton.bench.decode import decode_inputs
 from flashtriton.bench.variants import set_gluon_options
 from flashtriton.decode import attention_with_kvcache
-from flashtriton.kernels import gluon_bwd
+from flashtriton.kernels.gluon import bwd as gluon_bwd
 
 
 # The Gluon backward's timeline
@@ -192,15 +193,15 @@ def decode_probe(B, N, rounds, paged=False):
     for _ in range(3):
         step()
     graph_us = cold_ms(cuda_graph(step).replay) * 1e3
-    run_decode, run_merge, mode, _ = runtime.recall(decode.step_signature(
-        q, kc, vc, lens, table, return_lse=False))
-    programs = run_decode.grid[0] * run_decode.grid[1]
-    merges = run_merge.grid[0] if mode == 1 else 0
+    known = decode_launch.remembered(decode.step_signature(q, kc, vc, lens, table,
+                                                           return_lse=False))
+    programs = known.run_decode.grid[0] * known.run_decode.grid[1]
+    merges = known.run_merge.grid[0] if known.mode == "merge" else 0
     tables = (torch.zeros(programs, 5, dtype=torch.int64, device="cuda"),
               torch.zeros(max(1, merges), 5, dtype=torch.int64, device="cuda"))
     cache = driver.active.get_empty_cache_for_benchmark()
     runs = []
-    decode.TIMELINE = tables
+    decode_launch.TIMELINE = tables
     try:
         for _ in range(rounds + 1):  # the first compiles the timed kernels
             runtime.flush_l2(cache)
@@ -208,17 +209,19 @@ def decode_probe(B, N, rounds, paged=False):
             torch.cuda.synchronize()
             runs.append(decode_phases(tables[0].cpu(), tables[1].cpu() if merges else None))
     finally:
-        decode.TIMELINE = None
+        decode_launch.TIMELINE = None
     median = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[1]}
     nbytes = decode_bytes(B, N)
-    return dict(median, mode=mode, splits=run_decode.grid[0], programs=programs, graph=graph_us,
-                span_gbps=nbytes / median["span"] * 1e-3, graph_gbps=nbytes / graph_us * 1e-3)
+    return dict(median, mode=known.mode, splits=known.run_decode.grid[0], programs=programs,
+                graph=graph_us, span_gbps=nbytes / median["span"] * 1e-3,
+                graph_gbps=nbytes / graph_us * 1e-3)
 
 
 def decode_steps(args):
     cols = ["mode", "splits", "programs", "sms", "graph", "span", "skew", "last_start", "loop",
             "stores", "tail", "m_gap", "m_wait", "m_span", "tick", "span_gbps", "graph_gbps"]
-    print("us unless named; mode 0 one split, 1 merge kernel, 2 merged in the split kernel")
+    print("us unless named; mode: one (one split), merge (the merge kernel), in-kernel (merged "
+          "in the split kernel)")
     print(f"{'B':>3s} {'N':>6s} " + " ".join(f"{c:>10s}" for c in cols))
     for B, N in [map(int, shape.split("x")) for shape in args.shapes]:
         r = decode_probe(B, N, args.rounds, args.paged)

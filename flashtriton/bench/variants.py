@@ -139,8 +139,8 @@ def _flex(name, B, H, N, device):
 def option_value(current, value):
     """A Gluon kernel option's new value (text or int) typed as its current one: integer
     options (CONSUMER_REGS) stay integers, booleans become booleans, and so do 0 and 1 for
-    an option that is None (chosen by the kernel's options()); its other values (ORDER 2)
-    stay integers."""
+    an option that is None (chosen by configs.gluon_fwd_options / gluon_bwd_options); its
+    other values (ORDER 2) stay integers."""
     if isinstance(current, int) and not isinstance(current, bool):
         return int(value)
     value = int(value)
@@ -148,13 +148,12 @@ def option_value(current, value):
 
 
 def option_tables(name: str):
-    """The bare name of a Gluon kernel option and the OPTIONS tables it names: fwd.NAME
-    kernels.gluon_fwd's, bwd.NAME gluon_bwd's, NAME whichever has it (both where both do:
-    CONSUMER_REGS, PRODUCER_REGS). ValueError where none does."""
-    from flashtriton.kernels import gluon_bwd, gluon_fwd
+    """The bare name of a Gluon kernel option and the option tables it names: fwd.NAME
+    configs.GLUON_FWD_OPTIONS, bwd.NAME configs.GLUON_BWD_OPTIONS, NAME whichever has it
+    (both where both do: CONSUMER_REGS, PRODUCER_REGS). ValueError where none does."""
+    fwd, bwd = configs.GLUON_FWD_OPTIONS, configs.GLUON_BWD_OPTIONS
     kernel, _, bare = name.rpartition(".")
-    kernels = {"": (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS), "fwd": (gluon_fwd.OPTIONS, ),
-               "bwd": (gluon_bwd.OPTIONS, )}.get(kernel, ())
+    kernels = {"": (fwd, bwd), "fwd": (fwd, ), "bwd": (bwd, )}.get(kernel, ())
     tables = [t for t in kernels if bare in t]
     if not tables:
         raise ValueError(f"no Gluon kernel option {name!r}")
@@ -162,7 +161,7 @@ def option_tables(name: str):
 
 
 def set_gluon_options(items) -> None:
-    """Each [fwd.|bwd.]NAME=VALUE of items into the OPTIONS tables it names (option_tables),
+    """Each [fwd.|bwd.]NAME=VALUE of items into the option tables it names (option_tables),
     typed by option_value."""
     for item in items:
         name, _, value = item.partition("=")
@@ -172,7 +171,7 @@ def set_gluon_options(items) -> None:
 
 
 def ab_parts(ab: str):
-    """An A/B's parts: [(NAME as given, its OPTIONS tables, bare name, [A, B])] for each
+    """An A/B's parts: [(NAME as given, its option tables, bare name, [A, B])] for each
     [fwd.|bwd.]NAME[=A,B] joined by + (A and B: 0 and 1 unless given). ValueError for an
     unknown name or a count of values other than two."""
     parts = []
@@ -193,10 +192,9 @@ def ab_side(ab: str, side: int) -> list:
 
 
 def _with_options(items, fn, *args):
-    """fn(*args) with the Gluon kernels' OPTIONS set by items (set_gluon_options), restored
+    """fn(*args) with the Gluon kernels' options set by items (set_gluon_options), restored
     after."""
-    from flashtriton.kernels import gluon_bwd, gluon_fwd
-    saved = [(t, dict(t)) for t in (gluon_fwd.OPTIONS, gluon_bwd.OPTIONS)]
+    saved = [(t, dict(t)) for t in (configs.GLUON_FWD_OPTIONS, configs.GLUON_BWD_OPTIONS)]
     set_gluon_options(items)
     try:
         return fn(*args)
@@ -208,7 +206,7 @@ def _with_options(items, fn, *args):
 def rotated(providers: list, r: int) -> list:
     """Round r's order: the providers rotated by r, so that over len(providers) rounds each
     runs in every place once. (On the H200 a provider measured just after FlexAttention ran
-    ~3-4% slower than in the next place, session 21: the order is part of the measurement.)"""
+    ~3-4% slower than in the next place: the order is part of the measurement.)"""
     r %= len(providers)
     return providers[r:] + providers[:r]
 
@@ -262,7 +260,7 @@ def main(argv=None):
                         "(configs.GLUON_ALIBI_ONE_SIDED off)")
     p.add_argument("--gluon-option", "--gluon-bwd-option", dest="gluon_option",
                    action="append", default=[], metavar="NAME=0|1",
-                   help="set an option of kernels.gluon_fwd.OPTIONS and / or gluon_bwd.OPTIONS, "
+                   help="set an option of configs.GLUON_FWD_OPTIONS and / or GLUON_BWD_OPTIONS, "
                         "whichever has it (e.g. EARLY_S=0, HEAVY_FIRST=0, fwd.CONSUMER_REGS=240; "
                         "fwd. / bwd. names one kernel's)")
     p.add_argument("--ab", metavar="NAME[=A,B]",

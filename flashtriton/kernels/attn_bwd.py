@@ -10,7 +10,7 @@
                                out-of-range sequence made empty, for the two kernels above
                                (IS_VARLEN 2: kernels.common.seq_bounds)
   _attn_bwd_prep_kernel        the log2 LSE and delta (padded rows), and a zeroed fp32 dQ
-                               buffer, for the Gluon backward (kernels.gluon_bwd)
+                               buffer, for the Gluon backward (kernels/gluon/bwd.py)
 
 P is rebuilt tile by tile as exp2(s2 - LSE * log2(e)); no N x N buffer exists
 and no atomics are used, so gradients are bitwise repeatable. With softcap,
@@ -22,9 +22,9 @@ kernels.common.alibi_part, each score's key part added and the rows' part moved 
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, alibi_part, apply_attn_mask, dropout_keep, heavy_first, kv_range,
-                     load_rows, load_tile, q_range, row_source, scores, seq_bounds, store_tile,
-                     visible)
+from .common import (LOG2E, alibi_part, apply_attn_mask, dropout_keep, heavy_first,
+                     load_rows, load_tile, row_source, scores, seq_bounds, store_tile)
+from .mask import kv_range, q_range, visible
 
 
 @triton.jit

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .common import (LN2, LOG2E, NEG_BIG, apply_attn_mask, dropout_keep, heavy_first,
-                     kv_range, load_rows, load_tile, row_source, rows_hi, scores, seq_bounds,
-                     store_tile, visible)
+                     load_rows, load_tile, row_source, scores, seq_bounds, store_tile)
+from .mask import kv_range, rows_hi, visible
 
 
 @triton.jit

@@ -7,6 +7,7 @@ Conventions (every kernel of the package):
   Scores live in the log2 domain: s2 = (q . k) * softmax_scale * log2(e).
   Causal alignment: query i sees key j iff j <= i + DIAG, with DIAG = SK - SQ
   (bottom-right, flash-attn's convention).
+Who sees whom (the causal / window rule, per score and per block): kernels/mask.py.
 """
 
 import triton
@@ -129,108 +130,6 @@ def heavy_first(HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
         if not HAS_LOWER:
             pid = tl.num_programs(0) - 1 - pid
     return pid
-
-
-@triton.jit
-def _floor_to(x, B: tl.constexpr):
-    return (x // B) * B
-
-
-@triton.jit
-def _ceil_to(x, B: tl.constexpr):
-    return ((x + B - 1) // B) * B
-
-
-@triton.jit
-def _clamp(x, lo, hi):
-    return tl.minimum(tl.maximum(x, lo), hi)
-
-
-@triton.jit
-def kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key blocks that the query block [start_m, start_m + BLOCK_M) visits.
-
-    Query i sees key j iff i + LOWER <= j <= i + UPPER (each bound only if its
-    HAS_ flag is set) and j < SK. Returns (lo, full_lo, full_hi, hi): blocks in
-    [full_lo, full_hi) are visible to every row and run without a mask; blocks
-    in [lo, full_lo) and [full_hi, hi) need the mask; all others are skipped.
-    """
-    if HAS_UPPER:
-        hi = _clamp(start_m + BLOCK_M + UPPER, 0, SK)
-        full_hi = _floor_to(_clamp(start_m + UPPER + 1, 0, SK), BLOCK_N)
-    else:
-        hi = SK
-        full_hi = _floor_to(SK, BLOCK_N)
-    if HAS_LOWER:
-        lo = _floor_to(_clamp(start_m + LOWER, 0, SK), BLOCK_N)
-        full_lo = _ceil_to(_clamp(start_m + BLOCK_M - 1 + LOWER, 0, SK), BLOCK_N)
-    else:
-        lo = 0
-        full_lo = 0
-    full_lo = _clamp(full_lo, lo, hi)
-    full_hi = _clamp(full_hi, full_lo, hi)
-    return lo, full_lo, full_hi, hi
-
-
-@triton.jit
-def rows_hi(start_m, ROWS: tl.constexpr, SK, UPPER, full_hi, hi, BLOCK_N: tl.constexpr):
-    """The first key block, in [full_hi, hi], that none of the query rows
-    [start_m, start_m + ROWS) sees under the upper bound (query i sees keys j <= i + UPPER)."""
-    return _clamp(_ceil_to(_clamp(start_m + ROWS + UPPER, 0, SK), BLOCK_N), full_hi, hi)
-
-
-@triton.jit
-def q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query blocks that see some key of [start_n, start_n + BLOCK_N).
-
-    Same contract as ``kv_range`` with the roles swapped: rows in
-    [full_lo, full_hi) see every key of the block (and are < SQ, the block
-    < SK), [lo, full_lo) and [full_hi, hi) need the mask.
-    """
-    if HAS_UPPER:
-        lo = _floor_to(_clamp(start_n - UPPER, 0, SQ), BLOCK_M)
-        full_lo = _ceil_to(_clamp(start_n + BLOCK_N - 1 - UPPER, 0, SQ), BLOCK_M)
-    else:
-        lo = 0
-        full_lo = 0
-    if HAS_LOWER:
-        hi = _clamp(start_n + BLOCK_N - LOWER, 0, SQ)
-        full_hi = _floor_to(_clamp(start_n - LOWER + 1, 0, SQ), BLOCK_M)
-    else:
-        hi = SQ
-        full_hi = _floor_to(SQ, BLOCK_M)
-    full_hi = tl.where(start_n + BLOCK_N > SK, full_lo, full_hi)  # a ragged key block: all masked
-    full_lo = _clamp(full_lo, lo, hi)
-    full_hi = _clamp(full_hi, full_lo, hi)
-    return lo, full_lo, full_hi, hi
-
-
-@triton.jit
-def visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-            TRANSPOSED: tl.constexpr = False, ENDS: tl.constexpr = 2):
-    """(len(rows), len(cols)) mask of the (query, key) pairs that are attended, or
-    (len(cols), len(rows)) when TRANSPOSED (built in that orientation: transposing a mask
-    tile costs a layout conversion and registers). ENDS: which ends it checks, 2 rows < SQ
-    and cols < SK, 1 cols < SK only, 0 neither (where a kernel's zero-filled rows past the
-    ends contribute nothing: each test is one more select per score)."""
-    if TRANSPOSED:
-        r = rows[None, :]
-        c = cols[:, None]
-    else:
-        r = rows[:, None]
-        c = cols[None, :]
-    keep = c == c
-    if ENDS >= 1:
-        keep = c < SK
-    if ENDS >= 2:
-        keep = keep & (r < SQ)
-    if HAS_UPPER:
-        keep = keep & (c <= r + UPPER)
-    if HAS_LOWER:
-        keep = keep & (c >= r + LOWER)
-    return keep
 
 
 @triton.jit

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import LN2, LOG2E, NEG_BIG, load_tile, mark, scores, visible
+from .common import LN2, LOG2E, NEG_BIG, load_tile, mark, scores
+from .mask import visible
 
 
 @triton.jit(do_not_specialize=["WAVES", "ROWS", "CAPACITY"])

@@ -18,14 +18,14 @@ import torch
 
 from .. import _env, configs, runtime
 from ..runtime import on_device_of, output_like, pointers, recall, remember
-from .calls import (Variant, Varlen, _dims, _lse_buffer, _signature, _windowed, lookup_mods,
-                    register_mods)
+from .calls import (AttentionOutput, Variant, Varlen, _dims, _lse_buffer, _signature, _windowed,
+                    lookup_mods, register_mods)
 from .gluon_attn import (_gluon_backward, _gluon_forward, _gluon_signature, _token_rows,
                          attention_backward_gluon, attention_forward_gluon, gluon_backward_misfit,
                          gluon_misfit, gluon_triton_misfit)
 from .triton_attn import triton_backward, triton_forward
 
-__all__ = ["Variant", "Varlen", "attention_forward", "attention_backward", "forward_route",
+__all__ = ["AttentionOutput", "Variant", "Varlen", "attention_forward", "attention_backward", "forward_route",
            "backward_route", "attention_forward_gluon", "attention_backward_gluon",
            "gluon_misfit", "gluon_backward_misfit", "gluon_triton_misfit", "output_like",
            "on_device_of", "register_mods", "lookup_mods", "triton_forward", "triton_backward"]

@@ -20,6 +20,12 @@ _DECODE_KEY = ["SPLIT_BUCKET", "WAVES", "BLOCK_M", "BLOCK_D", "PAGED", "HAS_LOWE
                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_BATCH_IDX", "HAS_LEFTPAD"]
 
 
+class AttentionOutput(NamedTuple):
+    """What every attention entry point returns with its LSE (the API re-exports it)."""
+    out: torch.Tensor  # (batch, seqlen_q, nheads, headdim), dtype of q
+    lse: torch.Tensor  # (batch, nheads, seqlen_q) float32, natural log; -inf for rows with no key
+
+
 class Variant(NamedTuple):
     """What one call computes, beyond q, k, v (the arguments of every kernel)."""
     softmax_scale: float

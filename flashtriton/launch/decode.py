@@ -15,10 +15,9 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from .. import _env, configs, launch, runtime
-from ..api import AttentionOutput
 from ..kernels.decode import _attn_merge_kernel, _cache_spans_kernel, _kv_append_kernel
 from . import triton_attn
-from .calls import Variant, Varlen
+from .calls import AttentionOutput, Variant, Varlen
 
 
 # Eager steps that read at most configs.DECODE_MERGE_MAX_BYTES of cache, with splits that the
@@ -199,7 +198,7 @@ def step_signature(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_b
     return runtime.call_signature(
         "decode-step", (softmax_scale, causal, window_size, softcap, num_splits, return_lse,
                         configs.DECODE_MERGE_IN_KERNEL and _eager(q)), q, k_cache, v_cache, cache_seqlens,
-        block_table, cache_batch_idx, cache_leftpad, alibi_slopes, gluon=False)
+        block_table, cache_batch_idx, cache_leftpad, alibi_slopes)
 
 
 def replay_step(signature, tensors, return_lse) -> Optional[AttentionOutput]:
@@ -279,8 +278,7 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
         signature = None
     elif not step:  # appends, rotary: the same call but for the data replays its launches
         signature = runtime.call_signature("kvcache-prefill", (variant, return_lse), q, k_cache,
-                                           v_cache, seqlens, cache_batch_idx, cache_leftpad,
-                                           gluon=False)
+                                           v_cache, seqlens, cache_batch_idx, cache_leftpad)
     out = runtime._empty(q.shape, q.dtype, q.device)
     lse = runtime._empty((B, H, SQ), torch.float32, q.device)
     tensors = (q, k_cache, v_cache, seqlens, None, cache_batch_idx, cache_leftpad)
@@ -322,8 +320,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
     merge_ok = configs.DECODE_MERGE_IN_KERNEL and _eager(q) and row_blocks == 1  # may merge in the split kernel
     if not step and TIMELINE is None:  # appends, rotary: the same call but for the data replays
         signature = runtime.call_signature(
-            "decode", (scale, left, right, softcap, num_splits, return_lse, merge_ok), *tensors,
-            gluon=False)
+            "decode", (scale, left, right, softcap, num_splits, return_lse, merge_ok), *tensors)
         known = remembered(signature)
         if known is not None and known.replay(tensors, out, lse):
             return AttentionOutput(out, lse)

@@ -1,7 +1,8 @@
 """The Gluon family's launchers (Hopper, Triton 3.6): the warp-specialized forward
-(kernels.gluon_fwd) and backward (kernels.gluon_bwd), what each cannot run (the misfit
+(kernels/gluon/fwd.py) and backward (kernels/gluon/bwd.py), what each cannot run (the misfit
 functions, whose reasons flashtriton.explain reports), TMA descriptors over token rows and
-the replays of both."""
+the replays of both. Their tiles and launch constants are configs' (GLUON_FWD_BLOCK_M ..,
+gluon_fwd_options, gluon_bwd_options)."""
 
 import functools
 from typing import NamedTuple, Optional, Tuple
@@ -74,12 +75,15 @@ def _token_rows(t: torch.Tensor):
 
 
 def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
-                 varlen: Optional[Varlen] = None, head_dims=(64, 128),
+                 varlen: Optional[Varlen] = None, head_dims=None,
                  variants: bool = False) -> Optional[str]:
-    """Why the Gluon forward (kernels.gluon_fwd) cannot run this call, or None: it takes a
-    Hopper GPU, bf16 / fp16, dense batches with SQ == SK, plain or causal attention with a
-    positive scale (variants: also windows, softcap, ALiBi and block masks of 128-blocks), and
-    q, k, v in a layout of _token_rows (k and v alike)."""
+    """Why the Gluon forward (kernels/gluon/fwd.py) cannot run this call, or None: it takes a
+    Hopper GPU, bf16 / fp16, dense batches with SQ == SK, head dims head_dims (None:
+    configs.GLUON_FWD_KERNEL_HEAD_DIMS), plain or causal attention with a positive scale
+    (variants: also windows, softcap, ALiBi and block masks of configs.GLUON_FWD_BLOCK_N),
+    and q, k, v in a layout of _token_rows (k and v alike)."""
+    if head_dims is None:
+        head_dims = configs.GLUON_FWD_KERNEL_HEAD_DIMS
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
         return f"the Gluon forward takes bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if varlen is not None or q.dim() != 4 or q.shape[1] != k.shape[1]:
@@ -88,24 +92,22 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
         return f"the Gluon forward takes head dims {head_dims}, got {q.shape[-1]}"
     w = variant
     windowed = _windowed(w)
-    listed = (w.kv_blocks is not None and w.block_size == 128 and w.mask_mod is not None
-              and not w.causal and not windowed)
+    listed = (w.kv_blocks is not None and w.block_size == configs.GLUON_FWD_BLOCK_N
+              and w.mask_mod is not None and not w.causal and not windowed)
     if (w.attn_mask is not None or w.dropout_p or w.score_mod is not None
             or (w.mask_mod is not None or w.kv_blocks is not None) and not listed
             or w.diag_offset or not w.softmax_scale > 0
             or (not variants and (windowed or w.softcap or w.alibi_slopes is not None
                                   or listed))):
         return ("the Gluon forward takes plain or causal attention with softmax_scale > 0"
-                + (", windows, softcap, ALiBi and block masks of 128" if variants else ""))
+                + (", windows, softcap, ALiBi and block masks of %d" % configs.GLUON_FWD_BLOCK_N
+                   if variants else ""))
     if k.stride() != v.stride() or _token_rows(q) is None or _token_rows(k) is None:
         return ("the Gluon forward takes q, k, v tokens-major or heads-major, 16-byte "
                 "aligned, k and v alike")
     if _env.INTERPRET or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "the Gluon forward needs a Hopper GPU (sm_90)"
     return gluon_triton_misfit()
-
-
-# The Triton releases whose Gluon the kernels of kernels/gluon_*.py are written for: Gluon's
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,11 +131,12 @@ def _gluon_alibi(common, alibi) -> int:
 
 
 def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
-    """Launch kernels.gluon_fwd on tensors that gluon_misfit passed. The variant's window,
+    """Launch kernels/gluon/fwd.py on tensors that gluon_misfit passed. The variant's window,
     softcap and ALiBi arguments come from _common (the Triton kernels' definitions)."""
-    from ..kernels import gluon_fwd
+    from ..kernels.gluon import fwd
     B, N, H, D = q.shape
-    descs, rows = zip(*(_gluon_descriptor(t, [128, D]) for t in (q, k, v)))
+    bm, bn = configs.GLUON_FWD_BLOCK_M, configs.GLUON_FWD_BLOCK_N
+    descs, rows = zip(*(_gluon_descriptor(t, [b, D]) for t, b in ((q, bm), (k, bn), (v, bn))))
     views = tuple((list(d.shape), list(d.strides)) for d in descs)
     common, _ = _common(q, None, N, N, variant)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
@@ -145,13 +148,14 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
             stride_ab, stride_ah, *bmask_args, H, H // k.shape[2], N, *rows[0], *rows[1],
             common["qk_scale"], common["cap2"], -common["WIN_LEFT"],
             common["WIN_RIGHT"])
-    consts = dict(IS_CAUSAL=bool(variant.causal) and not windowed, NUM_STAGES=2,
+    consts = dict(IS_CAUSAL=bool(variant.causal) and not windowed,
+                  NUM_STAGES=configs.GLUON_FWD_STAGES,
                   HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
                   HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=_gluon_alibi(common, alibi),
                   LISTED=bmask is not None, MASK_MOD=variant.mask_mod,
-                  **gluon_fwd.options(common["HAS_LOWER"]))
-    grid = (configs.cdiv(N, 128), B * H, 1)
-    kernel = gluon_fwd._attn_fwd_gluon_kernel
+                  **configs.gluon_fwd_options(common["HAS_LOWER"]))
+    grid = (configs.cdiv(N, bm), B * H, 1)
+    kernel = fwd._attn_fwd_gluon_kernel
     compiled = kernel[grid](*descs, out, lse, alibi, bmask, *args, **consts)
     tail = (*args, *[consts[n] for n in kernel.arg_names[7 + len(args):]])
     replay = Replay(compiled, grid, 7, tail, q.get_device(),
@@ -207,7 +211,7 @@ def _gluon_descriptor(t: torch.Tensor, block):
 
 def _gluon_flat_descriptor(t: torch.Tensor, block: int):
     """A host TensorDescriptor over a fresh (contiguous, aligned) fp32 buffer t as one row of
-    t.numel() values, `block` at a time (kernels.gluon_bwd's LSE and delta tiles)."""
+    t.numel() values, `block` at a time (the Gluon backward's LSE and delta tiles)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     return TensorDescriptor(t, [t.numel()], [1], [block],
@@ -216,11 +220,13 @@ def _gluon_flat_descriptor(t: torch.Tensor, block: int):
 
 def gluon_backward_misfit(dout: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, variant: Variant, dq_mode: int = 2) -> Optional[str]:
-    """Why the Gluon backward (kernels.gluon_bwd) cannot run this call, or None: what
-    gluon_misfit asks of the forward with its variants, head dim 128, a block mask shared by
-    the query heads of a KV head, dout (unless None) in q's dtype and in a layout of
-    _token_rows, dq_mode 2 or 1."""
-    reason = gluon_misfit(q, k, v, variant, head_dims=(128, ), variants=True)
+    """Why the Gluon backward (kernels/gluon/bwd.py) cannot run this call, or None: what
+    gluon_misfit asks of the forward with its variants (block masks of GLUON_FWD_BLOCK_N, the
+    backward's GLUON_BWD_BLOCK_N too), head dims configs.GLUON_BWD_KERNEL_HEAD_DIMS, a block
+    mask shared by the query heads of a KV head, dout (unless None) in q's dtype and in a
+    layout of _token_rows, dq_mode 2 or 1."""
+    reason = gluon_misfit(q, k, v, variant, head_dims=configs.GLUON_BWD_KERNEL_HEAD_DIMS,
+                          variants=True)
     blocks = variant.q_blocks
     if reason is None and blocks is not None and blocks.shape[1] > 1 and q.shape[2] > k.shape[2]:
         reason = "the Gluon backward takes GQA with a block mask shared by the heads (H=None)"
@@ -251,13 +257,13 @@ class GluonBwdReplay(NamedTuple):
 
 def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
                     timeline=None):
-    """Launch kernels.gluon_bwd on tensors that gluon_backward_misfit passed: the prep kernel
-    (the log2 LSE and delta, each head's rows padded to a multiple of 128, and a zeroed fp32
-    dQ buffer), the backward, and dQ's copy into q's layout; a call whose signature
-    (_gluon_signature; none for timing runs) was seen replays the first two
-    (GluonBwdReplay). The variant's window, softcap and ALiBi arguments come from _common
-    (as the forward's). timeline: None, or (timing only) an int64 tensor of gluon_bwd.TL_ROW
-    per program (gluon_bwd._mark, _mark_step)."""
+    """Launch kernels/gluon/bwd.py on tensors that gluon_backward_misfit passed: the prep
+    kernel (the log2 LSE and delta, each head's rows padded to a multiple of
+    configs.GLUON_BWD_BLOCK_N, and a zeroed fp32 dQ buffer), the backward, and dQ's copy into
+    q's layout; a call whose signature (_gluon_signature; none for timing runs) was seen
+    replays the first two (GluonBwdReplay). The variant's window, softcap and ALiBi arguments
+    come from _common (as the forward's). timeline: None, or (timing only) an int64 tensor of
+    gluon/bwd.TL_ROW per program (gluon/bwd._mark, _mark_step)."""
     B, N, H, D = q.shape
     signature = None
     if timeline is None and dq_mode == 2:
@@ -266,8 +272,8 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
     replays = recall(signature)
     dk, dv = runtime._empty_like(k), runtime._empty_like(v)
     dq_acc = _dq_buffer(q)
-    # (128: a block mask's walk reads both 64-row halves of its last query block)
-    pad = configs.cdiv(N, 128) * 128
+    # (a block mask's walk reads both 64-row halves of its last 128-row query block)
+    pad = configs.cdiv(N, configs.GLUON_BWD_BLOCK_N) * configs.GLUON_BWD_BLOCK_N
     lse2, delta = runtime._empty((2, B * H * pad), torch.float32, q.device)
     lse = lse.contiguous()
     alibi, bmask = variant.alibi_slopes, variant.q_blocks
@@ -288,8 +294,8 @@ def _dq_buffer(q: torch.Tensor) -> torch.Tensor:
     """The Gluon backward's fp32 dQ buffer, (B, N, H, D) in q's layout (_token_rows: its
     rows and columns are q's, so the kernel's reductions use q's coordinates): tokens-major
     or heads-major memory, dense. dQ's copy out of it into a gradient of q's layout then
-    keeps the order of memory (a transposing copy ran at half the rate: docs/perf.md,
-    session 23)."""
+    keeps the order of memory (a transposing copy ran at half the rate on the H200:
+    docs/journal/perf-journal.md)."""
     B, N, H, D = q.shape
     if _token_rows(q)[1] == 0:  # tokens-major (rh 0)
         return runtime._empty((B, N, H, D), torch.float32, q.device)
@@ -300,25 +306,26 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
                       variant: Variant, dq_mode, timeline) -> Optional[GluonBwdReplay]:
     """_gluon_backward's launches through Triton's launchers; their GluonBwdReplay where both
     can be replayed."""
-    from ..kernels import gluon_bwd
+    from ..kernels.gluon import bwd
     B, N, H, D = q.shape
+    bm, bn = configs.GLUON_BWD_BLOCK_M, configs.GLUON_BWD_BLOCK_N
     common, _ = _common(q, None, N, N, variant)
     _, stride_ab, stride_ah = _alibi_args(variant)  # (alibi, bmask: the variant's, given)
     _, *bmask_args = _block_args(variant.q_blocks)
     pad = lse2.numel() // (B * H)
     prep = launch_jit(
-        _attn_bwd_prep_kernel, (pad // 64, B * H), out, dout, lse, lse2, delta, dq_acc,
+        _attn_bwd_prep_kernel, (pad // bm, B * H), out, dout, lse, lse2, delta, dq_acc,
         out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
         dout.stride(2), lse.stride(0), lse.stride(1), dq_acc.stride(0), dq_acc.stride(1),
-        dq_acc.stride(2), H, N, pad, HEAD_DIM=D, BLOCK_M=64, num_warps=4)
-    q_desc, q_rows = _gluon_descriptor(q, [64, D])
-    do_desc, do_rows = _gluon_descriptor(dout, [64, D])
-    k_desc, kv_rows = _gluon_descriptor(k, [128, D])
-    v_desc, _ = _gluon_descriptor(v, [128, D])
+        dq_acc.stride(2), H, N, pad, HEAD_DIM=D, BLOCK_M=bm, num_warps=4)
+    q_desc, q_rows = _gluon_descriptor(q, [bm, D])
+    do_desc, do_rows = _gluon_descriptor(dout, [bm, D])
+    k_desc, kv_rows = _gluon_descriptor(k, [bn, D])
+    v_desc, _ = _gluon_descriptor(v, [bn, D])
     # Each of the kernel's two consumers reduces half the head dim.
-    dq_desc, _ = _gluon_descriptor(dq_acc, [64, D // 2])
-    descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, 64),
-             _gluon_flat_descriptor(delta, 64))
+    dq_desc, _ = _gluon_descriptor(dq_acc, [bm, D // 2])
+    descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, bm),
+             _gluon_flat_descriptor(delta, bm))
     args = (dk.stride(0), dk.stride(1), dk.stride(2), stride_ab, stride_ah, *bmask_args, H,
             H // k.shape[2], N, *q_rows, *do_rows, *kv_rows, common["qk_scale"],
             variant.softmax_scale, common["cap2"], -common["WIN_LEFT"], common["WIN_RIGHT"],
@@ -327,9 +334,10 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
                   HAS_UPPER=common["HAS_UPPER"], HAS_SOFTCAP=common["HAS_SOFTCAP"],
                   HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
                   MASK_MOD=variant.mask_mod,
-                  **gluon_bwd.options(common["HAS_UPPER"], common["HAS_LOWER"], alibi is not None))
-    grid = (configs.cdiv(N, 128), B * k.shape[2], 1)
-    kernel = gluon_bwd._attn_bwd_gluon_kernel
+                  **configs.gluon_bwd_options(common["HAS_UPPER"], common["HAS_LOWER"],
+                                              alibi is not None))
+    grid = (configs.cdiv(N, bn), B * k.shape[2], 1)
+    kernel = bwd._attn_bwd_gluon_kernel
     compiled = kernel[grid](*descs, dk, dv, alibi, bmask, *args, **consts)
     if prep is None or not hasattr(compiled, "packed_metadata"):
         return None
@@ -348,19 +356,20 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              alibi_slopes: Optional[torch.Tensor] = None, block_mask=None,
                              _dq_mode: int = 2, _timeline: Optional[torch.Tensor] = None
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Gluon backward (kernels.gluon_bwd) alone (tests and benchmarks; attention_backward
+    """The Gluon backward (kernels/gluon/bwd.py) alone (tests and benchmarks; attention_backward
     chooses it where it fits): dQ, dK, dV in the layouts of q, k, v from the forward's out and
     natural-log lse (B, H, N); the options as attention_forward_gluon's. dQ is summed in an
     order that varies from run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 1
-    dQ not added (timing only); _timeline: gluon_bwd._mark's rows (timing only; programs x
-    gluon_bwd.TL_ROW int64). Raises ValueError where gluon_backward_misfit names a reason."""
+    dQ not added (timing only); _timeline: gluon/bwd._mark's rows (timing only; programs x
+    gluon/bwd.TL_ROW int64). Raises ValueError where gluon_backward_misfit names a reason."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or dout.shape != q.shape:
         raise ValueError(f"attention_backward_gluon takes (B, N, H, D) dout, q, k, v, got "
                          f"{tuple(dout.shape)}, {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     if _timeline is not None:
-        from ..kernels import gluon_bwd
-        rows = (configs.cdiv(q.shape[1], 128) * q.shape[0] * k.shape[2], gluon_bwd.TL_ROW.value)
+        from ..kernels.gluon import bwd
+        rows = (configs.cdiv(q.shape[1], configs.GLUON_BWD_BLOCK_N) * q.shape[0] * k.shape[2],
+                bwd.TL_ROW.value)
         if (tuple(_timeline.shape) != rows or _timeline.dtype != torch.int64
                 or not _timeline.is_contiguous()):
             raise ValueError(f"_timeline must be a contiguous int64 tensor of shape {rows}, got "

@@ -21,14 +21,15 @@ tensor-core warps never wait for a reduction (DQ_MODE 2; DQ_MODE 1 keeps the pro
 adds nothing: a timing ablation). The sum's order varies from run to run: the backward is
 not bitwise repeatable (launch dispatches it unless a deterministic backward is asked for).
 A one-kernel, 8-warp form with the same body ran 0.84-0.92x the Triton backward and was
-removed (docs/perf.md, sessions 13-14).
+removed (docs/journal/perf-journal.md).
 
 The consumers read the LSE and delta from shared memory where they use them, rather than
 holding 32 registers of them through the step: fewer spills, +5% without a mask and +14-16%
-causal on the H200 (docs/perf.md, session 16). Two forms of the step (OPTIONS, options()):
-EARLY_S issues the next step's S^T before dQ's staging, so that the product runs while the
-consumers stage (on where the walk has an upper bound and three loops: +8-10% causal, -5%
-without a bound, session 15; -1-2% on the one loop of ALiBi and windows, session 20).
+causal on the H200 (docs/journal/perf-journal.md). Two forms of the step
+(configs.GLUON_BWD_OPTIONS, configs.gluon_bwd_options): EARLY_S issues the next step's S^T
+before dQ's staging, so that the product runs while the consumers stage (on where the walk
+has an upper bound and three loops: +8-10% causal, -5% without a bound; -1-2% on the one
+loop of ALiBi and windows).
 
 The rows of a ragged last query block read the next head's Q and dO rows (the 2-D view has
 no per-head bound): the prep kernel pads each head's LSE rows to a multiple of 128 (a block
@@ -41,10 +42,14 @@ mask of 128-blocks (LISTED: the key block's row of the transposed lists names it
 partial query blocks; MASK_MOD(b, h, i, j) on the partial ones). Each key block walks, per
 query head, masked query blocks (a causal or window bound's edge), those that see all its
 keys (no mask), then masked ones again (a window's far edge, the ragged end, partial blocks).
+The mask is kernels.mask.visible_by_key (beside the Triton kernels' visible); the slots of
+its scalar tuple are kernels/gluon/common.py's, the forward's.
 
 Scope: bf16 / fp16, head dim 128, SQ == SK, GQA, q / k / v / dO in the 2-D token-row views of
-launch._token_rows. The prep kernel (kernels.attn_bwd) computes the log2 LSE and delta of
-padded rows and zeroes the fp32 dQ buffer first. Gluon does not run in the interpreter:
+launch._token_rows; the kernel static_asserts its tiles (64-row query blocks, 128-key
+programs, 4-warp partitions; configs.GLUON_BWD_BLOCK_M / _N hold them for the launcher).
+The prep kernel (kernels.attn_bwd) computes the log2 LSE and delta of padded rows and zeroes
+the fp32 dQ buffer first. Gluon does not run in the interpreter:
 tools/compile_check.py compiles this kernel for sm_90 on any machine, tests/test_gluon.py
 runs it on a Hopper GPU.
 """
@@ -55,8 +60,11 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import LOG2E, alibi_part, q_range, scores
-from .gluon_fwd import grid_order, store_rows
+from ..common import LOG2E, alibi_part, scores
+from ..mask import q_range, visible_by_key
+from .common import (LIST_BLOCK, LST_FULL, LST_ROW, LST_WIDTH, VAR_BATCH, VAR_CAP2, VAR_HEAD,
+                     VAR_KEY0, VAR_LOWER, VAR_QUERY0, VAR_SLOPE2, VAR_UPPER, grid_order,
+                     store_rows)
 
 
 @builtin
@@ -68,6 +76,17 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
                                               coord, src.handle)
 
+
+# The slots of a program's walk (cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
+# lst: _block_coords) and of its cfg (ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale,
+# cap2, LOWER, UPPER, the program's first key: _consume), those read by index.
+WALK_CNT = gl.constexpr(0)
+WALK_M_LO = gl.constexpr(1)
+WALK_BATCH = gl.constexpr(9)
+CFG_SEQ = gl.constexpr(3)
+CFG_SM_SCALE = gl.constexpr(5)
+CFG_LOWER = gl.constexpr(7)
+CFG_UPPER = gl.constexpr(8)
 
 # Timing only (TL, tools/timeline.py backward): a program's row at TL holds 8 marks (_mark),
 # then TL_MARKS of each consumer in each of its first TL_STEPS steps, one a warp of the
@@ -114,8 +133,8 @@ def _mark_step(TL, t, W: gl.constexpr, k: gl.constexpr):
 @gluon.jit
 def _block_coords(t, walk, BLOCK_M: gl.constexpr, LISTED: gl.constexpr, g=None):
     """Step t of a program's walk (cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
-    lst): query head h0 + t // cnt and its query block, m_lo + t % cnt or (LISTED; lst = (the
-    key block's row of the transposed lists, n_full, BM_N)) the (t % cnt)-th 64-row half of
+    lst): query head h0 + t // cnt and its query block, m_lo + t % cnt or (LISTED; lst
+    (LST_ROW: the key block's row of the transposed lists)) the (t % cnt)-th 64-row half of
     its full, then partial 128-blocks. Returns the block's first row in q's and dO's 2-D
     views (launch._token_rows), their columns, h and m. g: t // cnt where the caller knows it
     (no division)."""
@@ -127,10 +146,10 @@ def _block_coords(t, walk, BLOCK_M: gl.constexpr, LISTED: gl.constexpr, g=None):
         h = h0 + g
         i = t - g * cnt
     if LISTED:
-        SUB: gl.constexpr = 128 // BLOCK_M
+        SUB: gl.constexpr = LIST_BLOCK // BLOCK_M
         j = i // SUB
-        at = gl.where(j < lst[1], 2 + lst[2] + j, 2 + j - lst[1])
-        m = gl.load(lst[0] + at) * SUB + i % SUB
+        at = gl.where(j < lst[LST_FULL], 2 + lst[LST_WIDTH] + j, 2 + j - lst[LST_FULL])
+        m = gl.load(lst[LST_ROW] + at) * SUB + i % SUB
     else:
         m = m_lo + i
     return (off_b * q_rb + h * q_rh + m * BLOCK_M, h * q_ch,
@@ -144,17 +163,19 @@ def _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ,
     (lse_desc, delta_desc, lse_smem, delta_smem): the prep kernel's B * H rows padded to
     cdiv(SEQ, 128) * 128), into slot t % 2."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    lse_desc, delta_desc, lse_smem, delta_smem = stats
     q_row, q_col, o_row, o_col, h, m = _block_coords(t, walk, BLOCK_M, LISTED)
     slot = t % 2
     mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                    + stats[0].block_type.nbytes + stats[1].block_type.nbytes)
+                    + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], full.index(slot),
                                     q_smem.index(slot))
     tma.async_copy_global_to_shared(do_desc, [o_row, o_col], full.index(slot),
                                     do_smem.index(slot))
-    row = (walk[9] * H + h) * (gl.cdiv(SEQ, 128) * 128) + m * BLOCK_M
-    tma.async_copy_global_to_shared(stats[0], [row], full.index(slot), stats[2].index(slot))
-    tma.async_copy_global_to_shared(stats[1], [row], full.index(slot), stats[3].index(slot))
+    row = ((walk[WALK_BATCH] * H + h) * (gl.cdiv(SEQ, LIST_BLOCK) * LIST_BLOCK)
+           + m * BLOCK_M)
+    tma.async_copy_global_to_shared(lse_desc, [row], full.index(slot), lse_smem.index(slot))
+    tma.async_copy_global_to_shared(delta_desc, [row], full.index(slot), delta_smem.index(slot))
 
 
 @gluon.jit
@@ -164,11 +185,11 @@ def _walk_bounds(n, SEQ, LOWER, UPPER, lst, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     steps [a, b) of them that see every key of the block (no mask; none for a ragged key
     block). Steps before a and from b on are masked."""
     if LISTED:
-        SUB: gl.constexpr = 128 // BLOCK_M
+        SUB: gl.constexpr = LIST_BLOCK // BLOCK_M
         m_lo = 0
-        cnt = (gl.load(lst[0]) + lst[1]) * SUB
+        cnt = (gl.load(lst[LST_ROW]) + lst[LST_FULL]) * SUB
         a = 0
-        b = gl.where((n + 1) * BLOCK_N > SEQ, 0, lst[1] * SUB)
+        b = gl.where((n + 1) * BLOCK_N > SEQ, 0, lst[LST_FULL] * SUB)
     else:
         lo, full_lo, full_hi, hi = q_range(n * BLOCK_N, SEQ, SEQ, LOWER, UPPER, HAS_LOWER,
                                            HAS_UPPER, BLOCK_M, BLOCK_N)
@@ -185,8 +206,9 @@ def _empty_steps(key0, cnt, m_lo, cfg, KEYS: gl.constexpr, BLOCK_M: gl.constexpr
     """The steps [e0, e1) of a walk (query blocks m_lo .. m_lo + cnt - 1 of a query head)
     whose queries see some key of key0 .. key0 + KEYS - 1 (q_range of the group's keys); none
     where every one of them is past SEQ. cfg: _consume's."""
-    SEQ = cfg[3]
-    lo, _, _, hi = q_range(key0, SEQ, SEQ, cfg[7], cfg[8], HAS_LOWER, HAS_UPPER, BLOCK_M, KEYS)
+    SEQ = cfg[CFG_SEQ]
+    lo, _, _, hi = q_range(key0, SEQ, SEQ, cfg[CFG_LOWER], cfg[CFG_UPPER], HAS_LOWER, HAS_UPPER,
+                           BLOCK_M, KEYS)
     e0 = gl.minimum(gl.maximum(lo // BLOCK_M - m_lo, 0), cnt)
     e1 = gl.minimum(gl.maximum(gl.cdiv(hi, BLOCK_M) - m_lo, e0), cnt)
     return e0, gl.where(key0 < SEQ, e1, e0)
@@ -199,7 +221,7 @@ def _lse2(lse_s, cols, var, layout: gl.constexpr, HAS_ALIBI: gl.constexpr):
     where it is used rather than held in registers through the step's products."""
     lse2 = lse_s.load(layout)
     if HAS_ALIBI == 2:
-        lse2 = lse2 + alibi_part(cols, var[6], var[3])
+        lse2 = lse2 + alibi_part(cols, var[VAR_KEY0], var[VAR_SLOPE2])
     return lse2
 
 
@@ -217,38 +239,6 @@ def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr, TL, now, W: gl.const
 
 
 @gluon.jit
-def _keep(keys, cols, SEQ, var, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
-          MASK_MOD: gl.constexpr):
-    """Which (key, query) pairs of a masked step's S^T are kept. SEQ and the window's bounds
-    are folded into each key's first and last query first (query i sees key j where
-    j <= i + UPPER, i.e. i >= j - UPPER, and j >= i + LOWER, i.e. i <= j - LOWER; a key past
-    SEQ: none), so a score takes one compare a bound instead of one a condition; and the
-    columns are split as gluon_fwd.alibi_lanes does (cols = var[7] + offs, offs = (offs & 6)
-    + (offs & -7)): each key's bounds less the thread's lane part, one value a thread a
-    bound, compared with the register's constant part, an immediate (H200, session 21: the
-    window's step 4346 -> 4274 cycles, ALiBi's backward +2%)."""
-    valid = keys < SEQ
-    if HAS_LOWER or HAS_UPPER:
-        offs = cols - var[7]
-        reg = (offs & -7)[None, :]
-        lane = (var[7] + (offs & 6))[None, :]
-        if HAS_UPPER:
-            first = gl.where(valid, keys - var[1], 1 << 30)[:, None] - lane
-            if HAS_LOWER:  # first <= reg <= first + UPPER - LOWER: one unsigned compare (a
-                # key past SEQ: reg - first wraps past any window's width)
-                keep = (reg - first).to(gl.uint32, bitcast=True) <= (var[1] - var[0])
-            else:
-                keep = reg >= first
-        else:
-            keep = reg <= gl.where(valid, keys - var[0], -1)[:, None] - lane
-    else:  # keys past SEQ only (a ragged key block)
-        keep = valid[:, None]
-    if MASK_MOD is not None:
-        keep = keep & MASK_MOD(var[4], var[5], cols[None, :], keys[:, None])
-    return keep
-
-
-@gluon.jit
 def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, SEQ, qk_scale,
                    var, st_layout: gl.constexpr, a_layout: gl.constexpr, MASK: gl.constexpr,
                    HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
@@ -256,15 +246,16 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
                    S_DONE: gl.constexpr, LATE_DV: gl.constexpr):
     """dP^T = V dO^T issued behind S^T = K Q^T (st: in flight, or S_DONE complete); P^T
     while dP^T runs; dV += P^T dO issued, dS^T = P^T (dP^T - delta) while it runs;
-    dK += dS^T Q issued. var = (LOWER, UPPER, cap2, slope2, b, h, anchor, the step's first
-    query: _keep); lse_s and
-    delta_s: the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key
-    at or left of the diagonal): the keys' part of the bias (common.alibi_part relative to
-    the anchor) here, the rows' part in lse2 (_lse2); MASK: a masked step (_keep). LATE_DV
-    (consumer 1: the worker partition, 240 registers against the default partition's 248,
-    spills where consumer 0 does not): dV's product issued after dS^T is formed, so that
-    the bf16 P^T it reads from registers is not held through dS^T's arithmetic (fewer live
-    registers, less overlap; +3-4% causal at 8K-16K on the H200, session 20). Returns
+    dK += dS^T Q issued. var: the slots of gluon/common.py (VAR_KEY0: the program's first key,
+    one-sided ALiBi's anchor; VAR_QUERY0: the step's first query); lse_s and delta_s: the
+    step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key at or left of
+    the diagonal): the keys' part of the bias (common.alibi_part relative to the anchor)
+    here, the rows' part in lse2 (_lse2); MASK: a masked step (kernels.mask.visible_by_key:
+    keys past SEQ, the window, MASK_MOD). LATE_DV (consumer 1: the worker partition, 240
+    registers against the default partition's 248, spills where consumer 0 does not): dV's
+    product issued after dS^T is formed, so that the bf16 P^T it reads from registers is not
+    held through dS^T's arithmetic (fewer live registers, less overlap; +3-4% causal at
+    8K-16K on the H200). Returns
     dS^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
@@ -274,15 +265,17 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
     lse2 = _lse2(lse_s, cols, var, gl.SliceLayout(0, st_layout), HAS_ALIBI)
     if HAS_SOFTCAP or HAS_ALIBI:  # log2-domain scores; ALiBi's |j - i| is symmetric
-        s2, tc = scores(st, keys, cols, qk_scale, var[2], var[3], 0, HAS_SOFTCAP,
-                        HAS_ALIBI == 1)
+        s2, tc = scores(st, keys, cols, qk_scale, var[VAR_CAP2], var[VAR_SLOPE2], 0,
+                        HAS_SOFTCAP, HAS_ALIBI == 1)
         if HAS_ALIBI == 2:
-            s2 = s2 + alibi_part(keys, var[6], var[3])[:, None]
+            s2 = s2 + alibi_part(keys, var[VAR_KEY0], var[VAR_SLOPE2])[:, None]
         pt = gl.exp2(s2 - lse2[None, :])
     else:
         pt = gl.exp2(st * qk_scale - lse2[None, :])
     if MASK:  # keys past SEQ (a ragged key block), the window, MASK_MOD
-        pt = gl.where(_keep(keys, cols, SEQ, var, HAS_LOWER, HAS_UPPER, MASK_MOD), pt, 0.0)
+        pt = gl.where(visible_by_key(keys, cols, SEQ, var[VAR_LOWER], var[VAR_UPPER],
+                                     var[VAR_QUERY0], var[VAR_BATCH], var[VAR_HEAD], HAS_LOWER,
+                                     HAS_UPPER, MASK_MOD), pt, 0.0)
     pg = pt  # P^T times the scores' derivative (softcap * tanh(x / softcap): 1 - tanh^2),
     if HAS_SOFTCAP:  # formed now so that the tanh is not kept through dP^T's wait
         pg = pt * (1.0 - tc * tc)
@@ -299,44 +292,6 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
                            is_async=True)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_s, dk, is_async=True)
     return dst, dk, dv
-
-
-# The kernel's launch constants: the first consumer's 4 warps, and the registers of the
-# consumers and of the producer (setmaxnreg; 4 warps each).
-# EARLY_S: each step issues the next step's S^T before it stages dQ (_step); None: where the
-# walk has an upper bound and three loops (causal, softcap), as options() says. ONE_LOOP: the
-# walk in one loop, every step masked, rather than masked, unmasked and masked loops; None:
-# with ALiBi or a lower bound (a window's), as options() says. SKIP_EMPTY: in walks in one
-# loop with a bound, a group's steps whose queries see none of its keys issue none of its
-# products but dQ's (_consume); None: with a lower bound, as options() says. ORDER: the
-# order in which the programs take the grid's key blocks and heads (gluon_fwd.grid_order: 0
-# the grid's, 1 whole walks first, G >= 2 groups of G heads block by block); None: 1 with a
-# lower bound, else 0, as options() says.
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24, EARLY_S=None, ONE_LOOP=None,
-               SKIP_EMPTY=None, ORDER=None)
-
-
-def options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
-    """The kernel's launch constants for a walk with or without an upper bound, a lower bound
-    and ALiBi: OPTIONS with EARLY_S and ONE_LOOP chosen where they are None. Measured on the
-    H200 (bf16, 8K, docs/perf.md): EARLY_S (sessions 15, five rounds at 8K and 16K) causal
-    373 -> 409 and 401 -> 439 TFLOP/s with it, without a bound 486 -> 463 and 495 -> 472;
-    ONE_LOOP (session 17; 3.3K instructions against 6.0K, no spills) ALiBi 450 -> 472 and
-    the causal window 347 -> 354, but softcap 428 -> 393 and the block masks -2-3%. EARLY_S
-    on one loop (session 20, five rounds): ALiBi 494 with it off against 483 on, the window
-    363 against 359 (and off with three loops, ALiBi 401: ONE_LOOP stays). SKIP_EMPTY and
-    ORDER 1 (session 22, six rounds, the causal window): 369 -> 381 and 369 -> 374 TFLOP/s;
-    ORDER 1 on causal walks 503 -> 478 (it is for walks with a lower bound)."""
-    opts = dict(OPTIONS)
-    if opts["SKIP_EMPTY"] is None:
-        opts["SKIP_EMPTY"] = bool(has_lower)
-    if opts["ORDER"] is None:
-        opts["ORDER"] = 1 if has_lower else 0
-    if opts["ONE_LOOP"] is None:
-        opts["ONE_LOOP"] = bool(has_lower or alibi)
-    if opts["EARLY_S"] is None:
-        opts["EARLY_S"] = bool(has_upper) and not opts["ONE_LOOP"]
-    return opts
 
 
 @gluon.jit
@@ -364,13 +319,13 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     issued by the step before, and this step issues the next one's (step last: its own
     again, discarded) before it stages dQ, so that the product runs during the staging;
     else the step issues its own. (Issued before the wait for the step's own products,
-    ptxas serializes the products for want of registers: session 19.) The rows' LSE and
+    ptxas serializes the products for want of registers.) The rows' LSE and
     delta come from the slot's shared tiles (stats_smem, loaded by the producer with Q and
     dO). dQ's product: each group its column half (k_cols) over both groups' dS^T (they meet
     at ds_ready every step); g: t // cnt, or None (_block_coords). MASK: 0 none, 1 the
-    step masked (_keep), 2 none of the group's keys seen by the step's queries (SKIP_EMPTY):
-    its rows of dS^T are zeros, and S^T, dP^T, dV's and dK's products are not issued (the
-    step still meets the other group, adds its part of dQ and stages it)."""
+    step masked (visible_by_key), 2 none of the group's keys seen by the step's queries
+    (SKIP_EMPTY): its rows of dS^T are zeros, and S^T, dP^T, dV's and dK's products are not
+    issued (the step still meets the other group, adds its part of dQ and stages it)."""
     ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
@@ -383,7 +338,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM // 2, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
     _mark_step(TL, t, W, 0)  # (timing only: marks 0-12 of the step)
-    off_b = walk[9]
+    off_b = walk[WALK_BATCH]
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED, g)
     slot = t % 2
     phase = (t // 2) & 1
@@ -399,10 +354,10 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
         s_now = st
         if not EARLY_S:
             s_now = _issue_s(t, q_smem, k_w, full, st_layout, None, t, W)
-        dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv,
-                                     stats_smem[0].index(slot), stats_smem[1].index(slot), keys,
-                                     cols, SEQ, qk_scale,
-                                     (LOWER, UPPER, cap2, slope2, off_b, h, anchor, m * BLOCK_M),
+        lse_smem, delta_smem = stats_smem
+        dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, lse_smem.index(slot),
+                                     delta_smem.index(slot), keys, cols, SEQ, qk_scale,
+                                     (anchor, LOWER, UPPER, cap2, slope2, off_b, h, m * BLOCK_M),
                                      st_layout, a_layout, MASK == 1, HAS_LOWER, HAS_UPPER,
                                      HAS_SOFTCAP, HAS_ALIBI, MASK_MOD, EARLY_S, W == 1)
     _mark_step(TL, t, W, 1)  # dS^T formed, dK's product issued
@@ -475,8 +430,8 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    SEQ = cfg[3]
-    cnt = walk[0]
+    SEQ = cfg[CFG_SEQ]
+    cnt = walk[WALK_CNT]
     GROUP, a, b = bounds
     keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
@@ -494,7 +449,8 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
                 dq_full, dq_empty, stats_smem)
         skips: gl.constexpr = SKIP_EMPTY and ONE_LOOP and (HAS_LOWER or HAS_UPPER) and not LISTED
         if skips:  # per query head: empty, masked, empty
-            e0, e1 = _empty_steps(key0, cnt, walk[1], cfg, KEYS, BLOCK_M, HAS_LOWER, HAS_UPPER)
+            e0, e1 = _empty_steps(key0, cnt, walk[WALK_M_LO], cfg, KEYS, BLOCK_M, HAS_LOWER,
+                                  HAS_UPPER)
             for g in range(GROUP):
                 dk, dv, st = _steps(g * cnt, g * cnt + e0, last, st, *ring, dk, dv, keys, cfg, W,
                                     2, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED,
@@ -505,7 +461,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
                 dk, dv, st = _steps(g * cnt + e1, (g + 1) * cnt, last, st, *ring, dk, dv, keys,
                                     cfg, W, 2, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                                     LISTED, MASK_MOD, EARLY_S, TL, g)
-        elif ONE_LOOP:  # every step masked: one loop body (OPTIONS)
+        elif ONE_LOOP:  # every step masked: one loop body
             dk, dv, st = _steps(0, GROUP * cnt, last, st, *ring, dk, dv, keys, cfg, W, True,
                                 HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
                                 EARLY_S, TL)
@@ -531,10 +487,10 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         dk_s = q_smem.index(free)
     else:
         dk_s = do_smem.index(free)
-    dk_s.store((dk * cfg[5]).to(dtype))
+    dk_s.store((dk * cfg[CFG_SM_SCALE]).to(dtype))
     v_w.store(dv.to(dtype))
     gl.thread_barrier()  # (this partition's warps)
-    off = walk[9] * stride_kb + off_hk * stride_kh
+    off = walk[WALK_BATCH] * stride_kb + off_hk * stride_kh
     store_rows(dk_s, DK, off, key0, stride_kt, SEQ)
     store_rows(v_w, DV, off, key0, stride_kt, SEQ)
     _mark(TL, 4 + 3 * W)  # dK and dV stored (issued)
@@ -560,7 +516,7 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
     2), then step t - 1's dQ reductions; a staging slot is released once its reductions
     have read it (tma.store_wait). (Requesting step t + 1 before step t - 1's reductions
-    did not pay: docs/perf.md, session 19.)"""
+    did not pay: docs/journal/perf-journal.md.)"""
     for t in range(total + 1):
         if t < total:
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
@@ -598,11 +554,32 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the block mask's transposed
     lists, one row per key block, shared by the group's query heads).
     num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
-    warps."""
+    warps. The launch constants (CONSUMER_REGS .. ORDER, num_warps):
+    configs.gluon_bwd_options."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     KEYS: gl.constexpr = BLOCK_N // 2
+    # The tiles the kernel is written for (configs.GLUON_BWD_BLOCK_M / _N).
+    gl.static_assert(num_warps == 4 and TL_WARPS == 4, "the Gluon backward: num_warps 4 (the "
+                     "first consumer)")
+    gl.static_assert(BLOCK_M == 64, "the Gluon backward: query blocks of 64 rows (the halves "
+                     "of a block mask's 128)")
+    gl.static_assert(BLOCK_N == LIST_BLOCK, "the Gluon backward: 128 keys a program (two "
+                     "consumers of 64)")
+    gl.static_assert(HEAD_DIM == 128, "the Gluon backward: head dim 128")
+    gl.static_assert(do_desc.block_type.shape[0] == BLOCK_M
+                     and do_desc.block_type.shape[1] == HEAD_DIM
+                     and k_desc.block_type.shape[1] == HEAD_DIM
+                     and v_desc.block_type.shape[0] == BLOCK_N
+                     and v_desc.block_type.shape[1] == HEAD_DIM,
+                     "the Gluon backward: dO blocks as Q's, V blocks as K's")
+    gl.static_assert(dq_desc.block_type.shape[0] == BLOCK_M
+                     and dq_desc.block_type.shape[1] == HEAD_DIM // 2
+                     and lse_desc.block_type.shape[0] == BLOCK_M
+                     and delta_desc.block_type.shape[0] == BLOCK_M,
+                     "the Gluon backward: dQ blocks of BLOCK_M x HEAD_DIM / 2 (one a consumer), "
+                     "LSE and delta blocks of BLOCK_M")
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
 
@@ -636,8 +613,9 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     # the rows' log2 LSE and delta: (slot) -> 64 fp32 each
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                       rank=1)
-    stats_smem = (gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stats_layout),
-                  gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stats_layout))
+    lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stats_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], stats_layout)
+    stats_smem = (lse_smem, delta_smem)
     kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -677,6 +655,6 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      EARLY_S, ONE_LOOP, SKIP_EMPTY, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
-                     (lse_desc, delta_desc, stats_smem[0], stats_smem[1]), H, SEQ, DQ_MODE,
+                     (lse_desc, delta_desc, lse_smem, delta_smem), H, SEQ, DQ_MODE,
                      LISTED, TL))],
         [4, 4], [CONSUMER_REGS, PRODUCER_REGS])

@@ -12,16 +12,19 @@ The kernel is warp-specialized (FA3's layout): a producer partition (4 warps, fe
 streams Q, then K and V into the ring; two consumer warpgroups own 64 rows each (_attend) and
 release a slot through its "empty" mbarrier, so while one consumer runs its softmax the other
 can use the tensor cores. (A plain 8-warp kernel with the same body, each warp refilling the
-slots itself, ran 5-20% slower at D=128 on the H200: docs/perf.md, session 12.)
+slots itself, ran 5-20% slower at D=128 on the H200: docs/journal/perf-journal.md.)
 
 Scope: bf16 / fp16, head dim 64 or 128, (B, N, H, D) tensors whose token rows form a 2-D
 (B * N) x (heads * D) view with any row stride, GQA (K and V with H / GROUP heads), SQ == SK;
 plain or causal, and (launch.attention_forward_gluon, or attention_forward with
 launch.GLUON_VARIANTS) windows, softcap, ALiBi and block masks of 128-blocks.
 launch.attention_forward runs it where a call fits (Hopper, D=128: launch.gluon_misfit) and
-launch.attention_forward_gluon raises for anything else. Gluon does not run in the
-interpreter: tools/compile_check.py compiles it for sm_90 on any
-machine, and tests/test_gluon.py runs it on a Hopper GPU.
+launch.attention_forward_gluon raises for anything else; the kernel static_asserts its tiles
+(128 x 128, 4-warp partitions; configs.GLUON_FWD_BLOCK_M / _N hold them for the launcher).
+The mask is kernels.mask.visible_by_row (beside the Triton kernels' visible); the slots of
+its scalar tuple are kernels/gluon/common.py's. Gluon does not run in the interpreter:
+tools/compile_check.py compiles it for sm_90 on any machine, and tests/test_gluon.py runs it
+on a Hopper GPU.
 """
 
 from triton.experimental import gluon
@@ -29,7 +32,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .common import LOG2E, alibi_part, kv_range, scores
+from ..common import LOG2E, alibi_part, scores
+from ..mask import kv_range, visible_by_row
+from .common import (LIST_BLOCK, LST_FULL, LST_ROW, LST_WIDTH, VAR_BATCH, VAR_CAP2, VAR_HEAD,
+                     VAR_KEY0, VAR_LOWER, VAR_QUERY0, VAR_SLOPE2, VAR_UPPER, grid_order,
+                     store_rows)
 
 
 @gluon.jit
@@ -44,11 +51,11 @@ def _load(desc, bars, smem, row, col, j, NUM_STAGES: gl.constexpr):
 @gluon.jit
 def _first_key(j, kv0, lst, BLOCK_N: gl.constexpr, LISTED: gl.constexpr):
     """The first key of ring block j: kv0 + j * BLOCK_N, or (LISTED: a block mask's lists,
-    lst = (the query block's row of kv_blocks, n_full, BM_N)) the j-th of its full then
-    partial key blocks."""
+    lst (LST_ROW: the query block's row of kv_blocks)) the j-th of its full then partial key
+    blocks."""
     if LISTED:
-        at = gl.where(j < lst[1], 2 + lst[2] + j, 2 + j - lst[1])
-        return gl.load(lst[0] + at) * BLOCK_N
+        at = gl.where(j < lst[LST_FULL], 2 + lst[LST_WIDTH] + j, 2 + j - lst[LST_FULL])
+        return gl.load(lst[LST_ROW] + at) * BLOCK_N
     else:
         return kv0 + j * BLOCK_N
 
@@ -57,29 +64,6 @@ def _first_key(j, kv0, lst, BLOCK_N: gl.constexpr, LISTED: gl.constexpr):
 def _wait(bars, j, NUM_STAGES: gl.constexpr):
     """Wait for key block j's slot (its (j // NUM_STAGES)-th completion)."""
     mbarrier.wait(bars.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
-
-
-@gluon.jit
-def _masked(s, rows, cols, SK, var, IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr,
-            HAS_UPPER: gl.constexpr, MASK_MOD: gl.constexpr):
-    """Scores of keys past SK, and (causal) past the diagonal, or (window) outside
-    [i + LOWER, i + UPPER], or where MASK_MOD(b, h, i, j) is False (var: (kv0, LOWER,
-    UPPER, cap2, slope2, b, h)), set to -inf. SK and UPPER are folded into one end per row
-    first, so a score takes one compare for them (two with LOWER) instead of one a bound;
-    causal compares with the diagonal only (SQ == SK: keys past SK are seen only by rows
-    past SEQ, whose O and LSE are not stored)."""
-    if IS_CAUSAL:
-        keep = cols[None, :] < (rows + 1)[:, None]
-    else:
-        end = gl.zeros_like(rows) + SK
-        if HAS_UPPER:
-            end = gl.minimum(end, rows + (var[2] + 1))
-        keep = cols[None, :] < end[:, None]
-    if HAS_LOWER:
-        keep = keep & (cols[None, :] >= (rows + var[1])[:, None])
-    if MASK_MOD is not None:
-        keep = keep & MASK_MOD(var[5], var[6], rows[:, None], cols[None, :])
-    return gl.where(keep, s, -float("inf"))
 
 
 @gluon.jit
@@ -107,8 +91,8 @@ def _step(j, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, p, acc, m
                         v_smem.index((j - 1) % NUM_STAGES), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S_j, the older group
     _release(k_empty, j, NUM_STAGES)
-    p, m_new, l_i, alpha = _softmax(s, m_i, l_i, rows, _first_key(j, var[0], lst, s.shape[1],
-                                                                  LISTED),
+    p, m_new, l_i, alpha = _softmax(s, m_i, l_i, rows, _first_key(j, var[VAR_KEY0], lst,
+                                                                  s.shape[1], LISTED),
                                     offs_n, SEQ, qk_scale, var, IS_CAUSAL, MASK, HAS_LOWER,
                                     HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_MOD)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -124,23 +108,28 @@ def _softmax(s, m_i, l_i, rows, first, offs_n, SEQ, qk_scale, var, IS_CAUSAL: gl
     """The online softmax of one block of raw dot products s (keys first + offs_n): (P, the
     new max, the new sum, the accumulator's factor). Plain scores keep the scale in the
     exp2's FFMA; softcap and ALiBi scores (common.scores, log2 domain) are formed first, then
-    masked. HAS_ALIBI 2: one-sided ALiBi (every visible key at or left of the diagonal): the
-    key part of the bias only, relative to var[7] (alibi_lanes, one FFMA a column; with
-    softcap common.alibi_part, as softcap's loop has fewer registers to spare: its spills
-    60 / 68 -> 100 / 107 by alibi_lanes); the row part moves into the LSE."""
+    masked (kernels.mask.visible_by_row: keys past SEQ, the causal diagonal or the window,
+    MASK_MOD). HAS_ALIBI 2: one-sided ALiBi (every visible key at or left of the diagonal):
+    the key part of the bias only, relative to var[VAR_QUERY0] (alibi_lanes, one FFMA a
+    column; with softcap common.alibi_part, as softcap's loop has fewer registers to spare:
+    its spills 60 / 68 -> 100 / 107 by alibi_lanes); the row part moves into the LSE."""
     cols = first + offs_n
     if HAS_SOFTCAP or HAS_ALIBI == 1:
-        s, _ = scores(s, rows, cols, qk_scale, var[3], var[4], 0, HAS_SOFTCAP, HAS_ALIBI == 1)
+        s, _ = scores(s, rows, cols, qk_scale, var[VAR_CAP2], var[VAR_SLOPE2], 0, HAS_SOFTCAP,
+                      HAS_ALIBI == 1)
         if HAS_ALIBI == 2:
-            s = s + alibi_part(cols, var[7], var[4])[None, :]
+            s = s + alibi_part(cols, var[VAR_QUERY0], var[VAR_SLOPE2])[None, :]
         scale: gl.constexpr = 1.0
     elif HAS_ALIBI == 2:  # one FFMA a score, the keys' part one FFMA a column
-        s = gl.fma(s, qk_scale, alibi_lanes(first, offs_n, var[7], var[4])[None, :])
+        s = gl.fma(s, qk_scale, alibi_lanes(first, offs_n, var[VAR_QUERY0],
+                                            var[VAR_SLOPE2])[None, :])
         scale: gl.constexpr = 1.0
     else:
         scale = qk_scale
     if MASK:
-        s = _masked(s, rows, cols, SEQ, var, IS_CAUSAL, HAS_LOWER, HAS_UPPER, MASK_MOD)
+        s = gl.where(visible_by_row(rows, cols, SEQ, var[VAR_LOWER], var[VAR_UPPER],
+                                    var[VAR_BATCH], var[VAR_HEAD], IS_CAUSAL, HAS_LOWER,
+                                    HAS_UPPER, MASK_MOD), s, -float("inf"))
     # m in the scaled (log2) domain; the scale folds into the exp2's argument (one FFMA)
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
     m_safe = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -158,25 +147,9 @@ def alibi_lanes(first, offs, anchor, slope2):
     and the rest a constant of the register, so slope2 times the rest folds into each FFMA
     as an immediate and the lane's part joins one value a thread (VIADD, I2FP and FMUL a
     column otherwise; the same sum in any layout, only slower). The causal loop 625 -> 573
-    instructions a step; ALiBi's forward 461 -> 485 TFLOP/s on the H200 (session 20)."""
+    instructions a step; ALiBi's forward 461 -> 485 TFLOP/s on the H200."""
     return gl.fma((offs & -7).to(gl.float32), slope2,
                   slope2 * (first - anchor + (offs & 6)).to(gl.float32))
-
-
-@gluon.jit
-def store_rows(tile, ptr, off, row0, stride_t, SEQ):
-    """A ROWS x D tile of shared memory into global rows row0 .. row0 + ROWS - 1 (row r at
-    ptr + off + r * stride_t, its D columns contiguous), rows < SEQ only; 4 warps, 16
-    bytes a thread, so a warp's store writes whole rows (the products' layout writes 16 bytes
-    of each of 8 rows a store: measured in the backward's dK / dV on the H200, session 18,
-    4-6 us a program against 2 us this way)."""
-    ROWS: gl.constexpr = tile.shape[0]
-    D: gl.constexpr = tile.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [4, 1], [1, 0])
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    gl.store(ptr + (off + rows[:, None] * stride_t + cols[None, :]), tile.load(layout),
-             mask=rows[:, None] < SEQ)
 
 
 @gluon.jit
@@ -189,11 +162,11 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     """A consumer partition (4 warps): rows W * ROWS .. W * ROWS + ROWS - 1 of the program's
     query block (q_smem holds it) over key blocks 0 .. n_blocks - 1 (tile = (blocks, lst,
     var): blocks = (n_blocks, full_lo, full_hi); block j holds the keys from
-    _first_key(j), var = (kv0, LOWER, UPPER, cap2, slope2, b, h, the query block's first
-    row)); blocks before full_lo (a window's lower edge) and from full_hi on (the causal
-    diagonal, a window's upper edge, the ragged end, a block mask's partial blocks) are
-    masked. Stores O and the LSE."""
+    _first_key(j); var's slots: gluon/common.py's VAR_*); blocks before full_lo (a window's
+    lower edge) and from full_hi on (the causal diagonal, a window's upper edge, the ragged
+    end, a block mask's partial blocks) are masked. Stores O and the LSE."""
     WARPS: gl.constexpr = 4
+    gl.static_assert(ROWS == 16 * WARPS, "a consumer's rows: one wgmma M of its 4 warps (64)")
     # S and O in the wgmma accumulator layout: 16-row atoms, warps stacked along the rows.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
@@ -204,7 +177,7 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     blocks, lst, var = tile
     n_blocks, full_lo, full_hi = blocks
     q_smem = q_smem.slice(W * ROWS, ROWS, dim=0)
-    row_start = var[7] + W * ROWS
+    row_start = var[VAR_QUERY0] + W * ROWS
     rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -219,7 +192,8 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
                       is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     _release(k_empty, 0, NUM_STAGES)
-    p, m_i, l_i, _ = _softmax(s, m_i, l_i, rows, _first_key(0, var[0], lst, BLOCK_N, LISTED),
+    p, m_i, l_i, _ = _softmax(s, m_i, l_i, rows, _first_key(0, var[VAR_KEY0], lst, BLOCK_N,
+                                                            LISTED),
                               offs_n, SEQ, qk_scale, var, IS_CAUSAL, True, HAS_LOWER,
                               HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_MOD)  # (masked: once)
     # Masked blocks below full_lo, blocks that see every key, masked blocks from full_hi on.
@@ -254,24 +228,24 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     l_o = gl.convert_layout(l_i, alpha_layout)
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     # Through this group's rows of Q (its last S has read them), whole rows a warp
-    # (store_rows; from the products' layout: 541 -> 575 TFLOP/s at 2K, window +5%, session 19).
+    # (store_rows; from the products' layout: 541 -> 575 TFLOP/s at 2K, window +5%, H200).
     q_smem.store(out.to(q_smem.dtype))
     gl.thread_barrier()  # (this partition's warps)
     store_rows(q_smem, O, off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ)
     lse2 = m_i + gl.log2(l_i)
     if HAS_ALIBI == 2:  # the rows' part of one-sided ALiBi (see _softmax)
-        lse2 = lse2 - alibi_part(rows, var[7], var[4])
+        lse2 = lse2 - alibi_part(rows, var[VAR_QUERY0], var[VAR_SLOPE2])
     lse = gl.where(l_i == 0.0, -float("inf"), lse2 * 0.6931471805599453)
     gl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=rows < SEQ)
 
 
 @gluon.jit
-def _bounds(start_m, SEQ, var, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _bounds(start_m, SEQ, LOWER, UPPER, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr):
     """The ring's blocks of query block start_m: (n_blocks, full_lo, full_hi) in ring blocks
     (see _attend), and the first key of ring block 0 (a window's first visible block)."""
     if HAS_LOWER or HAS_UPPER:
-        lo, full_lo, full_hi, hi = kv_range(start_m * BLOCK_M, SEQ, var[1], var[2], HAS_LOWER,
+        lo, full_lo, full_hi, hi = kv_range(start_m * BLOCK_M, SEQ, LOWER, UPPER, HAS_LOWER,
                                             HAS_UPPER, BLOCK_M, BLOCK_N)
         return ((hi - lo + BLOCK_N - 1) // BLOCK_N, (full_lo - lo) // BLOCK_N,
                 (full_hi - lo) // BLOCK_N), lo
@@ -282,27 +256,6 @@ def _bounds(start_m, SEQ, var, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     if IS_CAUSAL:
         first_masked = gl.minimum(first_masked, (start_m * BLOCK_M) // BLOCK_N)
     return ((hi + BLOCK_N - 1) // BLOCK_N, 0, first_masked), 0
-
-
-# The kernel's launch constants: the first consumer's 4 warps, and the
-# registers of the second consumer and of the producer (setmaxnreg; 4 warps each).
-# HEAVY_FIRST: under a causal bound (no lower one) the programs of a head take its query
-# blocks last first, so the blocks that see the most keys start first and the grid's tail
-# holds the light ones (as the Triton kernels' common.heavy_first).
-# ORDER: the programs' order over the grid's query blocks and heads (grid_order: 0 the
-# grid's, 1 whole windows first, G >= 2 groups of G heads block by block); None: 1 with a
-# lower bound, else 0, as options() says.
-OPTIONS = dict(num_warps=4, CONSUMER_REGS=232, PRODUCER_REGS=40, HEAVY_FIRST=True, ORDER=None)
-
-
-def options(has_lower: bool) -> dict:
-    """The kernel's launch constants for a walk with or without a lower bound: OPTIONS with
-    ORDER chosen where it is None. Measured on the H200 (session 22, six rounds, bf16 8K):
-    the causal window 412 -> 427 TFLOP/s with ORDER 1; causal and dense walks unchanged."""
-    opts = dict(OPTIONS)
-    if opts["ORDER"] is None:
-        opts["ORDER"] = 1 if has_lower else 0
-    return opts
 
 
 @gluon.jit
@@ -316,42 +269,13 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_f
     mbarrier.expect(q_full, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_full, q_smem)
     blocks, lst, var = tile
-    for j in range(blocks[0]):
-        row = row0 + _first_key(j, var[0], lst, BLOCK_N, LISTED)
+    n_blocks, _, _ = blocks
+    for j in range(n_blocks):
+        row = row0 + _first_key(j, var[VAR_KEY0], lst, BLOCK_N, LISTED)
         _wait(k_empty, j, NUM_STAGES)
         _load(k_desc, k_full, k_smem, row, col, j, NUM_STAGES)
         _wait(v_empty, j, NUM_STAGES)
         _load(v_desc, v_full, v_smem, row, col, j, NUM_STAGES)
-
-
-@gluon.jit
-def grid_order(whole, ORDER: gl.constexpr):
-    """The grid's (block, batch * head) that this program takes, in launch order
-    (program_id(0) fastest) and ORDER: 0 as the grid lays them out, a head's blocks in turn;
-    1 blocks 0 .. whole - 1 of each head head by head, then the other blocks of every head,
-    block by block (the walks that run whole first: the grid's tail holds the short ones);
-    G >= 2 groups of G heads, the group's block i before its block i + 1 (walks that shorten
-    with i: each group's longest start together, and the tail holds the last group's short
-    ones, as the longest-first rule would: tools/simulate_schedule.py)."""
-    nb = gl.num_programs(0)
-    P = gl.num_programs(1)
-    if ORDER == 0:
-        i = gl.program_id(0)
-        bh = gl.program_id(1)
-    else:
-        L = gl.program_id(1) * nb + gl.program_id(0)
-        if ORDER == 1:
-            first = L < P * whole
-            r = L - P * whole
-            i = gl.where(first, L % gl.maximum(whole, 1), whole + r // P)
-            bh = gl.where(first, L // gl.maximum(whole, 1), r % P)
-        else:
-            g = L // (ORDER * nb)
-            r = L % (ORDER * nb)
-            width = gl.minimum(P - ORDER * g, ORDER)  # (the last group: what is left)
-            i = r // width
-            bh = ORDER * g + r % width
-    return i, bh
 
 
 @gluon.jit
@@ -377,20 +301,31 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     form, 2 the one-sided one where every visible key is at or left of the diagonal, as
     _softmax says); LISTED: a block mask of 128-blocks (flashtriton.block_mask: BMASK's row
     of this query block lists its full then partial key blocks; MASK_MOD(b, h, i, j) on the
-    partial ones)."""
+    partial ones). The launch constants (CONSUMER_REGS .. ORDER, num_warps):
+    configs.gluon_fwd_options."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     HALF: gl.constexpr = BLOCK_M // 2
+    # The tiles the kernel is written for (configs.GLUON_FWD_BLOCK_M / _N).
+    gl.static_assert(num_warps == 4, "the Gluon forward: num_warps 4 (the first consumer)")
+    gl.static_assert(BLOCK_M == 128, "the Gluon forward: 128 query rows a program (two "
+                     "consumers of 64)")
+    gl.static_assert(BLOCK_N == LIST_BLOCK, "the Gluon forward: key blocks of 128 (a block "
+                     "mask's blocks)")
+    gl.static_assert(HEAD_DIM == 64 or HEAD_DIM == 128, "the Gluon forward: head dim 64 or 128")
+    gl.static_assert(k_desc.block_type.shape[1] == HEAD_DIM and v_desc.block_type.shape[0] ==
+                     BLOCK_N and v_desc.block_type.shape[1] == HEAD_DIM,
+                     "the Gluon forward: K and V blocks of BLOCK_N x HEAD_DIM")
     dtype: gl.constexpr = q_desc.dtype
     heavy_first: gl.constexpr = HEAVY_FIRST and (IS_CAUSAL or (HAS_UPPER and not HAS_LOWER))
     if ORDER == 0:
         start_m = gl.program_id(0)
-        if heavy_first:  # (OPTIONS)
+        if heavy_first:  # (HEAVY_FIRST)
             start_m = gl.num_programs(0) - 1 - start_m
         off_b = gl.program_id(1) // H
         off_h = gl.program_id(1) % H
-    else:  # (OPTIONS) ORDER 1: the query blocks that see a whole window (m >= -LOWER / 128)
+    else:  # (ORDER) ORDER 1: the query blocks that see a whole window (m >= -LOWER / 128)
         # first, taken last block first as heavy_first takes causal ones (reversed indices)
         nb = gl.num_programs(0)
         whole = nb - gl.minimum(gl.maximum(gl.cdiv(-LOWER, BLOCK_M), 0), nb)
@@ -414,9 +349,9 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
         kv0 = 0
     else:
         lst = (0, 0, 0)
-        blocks, kv0 = _bounds(start_m, SEQ, (0, LOWER, UPPER), BLOCK_M, BLOCK_N, IS_CAUSAL,
+        blocks, kv0 = _bounds(start_m, SEQ, LOWER, UPPER, BLOCK_M, BLOCK_N, IS_CAUSAL,
                               HAS_LOWER, HAS_UPPER)
-    # the walk as _attend and _produce take it
+    # the walk as _attend and _produce take it (var: the slots VAR_KEY0 .. VAR_QUERY0)
     tile = (blocks, lst, (kv0, LOWER, UPPER, cap2, slope2, off_b, off_h, start_m * BLOCK_M))
     row0 = off_b * kv_rb + off_hk * kv_rh
 
