@@ -10,6 +10,8 @@ Tile names (used everywhere): BLOCK_M query rows, BLOCK_N key rows, BLOCK_D the
 head dim padded to a power of two (at least 16, the smallest ``tl.dot`` K).
 """
 
+import sys
+import types
 from typing import Dict, List, Tuple
 
 from . import _env
@@ -208,52 +210,44 @@ GLUON_BWD_KERNEL_HEAD_DIMS = (128,)
 
 
 class OptionTable(dict):
-    """A table of launch constants (a dict) that keeps its items as a tuple for snapshot(),
-    which every call signature reads (two tables' tuple(items()) cost more than the rest of
-    the snapshot); each change through a dict method drops the tuple."""
-    __slots__ = ("_items", )
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._items = None
-
-    def frozen(self) -> tuple:
-        """The items as a tuple (hashable), cached until the next change."""
-        if self._items is None:
-            self._items = tuple(self.items())
-        return self._items
+    """A table of launch constants (a dict) whose every change drops the policy snapshot."""
+    __slots__ = ()
 
     def __setitem__(self, key, value):
-        self._items = None
         super().__setitem__(key, value)
+        _drop_snapshot()
 
     def __delitem__(self, key):
-        self._items = None
         super().__delitem__(key)
+        _drop_snapshot()
 
     def __ior__(self, other):
-        self._items = None
-        return super().__ior__(other)
+        result = super().__ior__(other)
+        _drop_snapshot()
+        return result
 
     def update(self, *args, **kwargs):
-        self._items = None
         super().update(*args, **kwargs)
+        _drop_snapshot()
 
     def setdefault(self, key, default=None):
-        self._items = None
-        return super().setdefault(key, default)
+        result = super().setdefault(key, default)
+        _drop_snapshot()
+        return result
 
     def pop(self, *args):
-        self._items = None
-        return super().pop(*args)
+        result = super().pop(*args)
+        _drop_snapshot()
+        return result
 
     def popitem(self):
-        self._items = None
-        return super().popitem()
+        result = super().popitem()
+        _drop_snapshot()
+        return result
 
     def clear(self):
-        self._items = None
         super().clear()
+        _drop_snapshot()
 
 
 # The Gluon forward's launch constants (constexprs of kernels/gluon/fwd.py): the first
@@ -322,14 +316,55 @@ def gluon_bwd_options(has_upper: bool, has_lower: bool = False, alibi: bool = Fa
     return opts
 
 
+class _Snapshot(tuple):
+    """The policy tuple with its hash computed once (every call signature hashes it)."""
+
+    def __new__(cls, values):
+        self = super().__new__(cls, values)
+        self._hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self):
+        return self._hash
+
+
+_SNAPSHOT = None
+
+
+def _drop_snapshot() -> None:
+    globals()["_SNAPSHOT"] = None
+
+
 def snapshot() -> tuple:
     """Every policy value that chooses kernels, as one hashable tuple (call signatures): the
     switches and thresholds, the Gluon kernels' tiles and their launch constants (the option
-    tables as they are now: a change gives every call a new signature)."""
-    return (GLUON_TRITONS, GLUON_FWD_HEAD_DIMS, GLUON_FWD_CAUSAL_MAX_TRITON, GLUON_VARIANTS,
+    tables as they are now). Built once and kept until a value here changes (an assignment
+    to this module's attributes or a change to an option table), which gives every call a
+    new signature."""
+    if _SNAPSHOT is None:
+        globals()["_SNAPSHOT"] = _Snapshot((
+            GLUON_TRITONS, GLUON_FWD_HEAD_DIMS, GLUON_FWD_CAUSAL_MAX_TRITON, GLUON_VARIANTS,
             GLUON_ALIBI_ONE_SIDED, GLUON_BWD_MIN_SEQLEN, GLUON_BWD_VARIANTS,
             GLUON_FWD_BLOCK_M, GLUON_FWD_BLOCK_N, GLUON_FWD_STAGES, GLUON_FWD_KERNEL_HEAD_DIMS,
             GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N, GLUON_BWD_KERNEL_HEAD_DIMS,
-            GLUON_FWD_OPTIONS.frozen(), GLUON_BWD_OPTIONS.frozen(),
+            tuple(GLUON_FWD_OPTIONS.items()), tuple(GLUON_BWD_OPTIONS.items()),
             DECODE_MERGE_IN_KERNEL, DECODE_MERGE_MAX_BYTES, DECODE_MAX_ROWS,
-            KVCACHE_PREFILL_MIN_ROWS)
+            KVCACHE_PREFILL_MIN_ROWS))
+    return _SNAPSHOT
+
+
+class _Policy(types.ModuleType):
+    """This module's type: setting one of its attributes (configs.X = ..., monkeypatch)
+    drops the snapshot."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name != "_SNAPSHOT":
+            _drop_snapshot()
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        _drop_snapshot()
+
+
+sys.modules[__name__].__class__ = _Policy

@@ -144,7 +144,8 @@ def test_gluon_options_reach_the_snapshot(monkeypatch):
     Gluon tiles: a change of any option or tile changes it, and undoing the change gives the
     same snapshot back (the tables' cached items follow every dict method)."""
     base = configs.snapshot()
-    hash(base)
+    assert configs.snapshot() is base  # kept (hash computed once) while nothing changes
+    assert hash(base) == hash(tuple(base))
     for table in (configs.GLUON_FWD_OPTIONS, configs.GLUON_BWD_OPTIONS):
         for name, value in list(table.items()):
             with monkeypatch.context() as m:
@@ -162,10 +163,18 @@ def test_gluon_options_reach_the_snapshot(monkeypatch):
             table.update(saved)
             assert configs.snapshot() == base
     for name in ("GLUON_FWD_BLOCK_M", "GLUON_FWD_BLOCK_N", "GLUON_FWD_STAGES",
-                 "GLUON_BWD_BLOCK_M", "GLUON_BWD_BLOCK_N"):
+                 "GLUON_BWD_BLOCK_M", "GLUON_BWD_BLOCK_N", "GLUON_BWD_MIN_SEQLEN",
+                 "DECODE_MERGE_MAX_BYTES", "DECODE_MAX_ROWS", "KVCACHE_PREFILL_MIN_ROWS"):
         with monkeypatch.context() as m:
             m.setattr(configs, name, getattr(configs, name) * 2)
             assert configs.snapshot() != base, name
+        assert configs.snapshot() == base, name
+    configs.DECODE_MERGE_IN_KERNEL = not configs.DECODE_MERGE_IN_KERNEL  # a plain assignment
+    try:
+        assert configs.snapshot() != base
+    finally:
+        configs.DECODE_MERGE_IN_KERNEL = not configs.DECODE_MERGE_IN_KERNEL
+    assert configs.snapshot() == base
 
 
 def test_call_signatures_follow_the_gluon_options(monkeypatch):

@@ -18,7 +18,7 @@ import torch
 import triton
 
 import flashtriton
-from flashtriton import configs, flash_attention, flash_attention_varlen, launch, runtime
+from flashtriton import configs, flash_attention, flash_attention_varlen, runtime
 from flashtriton.bench.common import cold_ms
 from flashtriton.bench.decode import decode_inputs
 from flashtriton.decode import attention_with_kvcache
@@ -46,17 +46,21 @@ def safety():
 
     rows = [("varlen fwd", _ms(fwd)), ("varlen fwd+bwd", _ms(fwd_bwd))]
     for B, N in ((1, 65536), (8, 8192), (64, 1024)):
-        qd, kc, vc, kp, vp, table, lens_t = decode_inputs(B, N)
-        step = lambda: attention_with_kvcache(qd, kc, vc, cache_seqlens=lens_t,  # noqa
-                                              return_lse=False)
-        paged = lambda: attention_with_kvcache(qd, kp, vp, cache_seqlens=lens_t,  # noqa
-                                               block_table=table, return_lse=False)
-        rows += [(f"decode B={B} N={N}", _ms(step, True)),
-                 (f"paged decode B={B} N={N}", _ms(paged, True))]
-        del qd, kc, vc, kp, vp
+        rows += _decode_rows(B, N)
     for name, ms in rows:
         print(json.dumps(dict(tree=flashtriton.__file__, row=name, ms=ms)), flush=True)
     del out
+
+
+def _decode_rows(B, N):
+    """Eager decoding steps over a contiguous and a paged cache of B x N keys, cold."""
+    x = decode_inputs(B, N)
+    step = lambda: attention_with_kvcache(x.q, x.k, x.v, cache_seqlens=x.lens,  # noqa
+                                          return_lse=False)
+    paged = lambda: attention_with_kvcache(x.q, x.k_pages, x.v_pages, cache_seqlens=x.lens,  # noqa
+                                           block_table=x.table, return_lse=False)
+    return [(f"decode B={B} N={N}", _ms(step, True)),
+            (f"paged decode B={B} N={N}", _ms(paged, True))]
 
 
 def _check(out, q, k, v, lens, causal, what):
@@ -102,7 +106,6 @@ def prefill():
             chosen = times["prefill" if configs.kvcache_prefill(G, SQ) else "split"]
             print(f"{D:4d} {G:2d} {SQ:5d} {cache:6d} {times['split']:9.3f} {times['prefill']:10.3f} "
                   f"{times['fa']:18.3f} {chosen / times['fa']:9.2f}", flush=True)
-            del q, kc, vc
     torch.cuda.empty_cache()
 
 
