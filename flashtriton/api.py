@@ -10,7 +10,7 @@ import torch
 from .autograd import AttentionOutput, attention, register_mods
 from .block_mask import BlockMask, create_block_mask
 from .validation import (check_alibi, check_cu_seqlens, check_deterministic, check_dropout,
-                         check_max_seqlen, check_qkv, check_scale, check_softcap,
+                         check_max_seqlen, check_qkv, check_scale, check_sinks, check_softcap,
                          check_varlen_indices, check_window, describe, unit_last)
 
 
@@ -60,7 +60,7 @@ def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_
 def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
          dropout_p=0.0, names=("q", "k", "v"), attn_mask=None, score_mod=None,
          score_mod_grad=None, mask_mod=None, block_mask=None,
-         deterministic=False) -> AttentionOutput:
+         deterministic=False, sinks=None) -> AttentionOutput:
     """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
     check_qkv(q, k, v, names)
     scale = check_scale(softmax_scale, q.shape[-1])
@@ -68,17 +68,20 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     dropout_p, seed = check_dropout(dropout_p)
+    sinks = check_sinks(sinks, q.shape[2], q.device)
     blocks = _check_mods(q, k, causal, (left, right), softcap, alibi_slopes, attn_mask, dropout_p,
                          score_mod, score_mod_grad, mask_mod, block_mask)
     out, lse = attention(unit_last(q), unit_last(k), unit_last(v), None, None, 0, 0,
                          alibi_slopes, attn_mask, scale, bool(causal), left, right, softcap,
-                         dropout_p, seed, *blocks, check_deterministic(deterministic))
+                         dropout_p, seed, *blocks, check_deterministic(deterministic),
+                         sinks=sinks)
     return AttentionOutput(out, lse)
 
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                dropout_p=0.0, names=("q", "k", "v"), deterministic=False) -> AttentionOutput:
+                dropout_p=0.0, names=("q", "k", "v"), deterministic=False,
+                sinks=None) -> AttentionOutput:
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -103,9 +106,11 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi(alibi_slopes, cu_q.numel() - 1, q.shape[1], q.device)
     dropout_p, seed = check_dropout(dropout_p)
+    sinks = check_sinks(sinks, q.shape[1], q.device)
     out, lse = attention(unit_last(q), unit_last(k), unit_last(v), cu_q, cu_k, max_q, max_k,
                          alibi_slopes, None, scale, bool(causal), left, right, softcap,
-                         dropout_p, seed, None, None, 128, 0, check_deterministic(deterministic))
+                         dropout_p, seed, None, None, 128, 0, check_deterministic(deterministic),
+                         sinks=sinks)
     return AttentionOutput(out, lse)
 
 
@@ -168,11 +173,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                     dropout_p: float = 0.0, score_mod=None, score_mod_grad=None, mask_mod=None,
-                    block_mask: Optional[BlockMask] = None,
-                    deterministic: bool = False) -> torch.Tensor:
+                    block_mask: Optional[BlockMask] = None, deterministic: bool = False,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                 score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
-                block_mask=block_mask, deterministic=deterministic).out
+                block_mask=block_mask, deterministic=deterministic, sinks=sinks).out
 
 
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -181,10 +186,11 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              alibi_slopes: Optional[torch.Tensor] = None,
                              dropout_p: float = 0.0, score_mod=None, score_mod_grad=None,
                              mask_mod=None, block_mask: Optional[BlockMask] = None,
-                             deterministic: bool = False) -> AttentionOutput:
+                             deterministic: bool = False,
+                             sinks: Optional[torch.Tensor] = None) -> AttentionOutput:
     return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                 score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
-                block_mask=block_mask, deterministic=deterministic)
+                block_mask=block_mask, deterministic=deterministic, sinks=sinks)
 
 
 flash_attention.__doc__ = """Exact softmax attention, out = softmax(q k^T * softmax_scale) v, differentiable.
@@ -221,7 +227,7 @@ _VARLEN_DOC = """
            grid: rows beyond them are not computed). An int, or a 0-d tensor
            (a CUDA tensor costs one host sync: pass an int on hot paths).
         causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-           deterministic: as in ``flash_attention`` (alibi_slopes (nheads,) or
+           deterministic, sinks: as in ``flash_attention`` (alibi_slopes (nheads,) or
            (batch, nheads); the packed backward is always repeatable).
 """
 
@@ -232,10 +238,11 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            softmax_scale: Optional[float] = None,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None,
-                           dropout_p: float = 0.0, deterministic: bool = False) -> torch.Tensor:
+                           dropout_p: float = 0.0, deterministic: bool = False,
+                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                       deterministic=deterministic).out
+                       deterministic=deterministic, sinks=sinks).out
 
 
 def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -244,11 +251,11 @@ def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.T
                                     softmax_scale: Optional[float] = None,
                                     window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                                     alibi_slopes: Optional[torch.Tensor] = None,
-                                    dropout_p: float = 0.0, deterministic: bool = False
-                                    ) -> AttentionOutput:
+                                    dropout_p: float = 0.0, deterministic: bool = False,
+                                    sinks: Optional[torch.Tensor] = None) -> AttentionOutput:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                       deterministic=deterministic)
+                       deterministic=deterministic, sinks=sinks)
 
 
 flash_attention_varlen.__doc__ = """``flash_attention`` on packed sequences; returns out (total_q, nheads, headdim).

@@ -31,11 +31,11 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Optional[
 
 def _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
              dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods,
-             deterministic) -> Variant:
+             deterministic, sinks) -> Variant:
     seed = 0 if dropout_seed is None else int(dropout_seed)  # a CPU tensor: no device sync
     return Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
                    attn_mask, dropout_p, seed, *launch.lookup_mods(mods), kv_blocks, q_blocks,
-                   block_size, deterministic=deterministic)
+                   block_size, deterministic=deterministic, sinks=sinks)
 
 
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
@@ -44,15 +44,16 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
              causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
              dropout_seed: Optional[Tensor], kv_blocks: Optional[Tensor],
              q_blocks: Optional[Tensor], block_size: int, mods: int,
-             deterministic: bool) -> Tuple[Tensor, Tensor]:
+             deterministic: bool, sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """out in q's shape; lse fp32 (B, H, SQ), or (H, total_q) for packed sequences.
 
     dropout_seed: a CPU int64 tensor (drawn from torch's generator by the caller);
-    deterministic: the backward (attn_bwd) is to be bitwise repeatable."""
+    deterministic: the backward (attn_bwd) is to be bitwise repeatable; sinks: (H,) logits
+    that join each row's softmax (the LSE includes them)."""
     return launch.attention_forward(
         q, k, v, _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left,
                           window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
-                          block_size, mods, deterministic),
+                          block_size, mods, deterministic, sinks),
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
@@ -75,14 +76,17 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
              softmax_scale: float, causal: bool, window_left: int, window_right: int,
              softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
              kv_blocks: Optional[Tensor], q_blocks: Optional[Tensor], block_size: int,
-             mods: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of attn_fwd, recomputed from q, k, v, out and lse."""
-    return launch.attention_backward(
+             mods: int, deterministic: bool, sinks: Optional[Tensor]
+             ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, dsinks) of attn_fwd, recomputed from q, k, v, out and lse;
+    dsinks is empty without sinks (an op returns tensors)."""
+    dq, dk, dv, dsinks = launch.attention_backward(
         dout, q, k, v, out, lse,
         _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right,
                  softcap, dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods,
-                 deterministic),
+                 deterministic, sinks),
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return dq, dk, dv, q.new_empty(0) if dsinks is None else dsinks
 
 
 attn_bwd = torch.library.custom_op("flashtriton::attn_bwd", _attn_bwd, mutates_args=())
@@ -90,7 +94,9 @@ attn_bwd = torch.library.custom_op("flashtriton::attn_bwd", _attn_bwd, mutates_a
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, *args):
-    return launch.output_like(q), launch.output_like(k), launch.output_like(v)
+    sinks = args[-1]
+    return (launch.output_like(q), launch.output_like(k), launch.output_like(v),
+            q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _plain_eager(q: Tensor) -> bool:
@@ -121,27 +127,29 @@ def _forward(*args) -> Tuple[Tensor, Tensor]:
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """out, lse = FlashAttnFunction.apply(q, k, v, rest), rest = attn_fwd's arguments after
-    q, k, v as one tuple (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    """out, lse = FlashAttnFunction.apply(q, k, v, sinks, rest), rest = attn_fwd's arguments
+    between v and sinks as one tuple (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
     dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods, deterministic): autograd
-    processes every argument of apply on every call (host time), and only q, k, v are
-    differentiable; the tensors in ``rest`` are inputs the backward reads, kept on ctx."""
+    processes every argument of apply on every call (host time), and only q, k, v and the
+    sinks are differentiable; the tensors in ``rest`` are inputs the backward reads, kept on
+    ctx."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rest):
-        out, lse = _forward(q, k, v, *rest)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, rest):
+        out, lse = _forward(q, k, v, *rest, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.rest = rest
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _call(torch.ops.flashtriton.attn_bwd, _attn_bwd, "flashtriton::attn_bwd",
-                           dout, q, k, v, out, lse, *ctx.rest)
-        return dq, dk, dv, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = _call(torch.ops.flashtriton.attn_bwd, _attn_bwd,
+                                   "flashtriton::attn_bwd", dout, q, k, v, out, lse, *ctx.rest,
+                                   sinks)
+        return dq, dk, dv, None if sinks is None else dsinks, None
 
 
 def register_mods(score_mod, score_mod_grad, mask_mod) -> int:
@@ -150,11 +158,13 @@ def register_mods(score_mod, score_mod_grad, mask_mod) -> int:
     return launch.register_mods(score_mod, score_mod_grad, mask_mod)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *args) -> Tuple[Tensor, Tensor]:
-    """(out, lse) = FlashAttnFunction.apply(q, k, v, *args), or, in plain eager mode when no
-    gradient can flow (inference, ``torch.no_grad()``), the forward op alone: the
+def attention(q: Tensor, k: Tensor, v: Tensor, *args,
+              sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(out, lse) = FlashAttnFunction.apply(q, k, v, sinks, args), or, in plain eager mode
+    when no gradient can flow (inference, ``torch.no_grad()``), the forward op alone: the
     autograd.Function's bookkeeping costs more host time than a small attention's kernel."""
-    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) \
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                     or (sinks is not None and sinks.requires_grad))) \
             or not _plain_eager(q):
-        return FlashAttnFunction.apply(q, k, v, args)
-    return _eager(_attn_fwd, "flashtriton::attn_fwd", q, k, v, *args)  # plain eager here
+        return FlashAttnFunction.apply(q, k, v, sinks, args)
+    return _eager(_attn_fwd, "flashtriton::attn_fwd", q, k, v, *args, sinks)  # plain eager

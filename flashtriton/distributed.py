@@ -171,7 +171,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, layout, base: Variant, 
         dk = torch.zeros_like(kv[0], dtype=torch.float32)
         dv = torch.zeros_like(kv[1], dtype=torch.float32)
         for blk in _plan(q_segs, _segments(src, ring.world, n, layout), base, left, right):
-            dqb, dkb, dvb = launch.attention_backward(
+            dqb, dkb, dvb, _ = launch.attention_backward(
                 dout[:, blk.q], q[:, blk.q], kv[0][:, blk.k], kv[1][:, blk.k], out[:, blk.q],
                 lse[:, :, blk.q], blk.variant)
             dq_acc[:, blk.q] += dqb

@@ -51,6 +51,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                         alibi_slopes: Optional[torch.Tensor] = None,
                         attn_mask: Optional[torch.Tensor] = None,
                         dropout_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                        sinks: Optional[torch.Tensor] = None,
                         dtype: torch.dtype = torch.float64) -> ReferenceOutput:
     """softmax(scores) v on (B, T, H, D) tensors, computed in ``dtype``.
 
@@ -60,9 +61,11 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     ``attn_mask`` broadcastable to (B, H, SQ, SK): bool (True = attend) or
     additive float. With ``dropout_mask`` (bool, broadcastable to (B, H, SQ,
     SK), True = kept) the probabilities are masked and scaled by 1 / (1 -
-    dropout_p) after the softmax; lse is unchanged. K/V heads are
-    shared by groups of H // HKV query heads (GQA/MQA). A row with no visible
-    key yields out = 0 and lse = -inf. Differentiable.
+    dropout_p) after the softmax; lse is unchanged. ``sinks`` (H,): one more
+    column of scores, sinks[h] in every row of head h, that takes part in the
+    softmax and is dropped after it (it has no value; lse includes it). K/V
+    heads are shared by groups of H // HKV query heads (GQA/MQA). A row with no
+    visible key (and no sink) yields out = 0 and lse = -inf. Differentiable.
     """
     B, SQ, H, D = q.shape
     SK, HKV = k.shape[1], k.shape[2]
@@ -87,7 +90,11 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             s = s.masked_fill(~attn_mask, float("-inf"))
         else:
             s = s + attn_mask.to(dtype)
-    if SK == 0:  # no key at all: every row is empty
+    if sinks is not None:
+        column = sinks.to(dtype)[None, :, None, None].expand(B, H, SQ, 1)
+        s = torch.cat([s, column], dim=-1)
+        vf = torch.cat([vf, vf.new_zeros(B, H, 1, vf.shape[-1])], dim=2)
+    if s.shape[-1] == 0:  # no key at all: every row is empty
         m = s.new_zeros((*s.shape[:-1], 1))
     else:
         m = s.amax(dim=-1, keepdim=True).detach()
@@ -96,7 +103,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     l = e.sum(dim=-1, keepdim=True)                                  # (B, H, SQ, 1)
     p = e / torch.where(l == 0, 1.0, l)
     if dropout_mask is not None:
-        p = p * dropout_mask.to(dtype) / (1.0 - dropout_p)
+        keep = dropout_mask.to(dtype)
+        if sinks is not None:  # the sink's column has no value: any factor
+            keep = torch.cat([keep.expand(B, H, SQ, SK), keep.new_ones(B, H, SQ, 1)], dim=-1)
+        p = p * keep / (1.0 - dropout_p)
     lse = (m + torch.log(l)).squeeze(-1)                             # (B, H, SQ); log(0) = -inf
     out = torch.matmul(p, vf).transpose(1, 2)                        # (B, SQ, H, D)
     return ReferenceOutput(out, lse)

@@ -332,6 +332,24 @@ def check_alibi(alibi_slopes, B: int, H: int, device) -> Optional[torch.Tensor]:
     return alibi_slopes
 
 
+def check_sinks(sinks, H: int, device, name: str = "sinks") -> Optional[torch.Tensor]:
+    """Attention sinks: None, or one float logit a query head, (nheads,) on q's device
+    (returned with a unit stride, which the kernels read)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if sinks.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"{name} must be float16, bfloat16 or float32 (one logit a query head); "
+                        f"got {describe(sinks)}")
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(f"{name} must have shape (nheads,) = ({H},), one logit a query head; "
+                         f"got {describe(sinks)}")
+    if sinks.device != device:
+        raise ValueError(f"{name} must be on q's device {device}; got {describe(sinks)}")
+    return sinks if sinks.stride(0) == 1 else sinks.contiguous()
+
+
 def _dropout_p(dropout_p) -> float:
     p = _real("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:

@@ -180,14 +180,17 @@ def test_custom_ops_opcheck():
     cu_k = torch.tensor([0, 11, 24], dtype=torch.int32, device=DEVICE)
     mask = (torch.rand(20, 24, device=DEVICE) > 0.3).expand(1, 2, 20, 24)
     seed = torch.tensor(5, dtype=torch.int64)
+    sinks = torch.randn(2, device=DEVICE)
     cases = [
-        ((q, k, v, None, None, 0, 0, None, None), (0.2, True, -1, -1, 0.0, 0.0, None)),
-        ((q, k, v, None, None, 0, 0, slopes, None), (0.2, False, 5, 3, 10.0, 0.0, None)),
-        ((q, k, v, None, None, 0, 0, None, mask), (0.2, False, -1, -1, 0.0, 0.3, seed)),
-        ((q[0], k[0], v[0], cu, cu_k, 13, 13, None, None), (0.3, True, 4, -1, 0.0, 0.0, None)),
+        ((q, k, v, None, None, 0, 0, None, None), (0.2, True, -1, -1, 0.0, 0.0, None), None),
+        ((q, k, v, None, None, 0, 0, slopes, None), (0.2, False, 5, 3, 10.0, 0.0, None), sinks),
+        ((q, k, v, None, None, 0, 0, None, mask), (0.2, False, -1, -1, 0.0, 0.3, seed), None),
+        ((q[0], k[0], v[0], cu, cu_k, 13, 13, None, None), (0.3, True, 4, -1, 0.0, 0.0, None),
+         sinks),
     ]
-    for args, opts in cases:
-        opts = opts + (None, None, 128, 0, False)  # no block mask, no mods, default backward
+    for args, opts, sink in cases:
+        # no block mask, no mods, default backward, the sinks
+        opts = opts + (None, None, 128, 0, False, sink)
         torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, args + opts)
         out, lse = torch.ops.flashtriton.attn_fwd(*args, *opts)
         dout = torch.randn_like(out)

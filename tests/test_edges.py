@@ -372,10 +372,10 @@ def _case_varlen_out_of_range():
     # backward on the same indices stays inside its tensors too
     dout = torch.randn_like(out)
     out = torch.nan_to_num(out)
-    dq, dk, dv = launch.attention_backward(dout, q, k, v, out,
-                                           lse.nan_to_num(neginf=float("-inf")),
-                                           launch.Variant(0.25, causal=True),
-                                           launch.Varlen(cu_q, cu_k, 64, 64))
+    dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, out,
+                                              lse.nan_to_num(neginf=float("-inf")),
+                                              launch.Variant(0.25, causal=True),
+                                              launch.Varlen(cu_q, cu_k, 64, 64))
     # sequence 0's gradients are right; sequence 1's queries (no keys) get dQ 0
     q0, k0, v0 = (x.detach().double().requires_grad_() for x in (q[:10], k[:12], v[:12]))
     ref = attention_reference(q0[None], k0[None], v0[None], causal=True, softmax_scale=0.25)

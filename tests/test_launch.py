@@ -225,7 +225,7 @@ def test_repeated_backward_replays_both_kernels(fake_attention):
         q, k, v = _tensors()
         out, dout = torch.zeros_like(q), torch.zeros_like(q)
         lse = torch.zeros(2, 2, 40)
-        dq, dk, dv = launch.attention_backward(dout, q, k, v, out, lse, variant)
+        dq, dk, dv, _ = launch.attention_backward(dout, q, k, v, out, lse, variant)
     assert len(dq_kernel.fn.slow) == len(dkdv_kernel.fn.slow) == 1
     (_, _, dq_args), = dq_kernel.fn.compiled[0].runs
     (_, _, dkdv_args), = dkdv_kernel.fn.compiled[0].runs
@@ -268,7 +268,7 @@ def test_gluon_forward_replays_alibi_and_block_masks(fake_attention, monkeypatch
                 extra = var.alibi_slopes if var.alibi_slopes is not None else var.kv_blocks
                 assert replays[-1] == (*[t.data_ptr() for t in (q, k, v, out, lse)],
                                        *((extra.data_ptr(), None) if var.kv_blocks is None
-                                         else (None, extra.data_ptr())))
+                                         else (None, extra.data_ptr())), None)
         assert len(replays) == 2
         replays.clear()
     var = launch.Variant(0.125, alibi_slopes=torch.ones(1, 2))  # (B, H) slopes: another call
@@ -296,10 +296,10 @@ def test_gluon_replays_hand_each_pointer_to_its_kernel_argument():
         return {n: (int(a.base), a.shape, a.strides) if hasattr(a, "base") else a
                 for n, a in zip(names, args)}
     got = []
-    launch.gluon_attn.GluonReplay(lambda *a: got.append(a), views[:3])(*[16 * i for i in range(1, 8)])
+    launch.gluon_attn.GluonReplay(lambda *a: got.append(a), views[:3])(*[16 * i for i in range(1, 9)])
     assert named(got[0], gluon_fwd._attn_fwd_gluon_kernel.arg_names) == {
         "q_desc": (16, *views[0]), "k_desc": (32, *views[1]), "v_desc": (48, *views[2]),
-        "O": 64, "LSE": 80, "ALIBI": 96, "BMASK": 112}
+        "O": 64, "LSE": 80, "ALIBI": 96, "BMASK": 112, "SINK": 128}
     prep, kernel = [], []
     ptrs = dict(out=1, dout=2, lse=3, lse2=4, delta=5, dq_acc=6, q=7, k=8, v=9, dk=10, dv=11,
                 alibi=12, bmask=None)

@@ -257,17 +257,51 @@ def _qkv(dv=16):
     return q, k, torch.randn(1, 2, 4, dv, generator=g, device=DEVICE)
 
 
-def test_gpt_oss_sinks_raise():
-    """gpt-oss passes s_aux (attention sinks): refused, never dropped."""
-    cfg = transformers.GptOssConfig(**TINY, head_dim=16, num_local_experts=4,
-                                    num_experts_per_tok=2)
+def _gpt_oss(impl, dtype):
+    """A tiny random gpt-oss: sliding-window and full layers alternate, attention sinks in
+    each (transformers passes them as s_aux), random sinks so that they matter."""
+    cfg = transformers.GptOssConfig(**{**TINY, "num_hidden_layers": 4}, head_dim=16,
+                                    num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=5, experts_implementation="eager")
     torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg).to(DEVICE).eval()
-    model.set_attn_implementation("triton_fa")
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        model(_ids((1, 6), 12))
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    model = model.to(DEVICE, dtype).eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+def test_gpt_oss_sinks_match_eager():
+    """gpt-oss's sinks (s_aux) run in the kernels: logits and every gradient (the sinks'
+    too) against float64 eager, windowed and full layers; generate() agrees with eager."""
+    models = {"ref": _gpt_oss("eager", torch.float64), "torch": _gpt_oss("eager", torch.float32),
+              "ours": _gpt_oss("triton_fa", torch.float32)}
+    ids = _ids((2, 12), 12)
+    _check(models, lambda model, name: model(ids).logits)
+    assert models["ours"].model.layers[1].self_attn.sinks.grad.abs().max() > 0
+    prompt = _ids((1, 6), 13)
+    a = models["torch"].generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    b = models["ours"].generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+
+
+def test_sinks_keywords():
+    """s_aux or sinks reach the kernels (the result changes); both at once is an error; a call
+    that the kernels cannot run (here: a head dim over 256) with sinks is refused, not sent to
+    sdpa, which would drop them."""
+    q, k, v = _qkv()
+    sinks = torch.full((2,), 3.0, device=DEVICE)
+    plain = attention_forward(_Module(), q, k, v, None)[0]
+    for name in ("s_aux", "sinks"):
+        out = attention_forward(_Module(), q, k, v, None, **{name: sinks})[0]
+        assert (out - plain).abs().max() > 1e-3, name
+    with pytest.raises(ValueError, match="twice"):
+        attention_forward(_Module(), q, k, v, None, s_aux=sinks, sinks=sinks)
+    wide = torch.randn(1, 2, 4, 512, device=DEVICE)
     with pytest.raises(NotImplementedError, match="sinks"):
-        attention_forward(_Module(), *_qkv(), None, sinks=torch.zeros(2, device=DEVICE))
+        attention_forward(_Module(), wide, wide, wide, None, s_aux=sinks)
 
 
 def test_value_head_dim_differs_raises():

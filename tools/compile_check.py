@@ -61,6 +61,7 @@ variants = {
     "dropout": dict(HAS_DROPOUT=True),
     "mods-blockmask": dict(SCORE_MOD=bias_mod, SCORE_GRAD=bias_grad, MASK_MOD=causal_mod,
                            HAS_BLOCK_MASK=True),
+    "sinks-window": dict(HAS_SINK=True, HAS_LOWER=True, HAS_UPPER=True),  # gpt-oss's layers
 }
 fails = 0
 HASHES = "--hashes" in sys.argv[1:]
@@ -100,6 +101,8 @@ for kname in ("fwd", "dkdv", "dq"):
     for vname, v in variants.items():
         if kname == "fwd" and (v.get("HAS_ALIBI") == 2 or v.get("IS_VARLEN") == 2):
             continue  # the backward's forms (one-sided ALiBi, bounded varlen rows)
+        if kname != "fwd" and v.get("HAS_SINK"):
+            continue  # the backward kernels read no sinks (the LSE holds them)
         bm, bn = (64, 128) if kname == "dkdv" else (128, 64)
         check(f"{kname:5s} {vname:15s}",
               lambda: compile_kernel(kname, 128, bm, bn, 8, 3, **v), variant_judge)
@@ -205,6 +208,8 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                     ("alibi causal", dict(alibi=True, causal=True)),
                     ("one-sided alibi causal", dict(alibi=2, causal=True)),
                     ("block mask", dict(mask_mod=causal_mod)),
+                    ("sinks causal", dict(sinks=True, causal=True)),
+                    ("sinks window", dict(sinks=True, lower=True, upper=True)),
                     # the programs' order over the grid (grid_order)
                     ("causal order groups of 8 heads", dict(causal=True, ORDER=8)),
                     ("window order whole windows first", dict(lower=True, upper=True,

@@ -28,13 +28,14 @@ KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_bwd_dkdv_kernel, "dq": _attn_b
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", DO="*bf16", DK="*bf16", DV="*bf16",
                 DQ="*bf16", LSE="*fp32", DELTA="*fp32", ALIBI="*fp32", AMASK="*i1", CU_Q="*i32",
-                CU_K="*i32", BMASK="*i32")
+                CU_K="*i32", BMASK="*i32", SINK="*fp32")
 FLOATS = ("qk_scale", "cap2", "sm_scale", "dropout_p")
 # The plain variant of the training kernels; callers override what they test.
 DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False,
                 HAS_ALIBI=0, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
                 MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False, SEQUSED_K=None,
-                DOT_PREC="tf32", UPCAST=False, USE_TMA=True, STATS_TMA=True, BLOCK_M=128,
+                DOT_PREC="tf32", UPCAST=False, USE_TMA=True, STATS_TMA=True, HAS_SINK=False,
+                BLOCK_M=128,
                 BLOCK_N=64)
 SKELETON = re.compile(r"(HGMMA|WARPGROUP\.(?:ARRIVE|DEPBAR)|MUFU\.EX2|BAR\.SYNC|BRA|DEPBAR)")
 
@@ -100,12 +101,12 @@ def _gluon_compile(fn, consts, types):
 
 
 def compile_gluon_fwd(dim=128, causal=False, stages=None, lower=False, upper=False,
-                      softcap=False, alibi=False, mask_mod=None, **options):
+                      softcap=False, alibi=False, mask_mod=None, sinks=False, **options):
     """The Gluon forward (kernels/gluon/fwd.py) for sm_90, bf16, its descriptors typed as the
     launcher makes them (launch._gluon_forward: configs.GLUON_FWD_BLOCK_M / _N blocks, the
     ring of configs.GLUON_FWD_STAGES unless stages); a variant by its flags (alibi 1 / True
     the general form, 2 one-sided; mask_mod: a block mask's lists, LISTED, with this
-    @triton.jit mask_mod); options override configs.gluon_fwd_options's."""
+    @triton.jit mask_mod; sinks: HAS_SINK); options override configs.gluon_fwd_options's."""
     import torch
 
     from flashtriton import configs
@@ -114,11 +115,11 @@ def compile_gluon_fwd(dim=128, causal=False, stages=None, lower=False, upper=Fal
     kv_desc = _gluon_desc([configs.GLUON_FWD_BLOCK_N, dim], torch.bfloat16, 16 * dim)
     consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages or configs.GLUON_FWD_STAGES,
                   HAS_LOWER=lower, HAS_UPPER=upper, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
-                  LISTED=mask_mod is not None, MASK_MOD=mask_mod,
+                  LISTED=mask_mod is not None, MASK_MOD=mask_mod, HAS_SINK=sinks,
                   **{**configs.gluon_fwd_options(lower), **options})
     return _gluon_compile(fwd._attn_fwd_gluon_kernel, consts, dict(
         q_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
-        BMASK="*i32", qk_scale="fp32", cap2="fp32"))
+        BMASK="*i32", SINK="*fp32", qk_scale="fp32", cap2="fp32"))
 
 
 def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False,

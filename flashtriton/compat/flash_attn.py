@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from ..api import _run, _run_varlen
+from ..validation import check_sinks
 
 # The flash-attn release whose Python interface this module speaks (``flash_attn.__version__``
 # after install()).
@@ -48,21 +49,29 @@ def _returns(out, lse, return_attn_probs):
     return out, lse, None
 
 
+def _sink(learnable_sink, q, heads_dim):
+    """FlashAttention-4's learnable_sink (nheads,), checked under its name."""
+    if learnable_sink is None or not isinstance(q, torch.Tensor) or q.dim() <= heads_dim:
+        return learnable_sink
+    return check_sinks(learnable_sink, q.shape[heads_dim], q.device, "learnable_sink")
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, names):
+               deterministic, return_attn_probs, names, learnable_sink=None):
     out, lse = _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                    dropout_p, names, deterministic=deterministic)
+                    dropout_p, names, deterministic=deterministic,
+                    sinks=_sink(learnable_sink, q, 2))
     return _returns(out, lse, return_attn_probs)
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                      return_attn_probs, block_table, names):
+                      return_attn_probs, block_table, names, learnable_sink=None):
     if block_table is not None:
         raise NotImplementedError("block_table: paged KV caches are not supported yet; use None")
     out, lse = _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                           names, deterministic)
+                           names, deterministic, sinks=_sink(learnable_sink, q, 1))
     return _returns(out, lse, return_attn_probs)
 
 
@@ -74,7 +83,7 @@ def _check_packed(name, x, n, shape_doc):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+                    return_attn_probs=False, *, learnable_sink=None):
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
 
     nheads must be a multiple of nheads_k (MQA/GQA). Causal masks and
@@ -85,14 +94,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     ``deterministic=False`` lets the backward add dQ in an order that varies
     from run to run (the Gluon backward on Hopper at head dim 128);
     ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``)
-    runs the bitwise-repeatable Triton backward.
+    runs the bitwise-repeatable Triton backward. ``learnable_sink`` (nheads,)
+    (FlashAttention-4's name; gpt-oss's sinks): one logit a query head in every
+    row's softmax denominator, differentiable.
 
     Returns out (batch, seqlen_q, nheads, headdim); with
     ``return_attn_probs=True``, ``(out, softmax_lse, None)`` where softmax_lse
     is (batch, nheads, seqlen_q) float32 (+inf for rows that see no key).
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, ("q", "k", "v"))
+                      alibi_slopes, deterministic, return_attn_probs, ("q", "k", "v"),
+                      learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -125,18 +137,20 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+                           return_attn_probs=False, block_table=None, *, learnable_sink=None):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim).
 
     cu_seqlens_q / cu_seqlens_k: (batch + 1,) int32 cumulative sequence lengths;
     max_seqlen_q / max_seqlen_k: the longest lengths (int, or a 0-d tensor).
-    Masks and ALiBi positions are per sequence. Returns out (total_q, nheads,
+    Masks and ALiBi positions are per sequence; learnable_sink as in
+    ``flash_attn_func``. Returns out (total_q, nheads,
     headdim); with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with
     softmax_lse (nheads, total_q) float32.
     """
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                             deterministic, return_attn_probs, block_table, ("q", "k", "v"))
+                             deterministic, return_attn_probs, block_table, ("q", "k", "v"),
+                             learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

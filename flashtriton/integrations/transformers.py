@@ -48,7 +48,7 @@ output_attentions                                  weights are not returned: Non
                                                    flash-attn's and sdpa's integrations do
                                                    (warned once)
 position_bias (T5, LongT5, Pix2Struct, ...)        fallback to transformers' sdpa
-s_aux, sinks (gpt-oss, DeepSeek V4, Inkling 2)     NotImplementedError (attention sinks)
+s_aux, sinks (gpt-oss, DeepSeek V4, Inkling 2)     sinks (attention sinks, differentiable)
 indices, block_indices (DeepSeek V3.2, MiniMax)    NotImplementedError (sparse attention)
 head_mask; block_table, k_cache, v_cache (paged)   NotImplementedError unless None
 value head dim != query head dim (MLA)             NotImplementedError
@@ -81,9 +81,6 @@ IGNORED_KWARGS = {"use_cache", "cache_position", "layer_idx", "cache", "past_key
                   "num_items_in_batch", "return_dict", "seq_idx", "kernel_options"}
 # Keywords that change the result and that the kernels do not implement (yet).
 _REJECTED = {
-    "s_aux": "attention sinks (s_aux: a learned logit per head that joins each row's softmax, "
-             "as in gpt-oss)",
-    "sinks": "attention sinks (sinks: a learned logit per head that joins each row's softmax)",
     "indices": "sparse attention (indices: the keys each query attends to, DeepSeek V3.2 DSA)",
     "block_indices": "block-sparse attention (block_indices)",
     "head_mask": "head_mask (a per-head scaling of the attention weights)",
@@ -212,6 +209,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     position_bias = kwargs.pop("position_bias", None)
     cu_q, cu_k = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None)
     max_q, max_k = kwargs.pop("max_length_q", None), kwargs.pop("max_length_k", None)
+    sinks = kwargs.pop("s_aux", None)
+    if kwargs.get("sinks") is not None:
+        if sinks is not None:
+            raise ValueError("attention sinks given twice (s_aux and sinks)")
+        sinks = kwargs.pop("sinks")
+    kwargs.pop("sinks", None)
     if kwargs.pop("output_attentions", False) and not _warned_attentions:
         _warned_attentions = True
         logger.warning("output_attentions=True: flashtriton's transformers attention does "
@@ -247,6 +250,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     packed = None  # position_ids that pack sequences: only without a mask and cu_seq_lens
     if attention_mask is None and (cu_q is None or cu_k is None):
         packed = _packed_positions(position_ids, B, SQ, SK)
+    if reason is not None and sinks is not None:
+        raise _refuse(f"attention sinks where the kernels cannot run the call ({reason}): "
+                      "transformers' sdpa attention, the fallback, takes no sinks")
     if reason is not None:
         mask = attention_mask if full_mask else None
         if not full_mask:  # sdpa gets this call's constraints as a dense boolean mask
@@ -262,12 +268,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          causal and mask is None, softcap, position_bias)
 
     opts = dict(causal=causal, softmax_scale=scaling, window_size=window,
-                softcap=softcap or 0.0, dropout_p=dropout, deterministic=deterministic)
+                softcap=softcap or 0.0, dropout_p=dropout, deterministic=deterministic,
+                sinks=sinks)
     if full_mask:  # a broadcast view: the kernels read it tile by tile, no (B, H, SQ, SK) copy
         return _run(q, k, v, causal=False, softmax_scale=scaling, softcap=softcap or 0.0,
                     dropout_p=dropout, names=("query", "key", "value"),
                     attn_mask=attention_mask.expand(B, H, SQ, SK),
-                    deterministic=deterministic).out, None
+                    deterministic=deterministic, sinks=sinks).out, None
     if attention_mask is not None:
         mask_k = attention_mask.bool()
         kk, idx_k, cu_k, max_k, _ = unpad_input(k, mask_k)

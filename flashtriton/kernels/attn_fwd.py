@@ -9,13 +9,15 @@ natural-log LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K, SEQUSED_K
 not None: per-sequence key counts),
 HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
-HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Hopper).
+HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Hopper),
+HAS_SINK (SINK: one logit per query head that joins every row's softmax denominator and has
+no value: O = sum_j p_j v_j / (sum_j p_j + exp(sink)), LSE over the keys and the sink).
 """
 
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, NEG_BIG, apply_attn_mask, dropout_keep, heavy_first,
+from .common import (LN2, LOG2E, NEG_BIG, add_sink, apply_attn_mask, dropout_keep, heavy_first,
                      load_rows, load_tile, row_source, scores, seq_bounds, store_tile)
 from .mask import kv_range, rows_hi, visible
 
@@ -115,9 +117,12 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
 
 
 @triton.jit
-def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM,
-                EVEN_D: tl.constexpr):
-    """O = acc / l and the natural-log LSE of some rows (rows without keys: 0 and -inf)."""
+def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM, sink2,
+                EVEN_D: tl.constexpr, HAS_SINK: tl.constexpr):
+    """O = acc / l and the natural-log LSE of some rows (rows without keys: 0 and -inf).
+    HAS_SINK: the sink's log2 logit ``sink2`` joins l (rows without keys: 0 and the sink)."""
+    if HAS_SINK:
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, sink2)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (1.0 / l_safe)[:, None]
@@ -130,7 +135,7 @@ def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HE
 # a new seed per call, and varlen's packed totals: one compiled kernel
 @triton.jit(do_not_specialize=["seed", "TOTAL_Q", "TOTAL_K"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK,
+    Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK, SINK,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -147,7 +152,7 @@ def _attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
@@ -263,7 +268,11 @@ def _attn_fwd_kernel(
 
     o_base = O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
     lse_base = LSE + off_b * stride_lb + off_h * stride_lh + q_off
-    _store_rows(acc_a, l_a, m_a, rows_a, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM, EVEN_D)
+    sink2 = 0.0
+    if HAS_SINK:
+        sink2 = tl.load(SINK + off_h).to(tl.float32) * LOG2E
+    _store_rows(acc_a, l_a, m_a, rows_a, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM, sink2,
+                EVEN_D, HAS_SINK)
     if SPLIT:
         _store_rows(acc_b, l_b, m_b, rows_b, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM,
-                    EVEN_D)
+                    sink2, EVEN_D, HAS_SINK)

@@ -122,6 +122,16 @@ def seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK, TOTAL_Q, TOTAL_K, WIN_LEFT,
 
 
 @triton.jit
+def add_sink(acc, l_i, m_i, sink2):
+    """A row state (acc, l, m: log2 units) after a sink logit ``sink2`` (log2 units, no value)
+    joins the softmax: the max becomes max(m, sink2) and l gains exp2(sink2 - max). A row that
+    saw no key keeps acc 0 and gets l 1 and m sink2 (LSE = the sink)."""
+    m_new = tl.maximum(m_i, sink2)
+    alpha = tl.math.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink2 - m_new), m_new
+
+
+@triton.jit
 def heavy_first(HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
     """Query-block index of this program. Under a causal mask the last query
     blocks see the most keys: launching them first shortens the grid's tail."""

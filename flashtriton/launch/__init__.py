@@ -85,7 +85,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     if signature is None and varlen is None:  # ALiBi or a block mask: the Gluon forward's
         signature = _gluon_signature("gluon_fwd", variant, variant.kv_blocks, q, k, v)
     replays = recall(signature)
-    ptrs = (pointers(q, k, v, out, lse, variant.alibi_slopes, variant.kv_blocks)
+    # (a Triton replay's signature has no ALiBi, block mask or sinks: None where its
+    # 6th .. 8th leading arguments, the score mask and CU_Q, are None too)
+    ptrs = (pointers(q, k, v, out, lse, variant.alibi_slopes, variant.kv_blocks, variant.sinks)
             if replays is not None else None)
     if ptrs is not None:
         replays[0](*ptrs)
@@ -103,16 +105,39 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, variant: Variant,
                        varlen: Optional[Varlen] = None
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV in the dtypes, shapes and (dense) layouts of q, k, v."""
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """dQ, dK, dV in the dtypes, shapes and (dense) layouts of q, k, v, and the sinks'
+    gradient (None without sinks).
+
+    With sinks, ``lse`` and ``out`` are the forward's (the sink in each row's denominator), so
+    the kernels' P = exp(S - lse) and dS = P (dP - delta) need nothing else: the sink has no
+    value, so its dP is 0 and delta = rowsum(dO * O) is unchanged. The sink's own gradient is
+    P_sink (0 - delta) = -exp(sink - lse) delta summed over every row of its head."""
     SK = _dims(q, k, varlen)[2]
     if q.numel() == 0 or k.numel() == 0 or SK == 0:
         empty = runtime._empty_like
-        return empty(q).zero_(), empty(k).zero_(), empty(v).zero_()
+        dsinks = None if variant.sinks is None else torch.zeros_like(variant.sinks)
+        return empty(q).zero_(), empty(k).zero_(), empty(v).zero_(), dsinks
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if backward_route(q, k, v, variant, varlen)[0] == "gluon":
         if _token_rows(dout) is None:
             dout = dout.contiguous()  # e.g. the expanded gradient of a sum
-        return _gluon_backward(dout, q, k, v, out, lse, variant)
-    return triton_backward(dout, q, k, v, out, lse, variant, varlen)
+        dq, dk, dv, delta = _gluon_backward(dout, q, k, v, out, lse, variant)
+    else:
+        dq, dk, dv, delta = triton_backward(dout, q, k, v, out, lse, variant, varlen)
+    return dq, dk, dv, _sinks_grad(variant.sinks, lse, delta)
+
+
+def _sinks_grad(sinks: Optional[torch.Tensor], lse: torch.Tensor,
+                delta: torch.Tensor) -> Optional[torch.Tensor]:
+    """-sum over rows of exp(sink - lse) delta per head: lse and delta (B, H, SQ), or (H, total)
+    for packed sequences."""
+    if sinks is None:
+        return None
+    axis = lse.dim() - 2  # the heads: 1 of (B, H, SQ), 0 of (H, total)
+    shape = [1] * lse.dim()
+    shape[axis] = -1
+    p_sink = torch.exp(sinks.float().view(shape) - lse)
+    rows = tuple(d for d in range(lse.dim()) if d != axis)
+    return (-(p_sink * delta).sum(rows)).to(sinks.dtype)

@@ -45,6 +45,7 @@ class Variant(NamedTuple):
     block_size: int = 128
     diag_offset: int = 0                         # shifts the window's diagonal (ring attention)
     deterministic: bool = False                  # a bitwise-repeatable backward (no atomics)
+    sinks: Optional[torch.Tensor] = None         # (H,) one sink logit a query head (float)
 
 
 # The @triton.jit modifiers cannot travel through torch.library schemas: the ops carry an
@@ -212,7 +213,7 @@ def _signature(site: str, variant: Variant, varlen, *tensors) -> Optional[tuple]
     sequences, dropout and tensors in the variant."""
     if (varlen is not None or variant.dropout_p or variant.alibi_slopes is not None
             or variant.attn_mask is not None or variant.kv_blocks is not None
-            or variant.q_blocks is not None):
+            or variant.q_blocks is not None or variant.sinks is not None):
         return None
     return call_signature(site, variant, *tensors)
 

@@ -35,26 +35,26 @@ class _TmaView(NamedTuple):
 
 class GluonReplay(NamedTuple):
     """A compiled Gluon forward and its launch: called with the data pointers of q, k, v, out,
-    lse and (where the call has them) ALiBi's slopes and the block mask's lists (as a
-    Replay), it builds q's, k's and v's descriptors over the new pointers."""
+    lse and (where the call has them) ALiBi's slopes, the block mask's lists and the sinks
+    (as a Replay), it builds q's, k's and v's descriptors over the new pointers."""
     replay: Replay
     views: tuple  # (shape, strides) of q's, k's and v's 2-D views
 
-    def __call__(self, q, k, v, out, lse, alibi=None, bmask=None) -> None:
+    def __call__(self, q, k, v, out, lse, alibi=None, bmask=None, sinks=None) -> None:
         self.replay(*[_TmaView(_Addr(p), *view) for p, view in zip((q, k, v), self.views)],
-                    out, lse, alibi, bmask)
+                    out, lse, alibi, bmask, sinks)
 
 
 def _gluon_signature(site: str, variant: Variant, blocks, *tensors) -> Optional[tuple]:
-    """The signature (call_signature) of a Gluon kernel's call, ALiBi and block masks
-    included: its replay takes the slopes and the lists (blocks: the forward's kv_blocks, the
-    backward's q_blocks) by pointer, so the signature holds their shapes, strides and dtypes
-    as the tensors'; None for what the Gluon kernels do not run (an SDPA mask, dropout, a
-    score_mod)."""
+    """The signature (call_signature) of a Gluon kernel's call, ALiBi, block masks and sinks
+    included: its replay takes the slopes, the lists (blocks: the forward's kv_blocks, the
+    backward's q_blocks) and the sinks by pointer, so the signature holds their shapes,
+    strides and dtypes as the tensors'; None for what the Gluon kernels do not run (an SDPA
+    mask, dropout, a score_mod)."""
     if variant.attn_mask is not None or variant.dropout_p or variant.score_mod is not None:
         return None
-    scalars = variant._replace(alibi_slopes=None, kv_blocks=None, q_blocks=None)
-    return call_signature(site, scalars, *tensors, variant.alibi_slopes, blocks)
+    scalars = variant._replace(alibi_slopes=None, kv_blocks=None, q_blocks=None, sinks=None)
+    return call_signature(site, scalars, *tensors, variant.alibi_slopes, blocks, variant.sinks)
 
 
 def _token_rows(t: torch.Tensor):
@@ -153,12 +153,13 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
                   HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
                   HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=_gluon_alibi(common, alibi),
                   LISTED=bmask is not None, MASK_MOD=variant.mask_mod,
+                  HAS_SINK=variant.sinks is not None,
                   **configs.gluon_fwd_options(common["HAS_LOWER"]))
     grid = (configs.cdiv(N, bm), B * H, 1)
     kernel = fwd._attn_fwd_gluon_kernel
-    compiled = kernel[grid](*descs, out, lse, alibi, bmask, *args, **consts)
-    tail = (*args, *[consts[n] for n in kernel.arg_names[7 + len(args):]])
-    replay = Replay(compiled, grid, 7, tail, q.get_device(),
+    compiled = kernel[grid](*descs, out, lse, alibi, bmask, variant.sinks, *args, **consts)
+    tail = (*args, *[consts[n] for n in kernel.arg_names[8 + len(args):]])
+    replay = Replay(compiled, grid, 8, tail, q.get_device(),
                     compiled.metadata.global_scratch_size > 0)
     return GluonReplay(replay, views)
 
@@ -287,7 +288,7 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
             remember(signature, replay)
     dq = runtime._empty_like(q)
     dq.copy_(dq_acc)
-    return dq, dk, dv
+    return dq, dk, dv, delta.view(B, H, pad)[:, :, :N]
 
 
 def _dq_buffer(q: torch.Tensor) -> torch.Tensor:
@@ -379,4 +380,4 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     reason = gluon_backward_misfit(dout, q, k, v, variant, _dq_mode)
     if reason is not None:
         raise ValueError(reason)
-    return _gluon_backward(dout, q, k, v, out, lse, variant, _dq_mode, _timeline)
+    return _gluon_backward(dout, q, k, v, out, lse, variant, _dq_mode, _timeline)[:3]

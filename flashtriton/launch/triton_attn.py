@@ -39,7 +39,8 @@ def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: V
     """The Triton forward kernel into ``out`` and ``lse`` (LSE row i of batch b, head h at
     b * stride_lb + h * stride_lh + i, i counted from the sequence's first row in the packed
     tensors under varlen). Returns the launch's Replay, if any: its leading arguments are
-    q, k, v, out, lse, ALiBi, the score mask, CU_Q, CU_K, SEQUSED_K, the block mask."""
+    q, k, v, out, lse, ALiBi, the score mask, CU_Q, CU_K, SEQUSED_K, the block mask, the
+    sinks."""
     B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
@@ -50,33 +51,34 @@ def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: V
     return runtime._launch(
         _fwd, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), (*key, use_tma),
         q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        variant.sinks, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
         *_block_args(variant.kv_blocks)[1:],
         H, H // HKV, *_sizes(q, k, varlen, SQ, SK),
-        USE_TMA=use_tma, **common,
+        USE_TMA=use_tma, HAS_SINK=variant.sinks is not None, **common,
     )
 
 
 
 def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[Varlen] = None
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The two Triton backward kernels (dQ, then dK/dV): dQ, dK, dV in the layouts of q, k, v;
-    a call whose signature was seen replays both."""
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two Triton backward kernels (dQ, then dK/dV): dQ, dK, dV in the layouts of q, k, v,
+    and delta = rowsum(dO * O) in lse's shape; a call whose signature was seen replays both."""
     B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
     dq, dk, dv = runtime._empty_like(q), runtime._empty_like(k), runtime._empty_like(v)
     lse = lse.contiguous()  # delta below shares its strides
     # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel
     # (launched after it on the same stream).
     delta = runtime._empty(lse.shape, torch.float32, lse.device)
-    signature = _signature("bwd", variant, varlen, q, k, v, out, dout)
+    # (the backward kernels read no sinks: the LSE holds them)
+    signature = _signature("bwd", variant._replace(sinks=None), varlen, q, k, v, out, dout)
     replays = recall(signature)
     ptrs = pointers(q, k, v, out, dout, lse, delta, dq, dk, dv) if replays is not None else None
     if ptrs is not None:
         q_, k_, v_, out_, dout_, lse_, delta_, dq_, dk_, dv_ = ptrs
         replays[0](q_, k_, v_, out_, dout_, lse_, delta_, dq_)
         replays[1](q_, k_, v_, dout_, lse_, delta_, dk_, dv_)
-        return dq, dk, dv
+        return dq, dk, dv, delta
     common, key = _common(q, varlen, SQ, SK, variant)
     cu = _cu(varlen)
     if varlen is not None:  # the sequences' rows bounded once, not in each program
@@ -113,4 +115,4 @@ def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[
         USE_TMA=use_tma, STATS_TMA=stats_tma, **common,
     )
     remember(signature, replay_dq, replay_dkdv)
-    return dq, dk, dv
+    return dq, dk, dv, delta

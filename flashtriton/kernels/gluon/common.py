@@ -22,6 +22,7 @@ VAR_BATCH = gl.constexpr(5)  # b and h of MASK_MOD(b, h, i, j)
 VAR_HEAD = gl.constexpr(6)
 VAR_QUERY0 = gl.constexpr(7)  # the first query: forward, of the program's query block (one-
 # sided ALiBi's anchor); backward, of the step (the base of the mask's lane split)
+VAR_SINK2 = gl.constexpr(8)  # forward: the head's sink logit * log2(e) (0.0 without sinks)
 # `lst`: a block mask's lists (flashtriton.block_mask), one row per query block (forward) or
 # key block (backward, the transposed lists): [n_partial, n_full, partial blocks .. (BM_N
 # entries), full blocks ..].

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..common import LOG2E, alibi_part, scores
 from ..mask import kv_range, visible_by_row
 from .common import (LIST_BLOCK, LST_FULL, LST_ROW, LST_WIDTH, VAR_BATCH, VAR_CAP2, VAR_HEAD,
+                     VAR_SINK2,
                      VAR_KEY0, VAR_LOWER, VAR_QUERY0, VAR_SLOPE2, VAR_UPPER, grid_order,
                      store_rows)
 
@@ -158,13 +159,15 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
             W: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
             HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
-            HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr):
+            HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
+            HAS_SINK: gl.constexpr):
     """A consumer partition (4 warps): rows W * ROWS .. W * ROWS + ROWS - 1 of the program's
     query block (q_smem holds it) over key blocks 0 .. n_blocks - 1 (tile = (blocks, lst,
     var): blocks = (n_blocks, full_lo, full_hi); block j holds the keys from
     _first_key(j); var's slots: gluon/common.py's VAR_*); blocks before full_lo (a window's
     lower edge) and from full_hi on (the causal diagonal, a window's upper edge, the ragged
-    end, a block mask's partial blocks) are masked. Stores O and the LSE."""
+    end, a block mask's partial blocks) are masked. HAS_SINK: var[VAR_SINK2] joins every
+    row's denominator before the store. Stores O and the LSE."""
     WARPS: gl.constexpr = 4
     gl.static_assert(ROWS == 16 * WARPS, "a consumer's rows: one wgmma M of its 4 warps (64)")
     # S and O in the wgmma accumulator layout: 16-row atoms, warps stacked along the rows.
@@ -224,6 +227,15 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
                         v_smem.index((n_blocks - 1) % NUM_STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
+    if HAS_SINK:  # the sink joins the row state (in one-sided ALiBi's shifted units: + part)
+        sink2 = gl.zeros_like(l_i) + var[VAR_SINK2]
+        if HAS_ALIBI == 2:
+            sink2 = sink2 + alibi_part(rows, var[VAR_QUERY0], var[VAR_SLOPE2])
+        m_new = gl.maximum(gl.maximum(m_i, sink2), -1.0e30)  # (a -inf sink: no NaN)
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.exp2(sink2 - m_new)
+        acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None]
+        m_i = m_new
     # O = acc / l; LSE (natural log) = (m + log2 l) * ln 2; rows that saw no key: O 0, -inf.
     l_o = gl.convert_layout(l_i, alpha_layout)
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
@@ -279,7 +291,7 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_f
 
 
 @gluon.jit
-def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_ob, stride_ot,
+def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, stride_ob, stride_ot,
                            stride_oh, stride_lb, stride_lh, stride_ab, stride_ah, stride_bb,
                            stride_bh, stride_bq, BM_N, H, GROUP, SEQ, q_rb, q_rh, q_ch, kv_rb,
                            kv_rh, kv_ch, qk_scale, cap2, LOWER, UPPER,
@@ -289,7 +301,7 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            HEAVY_FIRST: gl.constexpr, ORDER: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           HAS_SINK: gl.constexpr, num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
     (B, H, N, D) memory: rb H * N, rh N, ch 0). num_warps (4) is the first consumer's
@@ -301,8 +313,8 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     form, 2 the one-sided one where every visible key is at or left of the diagonal, as
     _softmax says); LISTED: a block mask of 128-blocks (flashtriton.block_mask: BMASK's row
     of this query block lists its full then partial key blocks; MASK_MOD(b, h, i, j) on the
-    partial ones). The launch constants (CONSUMER_REGS .. ORDER, num_warps):
-    configs.gluon_fwd_options."""
+    partial ones); HAS_SINK: one sink logit a query head at SINK (_attend). The launch
+    constants (CONSUMER_REGS .. ORDER, num_warps): configs.gluon_fwd_options."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -339,6 +351,9 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * LOG2E
+    sink2 = 0.0
+    if HAS_SINK:
+        sink2 = gl.load(SINK + off_h).to(gl.float32) * LOG2E
     if LISTED:  # full blocks (unmasked unless SEQ is ragged), then partial ones; at least
         # one block (a query block with none: its first partial slot, all masked by MASK_MOD)
         row = BMASK + off_b * stride_bb + off_h * stride_bh + start_m * stride_bq
@@ -352,7 +367,8 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
         blocks, kv0 = _bounds(start_m, SEQ, LOWER, UPPER, BLOCK_M, BLOCK_N, IS_CAUSAL,
                               HAS_LOWER, HAS_UPPER)
     # the walk as _attend and _produce take it (var: the slots VAR_KEY0 .. VAR_QUERY0)
-    tile = (blocks, lst, (kv0, LOWER, UPPER, cap2, slope2, off_b, off_h, start_m * BLOCK_M))
+    tile = (blocks, lst, (kv0, LOWER, UPPER, cap2, slope2, off_b, off_h, start_m * BLOCK_M,
+                          sink2))
     row0 = off_b * kv_rb + off_hk * kv_rh
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -377,11 +393,11 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, stride_
         [(_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
                     off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
                     SEQ, qk_scale, 0, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
          (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
                     off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
                     SEQ, qk_scale, 1, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD)),
+                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
          (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
                      k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
                      off_h * q_ch, row0, col, tile, NUM_STAGES, LISTED))],
