@@ -323,3 +323,19 @@ def test_variants_bench_rotates_its_order():
     assert orders[3] == provs
     for place in range(3):
         assert sorted(o[place] for o in orders[:3]) == sorted(provs)
+
+
+def test_sinks_bench_checks_before_timing(monkeypatch):
+    """bench.sinks' check passes the kernels with sinks and fails a call that drops them."""
+    import flashtriton
+    from flashtriton.bench import sinks as bench_sinks
+    from flashtriton.bench.common import TOLERANCE
+    from conftest import DEVICE
+    q = torch.randn(1, 24, 4, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 24, 2, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    sinks = (torch.randn(4, device=DEVICE) * 2).requires_grad_()
+    assert bench_sinks._check(q, k, v, sinks, 7) < 1e-3
+    real = flashtriton.flash_attention_with_lse
+    monkeypatch.setattr(flashtriton, "flash_attention_with_lse",
+                        lambda *a, sinks=None, **kw: real(*a, **kw, sinks=sinks * 0))
+    assert bench_sinks._check(q, k, v, sinks, 7) > TOLERANCE
