@@ -14,7 +14,7 @@ from .api import AttentionOutput
 from .launch import decode as decode_launch
 from .launch.decode import append_kv, merge_partials, step_signature
 from .validation import (check_alibi, check_cache_indices, check_index_tensor, check_qkv,
-                         check_scale, check_softcap, check_window, describe)
+                         check_scale, check_sinks, check_softcap, check_window, describe)
 
 __all__ = ["attention_with_kvcache", "append_kv", "apply_rotary", "merge_attention_states",
            "merge_partials", "step_signature", "PagedKVCache"]
@@ -55,7 +55,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rotary_cos: Optional[torch.Tensor] = None,
                            rotary_sin: Optional[torch.Tensor] = None,
                            rotary_interleaved: bool = True,
-                           num_splits: int = 0, return_lse: bool = True) -> AttentionOutput:
+                           num_splits: int = 0, return_lse: bool = True,
+                           sinks: Optional[torch.Tensor] = None) -> AttentionOutput:
     """Attention of a few query tokens over a KV cache, after appending k, v to it.
 
     Args:
@@ -85,6 +86,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            are merged by their LSEs.
         return_lse: False: no LSE is stored or allocated (lse None), a step's host time ~2 us
            shorter (as flash-attn's ``return_softmax_lse=False``).
+        sinks: attention sinks (nheads,), as in ``flash_attention``: one logit a query head
+           in every row's softmax denominator (the LSE includes it).
 
     Returns ``AttentionOutput(out, lse)``: out (batch, seqlen_q, nheads, headdim), lse
     (batch, nheads, seqlen_q) float32 or None. Not differentiable.
@@ -102,15 +105,17 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     step = (k is None and rotary_cos is None and isinstance(cache_seqlens, torch.Tensor)
             and isinstance(q, torch.Tensor) and q.stride(-1) == 1
             and type(window_size) is tuple and decode_launch.TIMELINE is None
-            and not validation.validating())
+            and not validation.validating()
+            and (sinks is None or isinstance(sinks, torch.Tensor) and sinks.stride(-1) == 1))
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
-               alibi_slopes)
+               alibi_slopes, sinks)
     signature = None
     if step:
         try:
             signature = step_signature(q, k_cache, v_cache, cache_seqlens, block_table,
                                        cache_batch_idx, cache_leftpad, alibi_slopes, softmax_scale,
-                                       causal, window_size, softcap, num_splits, return_lse)
+                                       causal, window_size, softcap, num_splits, return_lse,
+                                       sinks)
         except AttributeError:  # not a tensor where one belongs: the checks below say so
             step = False
         replayed = decode_launch.replay_step(signature, tensors, return_lse)
@@ -126,6 +131,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     right = 0 if causal else right
     softcap = check_softcap(softcap)
     alibi = check_alibi(alibi_slopes, B, H, q.device)
+    sinks = check_sinks(sinks, H, q.device)
     if rotary_cos is not None:  # positions: the cache's indices (left padding included)
         steps = torch.arange(SQ, device=q.device)
         local = causal or checked.window != (-1, -1)
@@ -138,7 +144,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                              rotary_interleaved)
     return decode_launch.attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 cache_batch_idx, cache_leftpad, alibi, scale, causal, left, right,
-                                softcap, num_splits, return_lse, signature, step)
+                                softcap, num_splits, return_lse, signature, step, sinks)
 
 
 class _Checked(NamedTuple):

@@ -473,3 +473,53 @@ def test_non_tensor_arguments_raise_type_errors(bad):
     args[name] = None if bad.endswith("none") else [1, 2, 3]
     with pytest.raises(TypeError, match=name):
         attention_with_kvcache(q, args.pop("k_cache"), cache, **args)
+
+
+ROUTES = [("one-split", 1, False, 0), ("merge-kernel", 3, False, 0), ("in-kernel", 4, True, 0),
+          ("prefill", 0, False, 1)]
+
+
+@pytest.mark.parametrize("paged", [0, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("route,splits,in_kernel,prefill_rows", ROUTES, ids=[r[0] for r in ROUTES])
+def test_sinks_on_every_route(monkeypatch, paged, route, splits, in_kernel, prefill_rows):
+    """Attention sinks over a KV cache: one split adds them in the split kernel, the merges
+    (merge kernel, in-kernel) start from them, the prefill route runs the forward with them;
+    out and lse against the reference with the sinks, new sinks on a replayed step, no LSE
+    asked, and a sequence without keys (out 0, lse = the sink)."""
+    if route == "prefill" and paged:
+        pytest.skip("the prefill route takes contiguous caches")
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
+    monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 30)
+    if prefill_rows:
+        monkeypatch.setattr(configs, "KVCACHE_PREFILL_MIN_ROWS", prefill_rows)
+    gen = torch.Generator().manual_seed(7)
+    B, H, HKV, D, SQ = 3, 8, 2, 64, 2
+    k_full = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    v_full = torch.randn(B, CAP, HKV, D, generator=gen).to(DEVICE, DT)
+    k_cache, v_cache, table = (_paged(k_full, v_full, paged, gen) if paged
+                               else (k_full, v_full, None))
+    q = torch.randn(B, SQ, H, D, generator=gen).to(DEVICE, DT)
+    lens = torch.tensor([CAP - 5, 0, CAP // 2], dtype=torch.int32, device=DEVICE)
+    for call in range(3):
+        sinks = (torch.randn(H, generator=gen) * 2).to(DEVICE)
+        ref_out, ref_lse, pt_out, pt_lse = _reference(q, k_full, v_full, lens, True,
+                                                      sinks=sinks)
+        out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                          block_table=table, causal=True, num_splits=splits,
+                                          sinks=sinks, return_lse=call < 2)
+        assert_rule(f"out (call {call})", out, ref_out, pt_out, 2, DT)
+        if call < 2:
+            assert_rule(f"lse (call {call})", lse, ref_lse, pt_lse, 2, DT)
+            torch.testing.assert_close(lse[1], sinks[:, None].expand(H, SQ))
+        else:
+            assert lse is None
+        assert (out[1] == 0).all()
+
+
+def test_kvcache_sinks_bad_input():
+    q = torch.randn(1, 1, 4, 16, device=DEVICE, dtype=DT)
+    kc = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=DT)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(nheads,\) = \(4,\)"):
+        attention_with_kvcache(q, kc, kc, sinks=torch.zeros(2, device=DEVICE))
+    with pytest.raises(TypeError, match="sinks must be float16, bfloat16 or float32"):
+        attention_with_kvcache(q, kc, kc, sinks=torch.zeros(4, device=DEVICE, dtype=torch.int64))

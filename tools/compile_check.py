@@ -129,27 +129,51 @@ for kname in ("fwd", "dkdv", "dq"):
 extra = [
     ("decode", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True, PAGE_SIZE=16, SAME_LAYOUT=True, HAS_LOWER=False, HAS_UPPER=True,
         HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=True, DOT_PREC="tf32", UPCAST=False,
-        PDL=True, MERGE=True, BLOCK_R=4, BLOCK_C=16, BLOCK_M=16, BLOCK_N=64, TL=None),  # merges
+        PDL=True, MERGE=True, BLOCK_R=4, BLOCK_C=16, BLOCK_M=16, BLOCK_N=64, TL=None, SINK=None,
+        HAS_SINK=0),  # merges
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", ALIBI="*fp32",
           O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32", COUNTERS="*i32")),
     ("decode-one-split", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=False, PAGE_SIZE=1, SAME_LAYOUT=False,
         HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_BATCH_IDX=False,
         HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False, PDL=False, MERGE=False, BLOCK_R=1,
-        BLOCK_C=1, BLOCK_M=16, BLOCK_N=64, LSE_PART=None, TL=None),  # return_lse=False
+        BLOCK_C=1, BLOCK_M=16, BLOCK_N=64, LSE_PART=None, TL=None, SINK=None,
+        HAS_SINK=0),  # return_lse=False
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32",
           LEFTPAD="*i32", ALIBI="*fp32", O_PART=bf)),  # writes out itself
     ("decode-no-lse", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=False, PAGE_SIZE=1,
         SAME_LAYOUT=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False, HAS_ALIBI=False,
         HAS_BATCH_IDX=False, HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False, PDL=True, MERGE=True,
-        BLOCK_R=4, BLOCK_C=16, BLOCK_M=16, BLOCK_N=64, LSE=None, TL=None),  # no LSE, merging
+        BLOCK_R=4, BLOCK_C=16, BLOCK_M=16, BLOCK_N=64, LSE=None, TL=None, SINK=None,
+        HAS_SINK=0),  # no LSE, merging
      dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32",
           LEFTPAD="*i32", ALIBI="*fp32", O_PART="*fp32", LSE_PART="*fp32", OUT=bf,
           COUNTERS="*i32")),
-    ("merge", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True, TL=None), dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32")),
-    ("merge-no-lse", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True, LSE=None, TL=None),
+    ("merge", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True, TL=None, SINK=None,
+                                       HAS_SINK=False),
+     dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32")),
+    ("merge-no-lse", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True, LSE=None, TL=None,
+                                              SINK=None, HAS_SINK=False),
      dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf)),
+    # attention sinks: added by the one split that writes the output, or by the merges
+    ("decode-one-split-sinks", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=False,
+        PAGE_SIZE=1, SAME_LAYOUT=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False,
+        HAS_ALIBI=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False,
+        PDL=False, MERGE=False, BLOCK_R=1, BLOCK_C=1, BLOCK_M=16, BLOCK_N=64, TL=None, HAS_SINK=1),
+     dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32",
+          LEFTPAD="*i32", ALIBI="*fp32", SINK="*bf16", O_PART=bf, LSE_PART="*fp32")),
+    ("decode-merge-sinks", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True,
+        PAGE_SIZE=16, SAME_LAYOUT=True, HAS_LOWER=True, HAS_UPPER=True, HAS_SOFTCAP=False,
+        HAS_ALIBI=False, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, DOT_PREC="tf32", UPCAST=False,
+        PDL=True, MERGE=True, BLOCK_R=8, BLOCK_C=16, BLOCK_M=16, BLOCK_N=64, TL=None, HAS_SINK=2),
+     dict(Q=bf, K=bf, V=bf, CACHE_SEQLENS="*i32", BLOCK_TABLE="*i32", BATCH_IDX="*i32",
+          LEFTPAD="*i32", ALIBI="*fp32", SINK="*fp32", O_PART="*fp32", LSE_PART="*fp32",
+          OUT=bf, LSE="*fp32", COUNTERS="*i32")),
+    ("merge-sinks", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True, TL=None,
+                                             HAS_SINK=True),
+     dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32", SINK="*fp32")),
     # the timelines of tools/timeline.py decode (kernels.common.mark)
-    ("merge-timeline", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True),
+    ("merge-timeline", _attn_merge_kernel, dict(BLOCK_C=8, BLOCK_D=128, PDL=True, SINK=None,
+                                                HAS_SINK=False),
      dict(O_PART="*fp32", LSE_PART="*fp32", OUT=bf, LSE="*fp32", TL="*i64")),
     ("blockmask", _block_mask_kernel, dict(MASK_MOD=causal_mod, BLOCK=128), dict(OUT="*i8")),
     ("varlen-spans", _varlen_spans_kernel, dict(BLOCK_B=256),

@@ -4,7 +4,8 @@ same inputs, forward and forward + backward (bf16, batch x seqlen = 16K tokens).
     python -m flashtriton.bench.sinks [--out DIR]
 
 Shapes: gpt-oss's attention (64 query heads, 8 KV heads, head dim 64; full causal layers and
-128-token sliding windows) and D=128 causal (16 heads). Each row's output, LSE and the
+128-token sliding windows) and D=128 causal (16 heads); then decoding steps
+(attention_with_kvcache, one query token, gpt-oss's heads) over contiguous caches. Each row's output, LSE and the
 sinks' gradient are first checked against flashtriton.reference (float32, with the sinks) on
 one batch element's first KV head group; a failed check reports no speed. Times: the median
 of do_bench runs, the two calls alternated in 3 rounds (the median of each).
@@ -60,6 +61,50 @@ def _times(q, k, v, dout, sinks, window):
                                                                 else []))
 
 
+DECODE = [(1, 8192), (8, 8192), (64, 1024), (1, 131072)]  # (batch, cached keys)
+
+
+def _decode_rows(meta):
+    """Decoding steps with sinks against without: checked against the float32 reference
+    (batch element 0), then do_bench medians, alternated in 3 rounds."""
+    import triton
+    from flashtriton.decode import attention_with_kvcache
+    from flashtriton.reference import attention_reference
+    rows = []
+    H, HKV, D = 64, 8, 64
+    for B, N in DECODE:
+        torch.manual_seed(0)
+        q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(2))
+        lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
+        sinks = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+        out = attention_with_kvcache(q, kc, vc, cache_seqlens=lens, sinks=sinks).out
+        ref = attention_reference(q[:1], kc[:1], vc[:1], sinks=sinks, dtype=torch.float32)
+        row = dict(meta, suite="sinks-decode", B=B, H=H, HKV=HKV, D=D, N=N,
+                   rel_err=rel_err(out[:1], ref.out))
+        row["status"] = failed(row["rel_err"], TOLERANCE) or "ok"
+        if row["status"] == "ok":
+            runs = {"none": [], "sinks": []}
+            for r in range(3):
+                for side in (("none", "sinks") if r % 2 == 0 else ("sinks", "none")):
+                    s = sinks if side == "sinks" else None
+                    runs[side].append(triton.testing.do_bench(
+                        lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens, sinks=s,
+                                                       return_lse=False),
+                        warmup=25, rep=200, return_mode="median"))
+            t0, t1 = (statistics.median(runs[s]) for s in ("none", "sinks"))
+            row.update(step_ms=t0, step_sinks_ms=t1, ratio=t1 / t0)
+            print(f"decode B={B:<3d} N={N:<7d} {t0 * 1e3:8.1f} us {t1 * 1e3:8.1f} us "
+                  f"{t1 / t0:6.3f}", flush=True)
+        else:
+            print(f"decode B={B} N={N} {row['status']}", flush=True)
+        rows.append(row)
+        del q, kc, vc
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_out")
@@ -96,6 +141,8 @@ def main(argv=None):
         rows.append(row)
         del q, k, v
         torch.cuda.empty_cache()
+    print(f"{'decode step':20s} {'none':>11s} {'+sinks':>11s} {'ratio':>6s}")
+    rows += _decode_rows(meta)
     with open(os.path.join(args.out, "sinks.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 

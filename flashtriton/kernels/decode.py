@@ -28,6 +28,11 @@ _attn_merge_kernel    one program per (batch * head * query token): out = sum_s 
 _cache_spans_kernel   one program: the offsets and key counts of the prefill forward's Varlen
                       over a contiguous cache's rows (decode.py's prefill route).
 
+Attention sinks (SINK: one logit a query head): HAS_SINK 1, the split kernel that writes the
+output itself (one split) adds the sink to its rows before the store; 2, the merge adds it
+(merge_splits starts from the sink as a split with no value), in the split kernel's MERGE or
+in the merge kernel.
+
 Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
 position SK - SQ + t: causal and window masks are aligned to the end of the cache. Both kernels
 take TL: None, or a timeline (timing only: common.mark, tools/timeline.py decode).
@@ -37,13 +42,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import LN2, LOG2E, NEG_BIG, load_tile, mark, scores
+from .common import LN2, LOG2E, NEG_BIG, add_sink, load_tile, mark, scores
 from .mask import visible
 
 
 @triton.jit(do_not_specialize=["WAVES", "ROWS", "CAPACITY"])
 def _attn_decode_kernel(
-    Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, O_PART, LSE_PART,
+    Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, SINK, O_PART, LSE_PART,
     OUT, LSE, COUNTERS,  # MERGE only: the output (B, SQ, H, D), its LSE (B, H, SQ), the counts
     TL,  # None, or a timeline (common.mark): start, loop end, stores, end (after MERGE), SM
     stride_qb, stride_qt, stride_qh,
@@ -62,7 +67,7 @@ def _attn_decode_kernel(
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, SAME_LAYOUT: tl.constexpr,
     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
+    DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,  # MERGE: pow2 >= GROUP * SQ; splits a load
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -167,6 +172,9 @@ def _attn_decode_kernel(
     mark(TL, program, 1)
     if PDL:  # the merge kernel may launch now (it waits for this grid before its loads)
         gdc_launch_dependents()
+    if HAS_SINK == 1:  # this split is the output: its rows' sinks join here
+        sink2 = tl.load(SINK + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, sink2)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
@@ -193,7 +201,8 @@ def _attn_decode_kernel(
                 O_PART + off_b * stride_ob
                 + (heads2 * stride_oh + t2 * stride_ot)[:, None] + offs_d[None, :],
                 LSE_PART + off_b * stride_lb + heads2 * stride_lh + t2, stride_os, stride_ls,
-                g2 < GROUP, d_ok, tl.num_programs(0), BLOCK_R, BLOCK_D, BLOCK_C)
+                g2 < GROUP, d_ok, tl.num_programs(0), SINK, heads2, HAS_SINK == 2, BLOCK_R,
+                BLOCK_D, BLOCK_C)
             tl.store(OUT + off_b * stride_Ob + (t2 * stride_Ot + heads2 * stride_Oh)[:, None]
                      + offs_d[None, :], o_row.to(OUT.dtype.element_ty),
                      mask=(g2 < GROUP)[:, None] & d_ok[None, :])
@@ -203,15 +212,21 @@ def _attn_decode_kernel(
 
 
 @triton.jit
-def merge_splits(o_ptrs, lse_ptrs, stride_os, stride_ls, row_ok, d_ok, n_splits,
-                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+def merge_splits(o_ptrs, lse_ptrs, stride_os, stride_ls, row_ok, d_ok, n_splits, SINK, heads,
+                 HAS_SINK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
     """Rows' partial outputs o_ptrs [BLOCK_R, BLOCK_D] and LSEs lse_ptrs [BLOCK_R] of split 0
     (split s at + s * stride_os / stride_ls) merged over n_splits: (out, lse). BLOCK_C splits a
     load, their weights rescaled online; empty splits (lse -inf) weigh 0, all empty gives out
-    0, lse -inf. Loads bypass L1 (.cg): under MERGE other programs wrote the partials."""
+    0, lse -inf. HAS_SINK: the rows' sinks (SINK + heads) join as one more split with no value
+    (the start: max = the sink, weight 1). Loads bypass L1 (.cg): under MERGE other programs
+    wrote the partials."""
     c = tl.arange(0, BLOCK_C)
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if HAS_SINK:
+        m = tl.load(SINK + heads, mask=row_ok, other=float("-inf")).to(tl.float32)
+        total = tl.where(m == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for s0 in range(0, n_splits, BLOCK_C):
         s = s0 + c
@@ -237,14 +252,15 @@ def merge_splits(o_ptrs, lse_ptrs, stride_os, stride_ls, row_ok, d_ok, n_splits,
 
 @triton.jit
 def _attn_merge_kernel(
-    O_PART, LSE_PART, OUT, LSE,
+    O_PART, LSE_PART, OUT, LSE, SINK,
     TL,  # None, or a timeline (common.mark): start, after the wait, stores, end, SM
     stride_os, stride_ls, stride_ob, stride_ot, stride_oh,
     H, SQ, N_SPLITS, HEAD_DIM, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Partials O_PART (S, B, H, SQ, D) fp32 and LSE_PART (S, B, H, SQ), contiguous; OUT
-    (B, SQ, H, D) strided; LSE (B, H, SQ) contiguous, or None (no LSE wanted)."""
+    (B, SQ, H, D) strided; LSE (B, H, SQ) contiguous, or None (no LSE wanted); HAS_SINK: the
+    heads' sinks at SINK (H,) join the merge."""
     pid = tl.program_id(0).to(tl.int64)                              # ((b * H) + h) * SQ + t
     mark(TL, pid, 0)
     mark(TL, pid, 4)
@@ -260,7 +276,7 @@ def _attn_merge_kernel(
     mark(TL, pid, 1)
     out, lse = merge_splits(O_PART + (pid + row)[:, None] * HEAD_DIM + offs_d[None, :],
                             LSE_PART + pid + row, stride_os, stride_ls, row == 0, d_ok,
-                            N_SPLITS, 1, BLOCK_D, BLOCK_C)
+                            N_SPLITS, SINK, h + row, HAS_SINK, 1, BLOCK_D, BLOCK_C)
     tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(OUT.dtype.element_ty), mask=d_ok[None, :])
     if LSE is not None:

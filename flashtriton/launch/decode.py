@@ -93,7 +93,7 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
 
 # A remembered call: one record per way its splits are merged. ``tensors`` are the call's
 # leading tensors (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
-# alibi), out and lse its new outputs; replay returns False where one is not 16-byte aligned
+# alibi, sinks), out and lse its new outputs; replay returns False where one is not 16-byte aligned
 # (nothing launched). lse_always: the record writes an LSE even without return_lse.
 
 class OneSplit(NamedTuple):
@@ -129,7 +129,7 @@ class MergeKernel(NamedTuple):
         o_part = ptrs[-3]
         lse_part = o_part + 4 * self.lse_at
         self.run_decode(*ptrs[:-3], o_part, lse_part)
-        self.run_merge(o_part, lse_part, ptrs[-2], ptrs[-1])
+        self.run_merge(o_part, lse_part, ptrs[-2], ptrs[-1], ptrs[8])  # (8: the sinks)
         return True
 
 
@@ -162,15 +162,16 @@ class PrefillRoute(NamedTuple):
     lse_always = True
 
     def replay(self, tensors, out, lse) -> bool:
-        q, k_cache, v_cache, seqlens, _, cache_batch_idx, cache_leftpad = tensors[:7]
+        q, k_cache, v_cache, seqlens, _, cache_batch_idx, cache_leftpad, _, sinks = tensors
         seg = self.seg
         spans = torch.empty(3 * seg, dtype=torch.int32, device=out.device)
         ptrs = runtime.pointers(q, k_cache, v_cache, out, lse, seqlens, cache_batch_idx,
-                                cache_leftpad, spans)
+                                cache_leftpad, spans, sinks)
         if ptrs is None:
             return False
-        self.run_spans(*ptrs[5:])
-        self.run_fwd(*ptrs[:5], None, None, ptrs[8], ptrs[8] + 4 * seg, ptrs[8] + 8 * seg)
+        self.run_spans(*ptrs[5:9])
+        self.run_fwd(*ptrs[:5], None, None, ptrs[8], ptrs[8] + 4 * seg, ptrs[8] + 8 * seg,
+                     None, ptrs[9])  # (the forward's block mask, then its sinks)
         return True
 
 
@@ -192,13 +193,14 @@ def remembered(signature):
 
 def step_signature(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_batch_idx=None,
                    cache_leftpad=None, alibi_slopes=None, softmax_scale=None, causal=False,
-                   window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=True):
+                   window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=True,
+                   sinks=None):
     """What a plain step of attention_with_kvcache with these arguments is remembered under
     (``remembered`` of it: the step's record; the tools in tools/ read them)."""
     return runtime.call_signature(
         "decode-step", (softmax_scale, causal, window_size, softcap, num_splits, return_lse,
                         configs.DECODE_MERGE_IN_KERNEL and _eager(q)), q, k_cache, v_cache, cache_seqlens,
-        block_table, cache_batch_idx, cache_leftpad, alibi_slopes)
+        block_table, cache_batch_idx, cache_leftpad, alibi_slopes, sinks)
 
 
 def replay_step(signature, tensors, return_lse) -> Optional[AttentionOutput]:
@@ -240,7 +242,7 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
 
 def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
            cache_leftpad, alibi, scale, causal, left, right, softcap, num_splits, return_lse,
-           signature, step) -> AttentionOutput:
+           signature, step, sinks=None) -> AttentionOutput:
     """attention_with_kvcache over checked arguments (q and k rotated): append k, v, then the
     prefill route (many query tokens over a contiguous cache) or the split kernel; a plain
     step (``step``) is remembered under ``signature``."""
@@ -253,12 +255,13 @@ def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
         q = q.contiguous()
     if configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1]) and block_table is None:
         prefill = _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad,
-                           Variant(scale, causal, left, right, softcap, alibi), return_lse,
-                           signature, step)
+                           Variant(scale, causal, left, right, softcap, alibi, sinks=sinks),
+                           return_lse, signature, step)
         if prefill is not None:
             return prefill
     return _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
-                   alibi, scale, left, right, softcap, num_splits, return_lse, signature, step)
+                   alibi, scale, left, right, softcap, num_splits, return_lse, signature, step,
+                   sinks)
 
 
 def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, variant, return_lse,
@@ -277,11 +280,13 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
     if variant.alibi_slopes is not None:
         signature = None
     elif not step:  # appends, rotary: the same call but for the data replays its launches
-        signature = runtime.call_signature("kvcache-prefill", (variant, return_lse), q, k_cache,
-                                           v_cache, seqlens, cache_batch_idx, cache_leftpad)
+        signature = runtime.call_signature(
+            "kvcache-prefill", (variant._replace(sinks=None), return_lse), q, k_cache, v_cache,
+            seqlens, cache_batch_idx, cache_leftpad, variant.sinks)
     out = runtime._empty(q.shape, q.dtype, q.device)
     lse = runtime._empty((B, H, SQ), torch.float32, q.device)
-    tensors = (q, k_cache, v_cache, seqlens, None, cache_batch_idx, cache_leftpad)
+    tensors = (q, k_cache, v_cache, seqlens, None, cache_batch_idx, cache_leftpad, None,
+               variant.sinks)
     known = remembered(signature)
     if known is not None and known.replay(tensors, out, lse):
         return AttentionOutput(out, lse if return_lse else None)
@@ -303,8 +308,8 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
-            scale, left, right, softcap, num_splits, return_lse, signature,
-            step) -> AttentionOutput:
+            scale, left, right, softcap, num_splits, return_lse, signature, step,
+            sinks=None) -> AttentionOutput:
     """The split kernel (and the merge kernel, or its in-kernel merge) over checked
     arguments; a plain step's launches are remembered under ``signature``."""
     B, SQ, H, D = q.shape
@@ -315,7 +320,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
     lse = runtime._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
     if out.numel() == 0:
         return AttentionOutput(out, lse)
-    tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi)
+    tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
+               sinks)
     block_m, row_blocks = configs.decode_rows(H // HKV, SQ, D)
     merge_ok = configs.DECODE_MERGE_IN_KERNEL and _eager(q) and row_blocks == 1  # may merge in the split kernel
     if not step and TIMELINE is None:  # appends, rotary: the same call but for the data replays
@@ -367,6 +373,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
             configs.bucket(split_size), waves,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags, MERGE=merge,
+            HAS_SINK=0 if sinks is None else 1 if o_part is out else 2,
             BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,
             **runtime.pdl_option(flags["PDL"]))
 
@@ -385,7 +392,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
         run_decode = split_kernel(o_part, lse_part)
         run_merge = merge_partials(o_part, lse_part, *(
             (torch.empty_like(out), lse if lse is None else torch.empty_like(lse)) if in_kernel
-            else (out, lse)))
+            else (out, lse)), sinks)
     if in_kernel:
         ws = _workspace(q, size)[0]
         o_part, lse_part = _partials(splits, B, H, SQ, D, ws[_COUNTS:])
@@ -415,17 +422,19 @@ def _partials(splits, B, H, SQ, D, buf):
 
 @runtime.on_device_of
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-                   lse: Optional[torch.Tensor]) -> Optional[runtime.Replay]:
+                   lse: Optional[torch.Tensor],
+                   sinks: Optional[torch.Tensor] = None) -> Optional[runtime.Replay]:
     """out (B, SQ, H, D), lse (B, H, SQ) or None <- S partial results o_part (S, B, H, SQ, D)
     fp32 and lse_part (S, B, H, SQ), weighted by exp(lse_s - lse). Empty partials (lse -inf)
-    weigh 0; all empty gives out 0, lse -inf. Returns the launch's Replay, if any."""
+    weigh 0; all empty gives out 0, lse -inf; sinks (H,): one more partial a head with no
+    value. Returns the launch's Replay, if any."""
     S, B, H, SQ, D = o_part.shape
     pdl = runtime.use_pdl(out.device)
     return runtime.launch_jit(
         _attn_merge_kernel, (B * H * SQ,),
-        o_part, lse_part, out, lse, None if TIMELINE is None else TIMELINE[1],
+        o_part, lse_part, out, lse, sinks, None if TIMELINE is None else TIMELINE[1],
         o_part.stride(0), lse_part.stride(0),
         out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
         BLOCK_C=min(configs.next_pow2(S), 8192 // configs.block_d(D)), BLOCK_D=configs.block_d(D),
-        PDL=pdl,
+        PDL=pdl, HAS_SINK=sinks is not None,
         **runtime.pdl_option(pdl))
