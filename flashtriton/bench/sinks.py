@@ -44,6 +44,17 @@ def _check(q, k, v, sinks, window) -> float:
                rel_err(ours, ref_ds))
 
 
+def _alternated(time, rounds=3):
+    """{"none": medians, "sinks": medians} of time(with_sinks) -> a tuple of ms, the two sides
+    alternated over ``rounds`` rounds (none first in even rounds)."""
+    runs = {"none": [], "sinks": []}
+    for r in range(rounds):
+        for side in (("none", "sinks") if r % 2 == 0 else ("sinks", "none")):
+            runs[side].append(time(side == "sinks"))
+    return {side: [statistics.median(t[i] for t in got) for i in range(len(got[0]))]
+            for side, got in runs.items()}
+
+
 def _times(q, k, v, dout, sinks, window):
     """(forward ms, forward + backward ms) with the given sinks (None: without)."""
     import triton
@@ -85,22 +96,18 @@ def _decode_rows(meta):
                    rel_err=rel_err(out[:1], ref.out))
         row["status"] = failed(row["rel_err"], TOLERANCE) or "ok"
         if row["status"] == "ok":
-            runs = {"none": [], "sinks": []}
-            for r in range(3):
-                for side in (("none", "sinks") if r % 2 == 0 else ("sinks", "none")):
-                    s = sinks if side == "sinks" else None
-                    runs[side].append(triton.testing.do_bench(
-                        lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens, sinks=s,
-                                                       return_lse=False),
-                        warmup=25, rep=200, return_mode="median"))
-            t0, t1 = (statistics.median(runs[s]) for s in ("none", "sinks"))
+            medians = _alternated(lambda on: (triton.testing.do_bench(
+                lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                               sinks=sinks if on else None, return_lse=False),
+                warmup=25, rep=200, return_mode="median"),))
+            (t0,), (t1,) = medians["none"], medians["sinks"]
             row.update(step_ms=t0, step_sinks_ms=t1, ratio=t1 / t0)
             print(f"decode B={B:<3d} N={N:<7d} {t0 * 1e3:8.1f} us {t1 * 1e3:8.1f} us "
                   f"{t1 / t0:6.3f}", flush=True)
         else:
             print(f"decode B={B} N={N} {row['status']}", flush=True)
         rows.append(row)
-        del q, kc, vc
+        q = kc = vc = None
         torch.cuda.empty_cache()
     return rows
 
@@ -125,13 +132,8 @@ def main(argv=None):
         row["status"] = failed(row["rel_err"], TOLERANCE) or "ok"
         if row["status"] == "ok":
             dout = torch.randn_like(q)
-            runs = {"none": [], "sinks": []}
-            for r in range(3):
-                for side in (("none", "sinks") if r % 2 == 0 else ("sinks", "none")):
-                    runs[side].append(_times(q, k, v, dout, sinks if side == "sinks" else None,
-                                             window))
-            (f0, b0), (f1, b1) = ([statistics.median(t[i] for t in runs[s]) for i in (0, 1)]
-                                  for s in ("none", "sinks"))
+            medians = _alternated(lambda on: _times(q, k, v, dout, sinks if on else None, window))
+            (f0, b0), (f1, b1) = medians["none"], medians["sinks"]
             row.update(fwd_ms=f0, fwd_sinks_ms=f1, fwd_ratio=f1 / f0, fwd_bwd_ms=b0,
                        fwd_bwd_sinks_ms=b1, fwd_bwd_ratio=b1 / b0)
             print(f"{name:20s} {N:6d} {f0:8.3f} {f1:8.3f} {f1 / f0:6.3f} {b0:10.3f} {b1:8.3f} "
@@ -139,7 +141,7 @@ def main(argv=None):
         else:
             print(f"{name:20s} {N:6d} {row['status']}", flush=True)
         rows.append(row)
-        del q, k, v
+        q = k = v = None
         torch.cuda.empty_cache()
     print(f"{'decode step':20s} {'none':>11s} {'+sinks':>11s} {'ratio':>6s}")
     rows += _decode_rows(meta)
