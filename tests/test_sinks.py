@@ -181,6 +181,12 @@ def test_flash_attn_learnable_sink():
     torch.testing.assert_close(packed, ref, atol=1e-2, rtol=0)
     with pytest.raises(ValueError, match="learnable_sink must have shape"):
         fa.flash_attn_func(q, k, v, learnable_sink=torch.zeros(3, device=DEVICE))
+    # flash_attn_with_kvcache: the last query over the whole cache is the last row of the
+    # causal attention above
+    with torch.no_grad():
+        step = fa.flash_attn_with_kvcache(q[:, -1:].detach(), k.detach(), v.detach(),
+                                          causal=True, learnable_sink=sinks.detach())
+    torch.testing.assert_close(step, out[:, -1:].detach(), atol=1e-2, rtol=0)
 
 
 def test_sinks_take_the_gluon_forward():

@@ -181,13 +181,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            learnable_sink=None):
     """flash-attn's decoding entry point: appends k, v to the cache in place (also into
     pages with block_table), then attends q over it. See
     ``flashtriton.decode.attention_with_kvcache`` for shapes. Page sizes: any power of two
     >= 8 (flash-attn needs multiples of 256). Rotary embeddings are applied to q and the
-    new k as flash-attn does. Returns out, or (out, softmax_lse) with
-    ``return_softmax_lse=True``.
+    new k as flash-attn does; learnable_sink as in ``flash_attn_func``. Returns out, or
+    (out, softmax_lse) with ``return_softmax_lse=True``.
     """
     from ..decode import attention_with_kvcache
     out, lse = attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
@@ -198,7 +199,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       alibi_slopes=alibi_slopes, rotary_cos=rotary_cos,
                                       rotary_sin=rotary_sin,
                                       rotary_interleaved=rotary_interleaved,
-                                      num_splits=num_splits, return_lse=return_softmax_lse)
+                                      num_splits=num_splits, return_lse=return_softmax_lse,
+                                      sinks=_sink(learnable_sink, q, 2))
     return (out, lse) if return_softmax_lse else out
 
 
