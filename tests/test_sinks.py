@@ -206,3 +206,18 @@ def test_sinks_take_the_gluon_forward():
             out = flash_attention(q, k, v, causal=True, sinks=other)
             ref = attention_reference(q, k, v, causal=True, sinks=other, dtype=torch.float32)
             assert rel_err(out, ref.out) < 1e-2
+
+
+def test_strided_sinks():
+    """Sinks as a strided view (every other logit of a parameter): the kernels read a unit
+    stride copy, and the gradient reaches the parameter's elements of the view."""
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 16, torch.float32, DEVICE)
+    param = torch.randn(4, device=DEVICE, requires_grad=True)
+    view = param[::2]
+    out = flash_attention(q, k, v, causal=True, sinks=view)
+    ref = attention_reference(q, k, v, causal=True, sinks=view)
+    torch.testing.assert_close(out.double(), ref.out, atol=1e-5, rtol=0)
+    (g,) = torch.autograd.grad(out.sum(), (param,))
+    (r,) = torch.autograd.grad(ref.out.sum(), (param,))
+    torch.testing.assert_close(g.double(), r.double(), atol=1e-4, rtol=1e-4)
+    assert (g[1::2] == 0).all() and (g[::2] != 0).all()
