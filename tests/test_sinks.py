@@ -221,3 +221,21 @@ def test_strided_sinks():
     (r,) = torch.autograd.grad(ref.out.sum(), (param,))
     torch.testing.assert_close(g.double(), r.double(), atol=1e-4, rtol=1e-4)
     assert (g[1::2] == 0).all() and (g[::2] != 0).all()
+
+
+def test_no_keys_at_all():
+    """seqlen_k = 0 (no launch): out 0, lse = the sink (dense and packed), zero gradients."""
+    q = torch.randn(1, 5, 2, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 0, 2, 16, device=DEVICE, requires_grad=True)
+    sinks = torch.tensor([0.5, -2.0], device=DEVICE, requires_grad=True)
+    out, lse = flash_attention_with_lse(q, k, k, sinks=sinks)
+    assert (out == 0).all()
+    torch.testing.assert_close(lse[0], sinks.detach()[:, None].expand(2, 5))
+    ds = torch.autograd.grad(out.sum(), (sinks,))[0]
+    assert (ds == 0).all()
+    cu_q = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 0], dtype=torch.int32, device=DEVICE)
+    out, lse = flash_attention_varlen_with_lse(q[0].detach(), k[0].detach(), k[0].detach(),
+                                               cu_q, cu_k, 5, 0, sinks=sinks.detach())
+    assert (out == 0).all()
+    torch.testing.assert_close(lse, sinks.detach()[:, None].expand(2, 5))

@@ -79,8 +79,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     lse, stride_lb, stride_lh = _lse_buffer(q, varlen)
     if out.numel() == 0:
         return out, lse
-    if SK == 0 or k.numel() == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
+    if SK == 0 or k.numel() == 0:  # no keys: each row's softmax is its sink's alone, if any
+        if variant.sinks is None:
+            return out.zero_(), lse.fill_(float("-inf"))
+        shape = [1] * lse.dim()
+        shape[lse.dim() - 2] = -1  # the heads: 1 of (B, H, SQ), 0 of (H, total)
+        return out.zero_(), lse.copy_(variant.sinks.float().view(shape).expand_as(lse))
     signature = _signature("fwd", variant, varlen, q, k, v)
     if signature is None and varlen is None:  # ALiBi or a block mask: the Gluon forward's
         signature = _gluon_signature("gluon_fwd", variant, variant.kv_blocks, q, k, v)
