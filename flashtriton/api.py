@@ -9,8 +9,10 @@ import torch
 
 from .autograd import AttentionOutput, attention, register_mods
 from .block_mask import BlockMask, create_block_mask
-from .validation import (check_alibi, check_cu_seqlens, check_deterministic, check_dropout,
-                         check_max_seqlen, check_qkv, check_scale, check_sinks, check_softcap,
+from .validation import (_contents as validation_contents, check_alibi, check_block_table,
+                         check_cache_indices, check_cu_seqlens, check_deterministic,
+                         check_dropout, check_index_tensor, check_max_seqlen, check_out,
+                         check_qkv, check_scale, check_sinks, check_softcap,
                          check_varlen_indices, check_window, describe, unit_last)
 
 
@@ -81,37 +83,87 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                 dropout_p=0.0, names=("q", "k", "v"), deterministic=False,
-                sinks=None) -> AttentionOutput:
+                sinks=None, seqused_k=None, block_table=None, out=None) -> AttentionOutput:
+    paged = block_table is not None
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (total_tokens, nheads, headdim) for packed "
-                             f"sequences; got {describe(x)}")
-    if k.shape[0] != v.shape[0]:
+        dims = 4 if paged and name != names[0] else 3
+        if x.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D " + (
+                "(num_blocks, page_size, nheads_k, headdim) pages with block_table"
+                if dims == 4 else "(total_tokens, nheads, headdim) for packed sequences")
+                + f"; got {describe(x)}")
+    if k.shape[:-1] != v.shape[:-1] or (paged and k.shape != v.shape):
         raise ValueError(f"{names[1]} and {names[2]} must have the same shape; got "
                          f"{describe(k)} and {describe(v)}")
-    # The dense checks on (1, total, H, D) views cover dtypes, devices, heads and head dims.
-    check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+    # The dense checks on (1, tokens, H, D) views cover dtypes, devices, heads and head dims.
+    kv = (k[0], v[0]) if paged else (k, v)
+    check_qkv(q.unsqueeze(0), kv[0].unsqueeze(0), kv[1].unsqueeze(0), names)
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-    cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); "
-                         f"got {describe(cu_q)} and {describe(cu_k)}")
+    B = cu_q.numel() - 1
+    if seqused_k is not None:
+        seqused_k = check_index_tensor("seqused_k", seqused_k, q.device, (B,),
+                                       " (batch,), each sequence's keys")
+    cu_k = None
+    if cu_seqlens_k is not None or not (paged and seqused_k is not None):
+        if cu_seqlens_k is None:
+            raise TypeError("cu_seqlens_k is required" + (" (or seqused_k)" if paged else ""))
+        cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+        if cu_k.numel() != cu_q.numel():
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length "
+                             f"(batch + 1); got {describe(cu_q)} and {describe(cu_k)}")
     max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    check_varlen_indices(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    check_varlen_indices(cu_q, cu_k, q.shape[0], None if paged else k.shape[0], max_q, max_k)
+    if paged:
+        check_block_table(block_table, k.shape[1], B, q.device)
+        lengths, lengths_name = seqused_k, "seqused_k"
+        if lengths is None and validation_contents(cu_k, block_table):  # (no sync otherwise)
+            lengths, lengths_name = cu_k[1:] - cu_k[:-1], "the lengths in cu_seqlens_k: k"
+        if lengths is not None:  # their entries: validation mode or CPU tensors
+            check_cache_indices(lengths, 0, block_table.shape[1] * k.shape[1], k.shape[0],
+                                block_table, k.shape[1], None, None, lengths_name=lengths_name)
     scale = check_scale(softmax_scale, q.shape[-1])
     left, right = check_window(window_size)
     softcap = check_softcap(softcap)
-    alibi_slopes = check_alibi(alibi_slopes, cu_q.numel() - 1, q.shape[1], q.device)
+    alibi_slopes = check_alibi(alibi_slopes, B, q.shape[1], q.device)
     dropout_p, seed = check_dropout(dropout_p)
     sinks = check_sinks(sinks, q.shape[1], q.device)
+    if out is not None:
+        check_out(out, q)
+    forward_only = [name for name, x in (("seqused_k", seqused_k), ("block_table", block_table),
+                                         ("out", out)) if x is not None]
+    if forward_only and torch.is_grad_enabled() and any(
+            x.requires_grad for x in (q, k, v, sinks) if x is not None):
+        raise ValueError(f"{' / '.join(forward_only)}: inference only (no backward); call "
+                         f"under torch.no_grad() or with inputs that do not require grad")
+    if paged and max_q == 1 and q.shape[0] == B and not dropout_p:
+        # a decoding batch (one query a sequence): the KV-cache path's split kernel
+        return _paged_decode(q, k, v, cu_k, seqused_k, block_table, scale, causal, (left, right),
+                             softcap, alibi_slopes, sinks, out)
     out, lse = attention(unit_last(q), unit_last(k), unit_last(v), cu_q, cu_k, max_q, max_k,
                          alibi_slopes, None, scale, bool(causal), left, right, softcap,
                          dropout_p, seed, None, None, 128, 0, check_deterministic(deterministic),
-                         sinks=sinks)
+                         sinks=sinks, seqused_k=seqused_k, block_table=block_table, out=out)
     return AttentionOutput(out, lse)
+
+
+def _paged_decode(q, k, v, cu_k, seqused_k, block_table, scale, causal, window, softcap,
+                  alibi_slopes, sinks, out) -> AttentionOutput:
+    """Paged varlen with one query a sequence (total_q = batch) on the split-KV kernel of
+    ``attention_with_kvcache``: lse (nheads, batch) as the varlen kernel's."""
+    from .decode import attention_with_kvcache
+    B, H, D = q.shape
+    lengths = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+    res, lse = attention_with_kvcache(q.view(B, 1, H, D), k, v, cache_seqlens=lengths,
+                                      block_table=block_table, softmax_scale=scale,
+                                      causal=causal, window_size=window, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, sinks=sinks)
+    res = res.view(B, H, D)
+    if out is not None:
+        res = out.copy_(res)
+    return AttentionOutput(res, lse[:, :, 0].t())
 
 
 _OPTIONS_DOC = """
@@ -229,33 +281,58 @@ _VARLEN_DOC = """
         causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
            deterministic, sinks: as in ``flash_attention`` (alibi_slopes (nheads,) or
            (batch, nheads); the packed backward is always repeatable).
+        seqused_k: (batch,) int32: sequence b has seqused_k[b] keys (from row
+           cu_seqlens_k[b] on, or from position 0 of its pages), not cu_seqlens_k[b + 1] -
+           cu_seqlens_k[b].
+        block_table: (batch, max_blocks) int32: k and v are a paged KV cache
+           (num_blocks, page_size, nheads_k, headdim), page_size a power of two >= 8, and
+           sequence b's keys fill its pages block_table[b] in order from position 0
+           (flash-attn's and vLLM's layout); cu_seqlens_k may then be None beside
+           seqused_k. Decode rows (one query) and prefill rows mix in one call; a batch of
+           one query a sequence (max_seqlen_q 1) runs the KV-cache split kernel
+           (``attention_with_kvcache``). No host synchronisation; entries are checked as
+           ``flashtriton.validation`` says, and whatever they hold nothing outside k, v and
+           the table is read (a sequence longer than its pages sees no keys; a page outside
+           the pool is not read: its keys count as zeros, or, for the split kernel, are
+           left out).
+        out: (total_q, nheads, headdim) in q's dtype: the output is written there.
+        seqused_k, block_table and out are for inference (no backward).
 """
 
 
 def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor],
                            max_seqlen_q, max_seqlen_k, *, causal: bool = False,
                            softmax_scale: Optional[float] = None,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[torch.Tensor] = None,
                            dropout_p: float = 0.0, deterministic: bool = False,
-                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           sinks: Optional[torch.Tensor] = None,
+                           seqused_k: Optional[torch.Tensor] = None,
+                           block_table: Optional[torch.Tensor] = None,
+                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                       deterministic=deterministic, sinks=sinks).out
+                       deterministic=deterministic, sinks=sinks, seqused_k=seqused_k,
+                       block_table=block_table, out=out).out
 
 
 def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: Optional[torch.Tensor],
                                     max_seqlen_q, max_seqlen_k, *, causal: bool = False,
                                     softmax_scale: Optional[float] = None,
                                     window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                                     alibi_slopes: Optional[torch.Tensor] = None,
                                     dropout_p: float = 0.0, deterministic: bool = False,
-                                    sinks: Optional[torch.Tensor] = None) -> AttentionOutput:
+                                    sinks: Optional[torch.Tensor] = None,
+                                    seqused_k: Optional[torch.Tensor] = None,
+                                    block_table: Optional[torch.Tensor] = None,
+                                    out: Optional[torch.Tensor] = None) -> AttentionOutput:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                       deterministic=deterministic, sinks=sinks)
+                       deterministic=deterministic, sinks=sinks, seqused_k=seqused_k,
+                       block_table=block_table, out=out)
 
 
 flash_attention_varlen.__doc__ = """``flash_attention`` on packed sequences; returns out (total_q, nheads, headdim).

@@ -23,10 +23,11 @@ from .launch import Variant, Varlen
 AttentionOutput = launch.AttentionOutput  # the result type, for the API above
 
 
-def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Optional[Varlen]:
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
+            block_table=None) -> Optional[Varlen]:
     if cu_seqlens_q is None:
         return None
-    return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table)
 
 
 def _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
@@ -44,17 +45,27 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
              causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
              dropout_seed: Optional[Tensor], kv_blocks: Optional[Tensor],
              q_blocks: Optional[Tensor], block_size: int, mods: int,
-             deterministic: bool, sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+             deterministic: bool, sinks: Optional[Tensor], seqused_k: Optional[Tensor] = None,
+             block_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """out in q's shape; lse fp32 (B, H, SQ), or (H, total_q) for packed sequences.
 
     dropout_seed: a CPU int64 tensor (drawn from torch's generator by the caller);
     deterministic: the backward (attn_bwd) is to be bitwise repeatable; sinks: (H,) logits
-    that join each row's softmax (the LSE includes them)."""
-    return launch.attention_forward(
-        q, k, v, _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left,
-                          window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
-                          block_size, mods, deterministic, sinks),
-        _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    that join each row's softmax (the LSE includes them); seqused_k, block_table: packed
+    sequences' key counts and pages (Varlen; the forward only)."""
+    return _forward_into(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         alibi_slopes, attn_mask, softmax_scale, causal, window_left,
+                         window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
+                         block_size, mods, deterministic, sinks, seqused_k, block_table)
+
+
+def _forward_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):
+    """attn_fwd into ``out`` (None: a new tensor); rest: attn_fwd's arguments after
+    max_seqlen_k."""
+    variant = _variant(*rest[:15])
+    return launch.attention_forward(q, k, v, variant,
+                                    _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, *rest[15:]), out)
 
 
 attn_fwd = torch.library.custom_op("flashtriton::attn_fwd", _attn_fwd, mutates_args=())
@@ -158,13 +169,22 @@ def register_mods(score_mod, score_mod_grad, mask_mod) -> int:
     return launch.register_mods(score_mod, score_mod_grad, mask_mod)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *args,
-              sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def attention(q: Tensor, k: Tensor, v: Tensor, *args, sinks: Optional[Tensor] = None,
+              seqused_k: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
+              out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) = FlashAttnFunction.apply(q, k, v, sinks, args), or, in plain eager mode
     when no gradient can flow (inference, ``torch.no_grad()``), the forward op alone: the
-    autograd.Function's bookkeeping costs more host time than a small attention's kernel."""
-    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                     or (sinks is not None and sinks.requires_grad))) \
-            or not _plain_eager(q):
-        return FlashAttnFunction.apply(q, k, v, sinks, args)
-    return _eager(_attn_fwd, "flashtriton::attn_fwd", q, k, v, *args, sinks)  # plain eager
+    autograd.Function's bookkeeping costs more host time than a small attention's kernel.
+    seqused_k, block_table and out (written in place) are for the forward alone (the API
+    refuses them where a gradient would flow)."""
+    if seqused_k is None and block_table is None and out is None:
+        if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                         or (sinks is not None and sinks.requires_grad))) \
+                or not _plain_eager(q):
+            return FlashAttnFunction.apply(q, k, v, sinks, args)
+        return _eager(_attn_fwd, "flashtriton::attn_fwd", q, k, v, *args, sinks)  # plain eager
+    if out is not None and _plain_eager(q):  # the kernel writes into out
+        return _eager(_forward_into, "flashtriton::attn_fwd", out, q, k, v, *args, sinks,
+                      seqused_k, block_table)
+    res, lse = _forward(q, k, v, *args, sinks, seqused_k, block_table)
+    return (res, lse) if out is None else (out.copy_(res), lse)

@@ -13,8 +13,9 @@ from . import configs, runtime, validation
 from .api import AttentionOutput
 from .launch import decode as decode_launch
 from .launch.decode import append_kv, merge_partials, step_signature
-from .validation import (check_alibi, check_cache_indices, check_index_tensor, check_qkv,
-                         check_scale, check_sinks, check_softcap, check_window, describe)
+from .validation import (check_alibi, check_block_table, check_cache_indices, check_index_tensor,
+                         check_qkv, check_scale, check_sinks, check_softcap, check_window,
+                         describe)
 
 __all__ = ["attention_with_kvcache", "append_kv", "apply_rotary", "merge_attention_states",
            "merge_partials", "step_signature", "PagedKVCache"]
@@ -177,14 +178,7 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
     HKV = k_cache.shape[2]
     page_size = k_cache.shape[1]
     if paged:
-        if page_size < 8 or page_size & (page_size - 1):
-            raise ValueError(f"page_size (k_cache.shape[1]) must be a power of two >= 8; got "
-                             f"{page_size}")
-        check_index_tensor("block_table", block_table, q.device, dims=2,
-                           what=" (batch, max_blocks)")
-        if block_table.shape[0] != B:
-            raise ValueError(f"block_table must be (batch, max_blocks) int32 with batch {B}; "
-                             f"got {describe(block_table)}")
+        check_block_table(block_table, page_size, B, q.device)
         capacity = block_table.shape[1] * page_size
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx applies to contiguous caches, not paged ones")

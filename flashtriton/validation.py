@@ -402,24 +402,51 @@ def check_cu_seqlens(name, cu, device) -> torch.Tensor:
     return cu.contiguous()
 
 
+def check_out(out, q: torch.Tensor) -> torch.Tensor:
+    """An output buffer (``out=``): q's shape, dtype and device, a unit stride on headdim."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device \
+            or out.stride(-1) != 1:
+        raise ValueError(f"out must match q ({describe(q)}) in shape, dtype and device, with a "
+                         f"unit stride on headdim; got {describe(out)}")
+    return out
+
+
+def check_block_table(block_table, page_size: int, B: int, device) -> torch.Tensor:
+    """A paged cache's block table: (batch, max_pages) int32 on q's device, pages of a power
+    of two >= 8 tokens (k_cache.shape[1])."""
+    if page_size < 8 or page_size & (page_size - 1):
+        raise ValueError(f"page_size (k_cache.shape[1]) must be a power of two >= 8; got "
+                         f"{page_size}")
+    check_index_tensor("block_table", block_table, device, dims=2, what=" (batch, max_blocks)")
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table must be (batch, max_blocks) int32 with batch {B}; "
+                         f"got {describe(block_table)}")
+    return block_table
+
+
 def _contents(*tensors) -> bool:
     """Whether to check these index tensors' entries: validation mode, or all on the CPU."""
     present = [t for t in tensors if t is not None]
     return bool(present) and (_VALIDATE or all(t.device.type == "cpu" for t in present))
 
 
-def check_varlen_indices(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
-                         max_q: int, max_k: int) -> None:
-    """cu_seqlens_q / _k start at 0, never decrease, end within the packed tensors, and no
+def check_varlen_indices(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor], total_q: int,
+                         total_k: Optional[int], max_q: int, max_k: int) -> None:
+    """cu_seqlens_q / _k start at 0, never decrease, end within the packed tensors (total_k
+    None: k is paged, cu_seqlens_k only gives lengths; cu_k None: none given), and no
     sequence is longer than its max_seqlen (validation mode or CPU tensors)."""
     if not _contents(cu_q, cu_k):
         return
     for name, cu, total, longest, side in (("cu_seqlens_q", cu_q, total_q, max_q, "q"),
                                            ("cu_seqlens_k", cu_k, total_k, max_k, "k")):
+        if cu is None:
+            continue
         entries = cu.tolist()
         if entries[0] != 0:
             raise ValueError(f"{name}[0] = {entries[0]}: cumulative lengths start at 0")
-        if entries[-1] > total:
+        if total is not None and entries[-1] > total:
             raise ValueError(f"{name}[{len(entries) - 1}] = {entries[-1]} exceeds the {total} "
                              f"packed tokens of {side}")
         for b in range(1, len(entries)):
@@ -436,25 +463,27 @@ def check_cache_indices(cache_seqlens: torch.Tensor, s_new: int, capacity: int, 
                         block_table: Optional[torch.Tensor], page_size: int,
                         cache_batch_idx: Optional[torch.Tensor],
                         cache_leftpad: Optional[torch.Tensor],
-                        rotary_len: Optional[Tuple[int, int]] = None) -> None:
+                        rotary_len: Optional[Tuple[int, int]] = None,
+                        lengths_name: str = "cache_seqlens") -> None:
     """Every sequence's keys (cache_seqlens[b] + s_new, the appended ones included) fit its
     cache: ``capacity`` positions (a contiguous cache's length, or block_table's pages times
     page_size), its row (cache_batch_idx) or pages (block_table) lie in the ``rows`` rows or
     pages of the cache, its left padding lies in [0, cache_seqlens[b]], and rotary_len
     (seqlen_ro, positions past cache_seqlens[b] taken) covers its rotary positions
-    (validation mode or CPU tensors)."""
+    (validation mode or CPU tensors). ``lengths_name``: what the errors call cache_seqlens
+    (e.g. seqused_k)."""
     if not _contents(cache_seqlens, block_table, cache_batch_idx, cache_leftpad):
         return
     lens = cache_seqlens.tolist()
     for b, n in enumerate(lens):
         if n < 0:
-            raise ValueError(f"cache_seqlens[{b}] = {n} is negative")
+            raise ValueError(f"{lengths_name}[{b}] = {n} is negative")
         if n + s_new > capacity:
             where = (f"the {block_table.shape[1]} pages of {page_size} tokens in "
                      f"block_table[{b}]" if block_table is not None
                      else f"the cache's {capacity} positions (k_cache.shape[1])")
             new = f" + {s_new} new keys" if s_new else ""
-            raise ValueError(f"cache_seqlens[{b}] = {n}{new} exceeds {where}")
+            raise ValueError(f"{lengths_name}[{b}] = {n}{new} exceeds {where}")
         if rotary_len is not None and n + rotary_len[1] > rotary_len[0]:
             raise ValueError(f"cache_seqlens[{b}] = {n}: rotary positions up to "
                              f"{n + rotary_len[1] - 1} need rotary_cos / rotary_sin of at least "

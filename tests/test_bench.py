@@ -132,7 +132,8 @@ def test_registry_lists_every_provider_and_suite():
     """One registry: the CLI's choices are the registry's providers and suites."""
     assert set(bench.PROVIDERS) == {"flashtriton", "sdpa_cudnn", "flex", "sdpa_flash",
                                     "sdpa_efficient", "flash_attn", "naive"}
-    assert set(bench.DECODE_PROVIDERS) == {"flashtriton", "flashtriton_paged16", "sdpa"}
+    assert set(bench.DECODE_PROVIDERS) == {"flashtriton", "flashtriton_paged16",
+                                           "flashtriton_paged_varlen16", "sdpa"}
     assert list(bench.SUITES) == ["train", "gqa", "overhead", "coldstart", "decode"]
     with pytest.raises(SystemExit) as exc:
         bench_main(["--providers", "no_such"])
@@ -339,3 +340,22 @@ def test_sinks_bench_checks_before_timing(monkeypatch):
     monkeypatch.setattr(flashtriton, "flash_attention_with_lse",
                         lambda *a, sinks=None, **kw: real(*a, **kw, sinks=sinks * 0))
     assert bench_sinks._check(q, k, v, sinks, 7) > TOLERANCE
+
+
+def test_paged_bench_checks_before_timing(monkeypatch):
+    """bench.paged: its pages hold the packed keys, each call it times passes its check, and
+    a call over other keys fails it."""
+    from flashtriton.bench import paged as bench_paged
+    for name, value in (("H", 4), ("HKV", 2), ("D", 16)):
+        monkeypatch.setattr(bench_paged, name, value)
+    torch.manual_seed(0)
+    for seqs in ([(5, 20), (1, 9), (3, 40)], [(1, 30), (1, 7)]):
+        fns, inputs = bench_paged.calls(seqs, device=DEVICE)
+        k, lk = inputs[1], inputs[4]
+        pool, table = bench_paged.paged(k, lk, 16, torch.Generator().manual_seed(1))
+        first = pool[table[0].long()].flatten(0, 1)[:lk[0]]
+        assert torch.equal(first, k[:lk[0]])
+        assert ("flash_attn_with_kvcache 16" in fns) == (max(s[0] for s in seqs) == 1)
+        for name, fn in fns.items():
+            assert bench_paged.check(fn, inputs) < 1e-2, name
+    assert bench_paged.check(lambda: fns["paged 16"]() * 0 + 1, inputs) > common.TOLERANCE

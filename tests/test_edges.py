@@ -430,6 +430,30 @@ def _case_decode_out_of_range(paged, prefill=False):
     assert torch.equal(changed, expect), changed
 
 
+def _case_paged_varlen_out_of_range():
+    gen = torch.Generator().manual_seed(13)
+    H, HKV, D, page, n_pages = 2, 1, 16, 8, 6
+    _, q = _guarded((24, H, D), DT, float("nan"), gen)
+    _, k = _guarded((n_pages, page, HKV, D), DT, float("nan"), gen)
+    _, v = _guarded((n_pages, page, HKV, D), DT, float("nan"), gen)
+    # 0: valid (pages 2, 0); 1: a length past its pages; 2: a page outside the pool and a
+    # negative one; 3: a negative length; 4: queries past q
+    cu_q = torch.tensor([0, 6, 12, 18, 24, 10**6], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor([13, 10**6, 20, -3, 5], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[2, 0, 10**5], [1, 3, 4], [5, 10**5, -7], [1, 1, 1], [0, 1, 2]],
+                         dtype=torch.int32, device=DEVICE)
+    out, lse = launch.attention_forward(
+        q, k, v, launch.Variant(0.25, causal=True),
+        launch.Varlen(cu_q, None, 6, 64, seqused_k=used, block_table=table))
+    k0, v0 = (torch.cat([x[2], x[0]])[None, :13] for x in (k, v))
+    ref = attention_reference(q[None, :6], k0, v0, causal=True, softmax_scale=0.25)
+    torch.testing.assert_close(out[:6].double(), ref.out[0], atol=2e-2, rtol=0)
+    for rows in (slice(6, 12), slice(18, 24)):  # no keys
+        assert (out[rows] == 0).all() and (lse[:, rows] == float("-inf")).all()
+    # sequence 2 reads its one page in the pool; nothing read a NaN guard band
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+
+
 def _run_case(name, *args):
     """Run _case_<name>(*args) in a fresh interpreter (host checks off, outputs guarded)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -445,6 +469,10 @@ def _run_case(name, *args):
 
 def test_varlen_kernels_stay_inside_their_tensors():
     _run_case("varlen_out_of_range")
+
+
+def test_paged_varlen_kernel_stays_inside_its_tensors():
+    _run_case("paged_varlen_out_of_range")
 
 
 @pytest.mark.parametrize("paged,prefill", [(False, False), (True, False), (False, True)],

@@ -99,7 +99,7 @@ def test_flash_attn_varlen_forms():
     assert torch.equal(fa.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 18, 18, causal=True), ref)
     assert torch.equal(fa.flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu, cu, 18, 18,
                                                  causal=True), ref)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="pages with block_table"):  # k must be pages
         fa.flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu, cu, 18, 18, block_table=cu)
 
 

@@ -133,6 +133,17 @@ def _kvcache(paged: bool):
     return make
 
 
+def _paged_varlen(x: DecodeInputs):
+    """vLLM's call: flash_attn_varlen_func over the pages, one query a sequence."""
+    from flashtriton.compat.flash_attn import flash_attn_varlen_func
+    B, _, H, D = x.q.shape
+    q = x.q.view(B, H, D)
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    n = x.k.shape[1]
+    return lambda: flash_attn_varlen_func(q, x.k_pages, x.v_pages, cu_q, None, 1, n,
+                                          block_table=x.table, seqused_k=x.lens)
+
+
 def _sdpa_decode(x: DecodeInputs):
     qs, ks, vs = x.q.transpose(1, 2), x.k.transpose(1, 2), x.v.transpose(1, 2)
     return lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
@@ -141,6 +152,7 @@ def _sdpa_decode(x: DecodeInputs):
 DECODE_PROVIDERS = {
     "flashtriton": (_kvcache(paged=False), lambda r: r.out),
     "flashtriton_paged16": (_kvcache(paged=True), lambda r: r.out),
+    "flashtriton_paged_varlen16": (_paged_varlen, lambda r: r.unsqueeze(1)),
     "sdpa": (_sdpa_decode, lambda r: r.transpose(1, 2)),
 }
 

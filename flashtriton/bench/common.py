@@ -2,8 +2,10 @@
 (do_bench medians, GPU time after a clean L2 flush, back-to-back host time, CUDA graphs), the
 run's metadata and the autotuner's chosen tiles."""
 
+import argparse
 import datetime
 import os
+import statistics
 import subprocess
 import time
 
@@ -197,3 +199,23 @@ def tiles_since(mark: int) -> dict:
         if name in _KERNELS:
             out[_KERNELS[name]] = f"{bm}x{bn}/{w}w/{st}s"
     return out
+
+
+def script_args(doc: str, argv=None) -> argparse.Namespace:
+    """A bench script's arguments (--out DIR, made here), its description ``doc``'s first line."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", default="bench_out")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def alternated(time, sides, rounds=3) -> dict:
+    """{side: medians} of time(side) -> a tuple of ms for each of ``sides``, the sides taken in
+    turn over ``rounds`` rounds (in order in even rounds, reversed in odd ones)."""
+    runs = {side: [] for side in sides}
+    for r in range(rounds):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            runs[side].append(time(side))
+    return {side: [statistics.median(t[i] for t in got) for i in range(len(got[0]))]
+            for side, got in runs.items()}

@@ -11,14 +11,12 @@ one batch element's first KV head group; a failed check reports no speed. Times:
 of do_bench runs, the two calls alternated in 3 rounds (the median of each).
 """
 
-import argparse
 import json
 import os
-import statistics
 
 import torch
 
-from .common import TOLERANCE, failed, meta as run_meta, rel_err
+from .common import TOLERANCE, alternated, failed, meta as run_meta, rel_err, script_args
 
 SHAPES = [  # (name, H, HKV, D, N, window_left)
     ("gpt-oss full", 64, 8, 64, 2048, -1), ("gpt-oss full", 64, 8, 64, 8192, -1),
@@ -42,17 +40,6 @@ def _check(q, k, v, sinks, window) -> float:
     ref_ds = torch.autograd.grad((ref.out ** 2).sum(), (leaf,))[0]
     return max(rel_err(out[:1, :, :G], ref.out), rel_err(lse[:1, :G], ref.lse),
                rel_err(ours, ref_ds))
-
-
-def _alternated(time, rounds=3):
-    """{"none": medians, "sinks": medians} of time(with_sinks) -> a tuple of ms, the two sides
-    alternated over ``rounds`` rounds (none first in even rounds)."""
-    runs = {"none": [], "sinks": []}
-    for r in range(rounds):
-        for side in (("none", "sinks") if r % 2 == 0 else ("sinks", "none")):
-            runs[side].append(time(side == "sinks"))
-    return {side: [statistics.median(t[i] for t in got) for i in range(len(got[0]))]
-            for side, got in runs.items()}
 
 
 def _times(q, k, v, dout, sinks, window):
@@ -96,11 +83,11 @@ def _decode_rows(meta):
                    rel_err=rel_err(out[:1], ref.out))
         row["status"] = failed(row["rel_err"], TOLERANCE) or "ok"
         if row["status"] == "ok":
-            medians = _alternated(lambda on: (triton.testing.do_bench(
+            medians = alternated(lambda on: (triton.testing.do_bench(
                 lambda: attention_with_kvcache(q, kc, vc, cache_seqlens=lens,
                                                sinks=sinks if on else None, return_lse=False),
-                warmup=25, rep=200, return_mode="median"),))
-            (t0,), (t1,) = medians["none"], medians["sinks"]
+                warmup=25, rep=200, return_mode="median"),), (False, True))
+            (t0,), (t1,) = medians[False], medians[True]
             row.update(step_ms=t0, step_sinks_ms=t1, ratio=t1 / t0)
             print(f"decode B={B:<3d} N={N:<7d} {t0 * 1e3:8.1f} us {t1 * 1e3:8.1f} us "
                   f"{t1 / t0:6.3f}", flush=True)
@@ -113,10 +100,7 @@ def _decode_rows(meta):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench_out")
-    args = p.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = script_args(__doc__, argv)
     meta, rows = run_meta(), []
     print(f"{'shape':20s} {'N':>6s} {'fwd ms':>8s} {'+sinks':>8s} {'ratio':>6s} "
           f"{'fwd+bwd ms':>10s} {'+sinks':>8s} {'ratio':>6s}")
@@ -132,8 +116,9 @@ def main(argv=None):
         row["status"] = failed(row["rel_err"], TOLERANCE) or "ok"
         if row["status"] == "ok":
             dout = torch.randn_like(q)
-            medians = _alternated(lambda on: _times(q, k, v, dout, sinks if on else None, window))
-            (f0, b0), (f1, b1) = medians["none"], medians["sinks"]
+            medians = alternated(lambda on: _times(q, k, v, dout, sinks if on else None, window),
+                                 (False, True))
+            (f0, b0), (f1, b1) = medians[False], medians[True]
             row.update(fwd_ms=f0, fwd_sinks_ms=f1, fwd_ratio=f1 / f0, fwd_bwd_ms=b0,
                        fwd_bwd_sinks_ms=b1, fwd_bwd_ratio=b1 / b0)
             print(f"{name:20s} {N:6d} {f0:8.3f} {f1:8.3f} {f1 / f0:6.3f} {b0:10.3f} {b1:8.3f} "

@@ -20,8 +20,8 @@ Unchanged code that imports flash-attn itself runs on flashtriton after ``instal
 Dropout draws its seed from torch's default generator (flash-attn uses the
 CUDA generator's Philox state), so masks differ from flash-attn's but are
 reproducible under torch.manual_seed. ``return_attn_probs=True`` returns None
-for the dropout mask. Not supported yet (raises NotImplementedError):
-block_table (paged KV caches).
+for the dropout mask. ``flash_attn_varlen_func`` also speaks vLLM's paged call
+(block_table, seqused_k, out=).
 """
 
 import importlib.machinery
@@ -66,12 +66,15 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                       softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                      return_attn_probs, block_table, names, learnable_sink=None):
-    if block_table is not None:
-        raise NotImplementedError("block_table: paged KV caches are not supported yet; use None")
+                      return_attn_probs, block_table, names, learnable_sink=None,
+                      seqused_k=None, out=None):
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is None:
+            raise TypeError(f"flash_attn_varlen_func() missing argument {name!r}")
     out, lse = _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                           names, deterministic, sinks=_sink(learnable_sink, q, 1))
+                           names, deterministic, sinks=_sink(learnable_sink, q, 1),
+                           seqused_k=seqused_k, block_table=block_table, out=out)
     return _returns(out, lse, return_attn_probs)
 
 
@@ -134,23 +137,32 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                       ("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None, *, learnable_sink=None):
-    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim).
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None,
+                           max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           learnable_sink=None, seqused_k=None, out=None,
+                           return_softmax_lse=False):
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), or with
+    ``block_table`` (batch, max_blocks) int32 a paged KV cache (num_blocks, page_size,
+    nheads_k, headdim) (flash-attn 2.6+; page_size any power of two >= 8).
 
     cu_seqlens_q / cu_seqlens_k: (batch + 1,) int32 cumulative sequence lengths;
     max_seqlen_q / max_seqlen_k: the longest lengths (int, or a 0-d tensor).
     Masks and ALiBi positions are per sequence; learnable_sink as in
-    ``flash_attn_func``. Returns out (total_q, nheads,
+    ``flash_attn_func``. vLLM's keywords: ``seqused_k`` (batch,) int32 key counts
+    (cu_seqlens_k then optional with block_table), ``out`` (written in place),
+    ``return_softmax_lse``; decode rows (one query) and prefill rows mix in one call
+    (``flashtriton.flash_attention_varlen`` says more). Returns out (total_q, nheads,
     headdim); with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with
-    softmax_lse (nheads, total_q) float32.
+    softmax_lse (nheads, total_q) float32; with ``return_softmax_lse=True``,
+    ``(out, softmax_lse)``.
     """
-    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                             deterministic, return_attn_probs, block_table, ("q", "k", "v"),
-                             learnable_sink)
+    res = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                            deterministic, return_attn_probs or return_softmax_lse, block_table,
+                            ("q", "k", "v"), learnable_sink, seqused_k, out)
+    return res[:2] if return_softmax_lse and not return_attn_probs else res
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -7,7 +7,8 @@ S and P exist only as (BLOCK_M / 2, BLOCK_N) register tiles; the program writes 
 natural-log LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
 Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K, SEQUSED_K
-not None: per-sequence key counts),
+not None: per-sequence key counts; 3: keys in pages of PAGE_SIZE rows, sequence b's in the
+pages BLOCK_TABLE[b], as flash-attn's paged varlen and vLLM lay them out),
 HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
 HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Hopper),
 HAS_SINK (SINK: one logit per query head that joins every row's softmax denominator and has
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import (LN2, LOG2E, NEG_BIG, add_sink, apply_attn_mask, dropout_keep, heavy_first,
-                     load_rows, load_tile, row_source, scores, seq_bounds, store_tile)
+                     load_kv, load_tile, row_source, scores, seq_bounds, store_tile)
 from .mask import kv_range, rows_hi, visible
 
 
@@ -68,7 +69,8 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_
 
 @triton.jit
 def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
-                    stride_vt, rows_a, rows_b, offs_n, offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM,
+                    stride_vt, pages, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n,
+                    offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM,
                     LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
                     seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
                     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -76,23 +78,24 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
                     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
                     SPLIT: tl.constexpr, LISTED: tl.constexpr, SPARSE: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks lo..hi for the two row halves a and b of the query block. Both q k^T
     products are issued before the first softmax, so that the tensor cores compute half b's
     scores (and then half a's P V) while the other half's softmax runs: the overlap FA3 gets
     from its warpgroups, within one program (Triton 3.6 waits for a product right before its
     first use, and ptxas interleaves the next product's issue with the exp2s). Without
     SPLIT, half a is the whole block and b is untouched. LISTED: lo..hi count through the
-    key blocks (of SPARSE keys) that blk_list names, one flat loop for the pipeliner."""
+    key blocks (of SPARSE keys) that blk_list names, one flat loop for the pipeliner.
+    PAGE_SIZE > 0: the keys and values sit in pages (common.load_kv)."""
     for it in range(lo, hi, BLOCK_N):
         start_n = it
         if LISTED:
             start_n = tl.load(blk_list + it // SPARSE) * SPARSE + it % SPARSE
         cols = start_n + offs_n                                      # [BLOCK_N]
-        k = load_rows(k_base, start_n, offs_n, stride_kt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
-                      USE_TMA)                                       # [BLOCK_N, BLOCK_D]
-        v = load_rows(v_base, start_n, offs_n, stride_vt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
-                      USE_TMA)                                       # [BLOCK_N, BLOCK_D]
+        k = load_kv(k_base, pages, start_n, offs_n, stride_kt, stride_kp, SK, NUM_PAGES, offs_d,
+                    HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE, BLOCK_N)  # [BLOCK_N, BLOCK_D]
+        v = load_kv(v_base, pages, start_n, offs_n, stride_vt, stride_vp, SK, NUM_PAGES, offs_d,
+                    HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE, BLOCK_N)  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -133,9 +136,9 @@ def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HE
 
 
 # a new seed per call, and varlen's packed totals: one compiled kernel
-@triton.jit(do_not_specialize=["seed", "TOTAL_Q", "TOTAL_K"])
+@triton.jit(do_not_specialize=["seed", "TOTAL_Q", "TOTAL_K", "NUM_PAGES"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK, SINK,
+    Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK, SINK, BLOCK_TABLE,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -143,8 +146,8 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh,
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_bb, stride_bh, stride_bq, BM_N,
-    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
+    stride_bb, stride_bh, stride_bq, BM_N, stride_tb,
+    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, NUM_PAGES, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
     dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
@@ -153,7 +156,7 @@ def _attn_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
     off_bh = tl.program_id(1)
@@ -175,10 +178,23 @@ def _attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)                                   # [BLOCK_D]
     q_base = Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
-    k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
-    k_base = row_source(k_base, SK, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_base = row_source(v_base, SK, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    # paged: TMA over the pool's rows (pages of PAGE_SIZE rows: the launcher checks) where a
+    # tile lies in one page
+    TMA_KV: tl.constexpr = USE_TMA and (PAGE_SIZE == 0 or PAGE_SIZE >= BLOCK_N)
+    if PAGE_SIZE > 0:  # K, V (pages, PAGE_SIZE, HKV, D): stride_kb / stride_vb step pages
+        pages = BLOCK_TABLE + off_b * stride_tb
+        k_base = K + off_hk * stride_kh
+        v_base = V + off_hk * stride_vh
+        k_base = row_source(k_base, NUM_PAGES * PAGE_SIZE, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D,
+                            TMA_KV)
+        v_base = row_source(v_base, NUM_PAGES * PAGE_SIZE, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D,
+                            TMA_KV)
+    else:
+        pages = BLOCK_TABLE
+        k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
+        v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
+        k_base = row_source(k_base, SK, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        v_base = row_source(v_base, SK, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
     q_a = load_tile(q_base + rows_a.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], rows_a,
                     SQ, offs_d, HEAD_DIM, True, not EVEN_D)          # [HALF, BLOCK_D]
@@ -212,18 +228,18 @@ def _attn_fwd_kernel(
         # past the end of the keys (a ragged last block) are masked by MASK.
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N,
             SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
             stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER,
             HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC,
-            UPCAST, USE_TMA, SPLIT, True, SPARSE, BLOCK_N)
+            UPCAST, TMA_KV, SPLIT, True, SPARSE, PAGE_SIZE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
             HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
             seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-            HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
-            SPLIT, True, SPARSE, BLOCK_N)
+            HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV,
+            SPLIT, True, SPARSE, PAGE_SIZE, BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
@@ -233,38 +249,38 @@ def _attn_fwd_kernel(
         # upper bound only (HAS_LOWER False there).
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            rows_a, rows_b, offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
             UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT,
-            False, SPARSE, BLOCK_N)
+            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT,
+            False, SPARSE, PAGE_SIZE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            rows_a, rows_b, offs_n, offs_d, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
             UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, SPLIT,
-            False, SPARSE, BLOCK_N)
+            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, TMA_KV, SPLIT,
+            False, SPARSE, PAGE_SIZE, BLOCK_N)
         mid = hi
         if SPLIT and HAS_UPPER:
             mid = rows_hi(start_m, HALF, SK, UPPER, full_hi, hi, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            rows_a, rows_b, offs_n, offs_d, full_hi, mid, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, full_hi, mid, BMASK, SQ, SK, HEAD_DIM, LOWER,
             UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, SPLIT,
-            False, SPARSE, BLOCK_N)
+            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT,
+            False, SPARSE, PAGE_SIZE, BLOCK_N)
         # Past half a's last visible key (the causal diagonal of its rows) only half b runs:
         # the b state goes in as the "a" arguments of a one-half (SPLIT=False) loop.
         if SPLIT and HAS_UPPER:
             acc_b, l_b, m_b, _, _, _ = _attn_fwd_inner(
                 acc_b, l_b, m_b, acc_b, l_b, m_b, q_b, q_b, k_base, v_base, stride_kt, stride_vt,
-                rows_b, rows_b, offs_n, offs_d, mid, hi, BMASK, SQ, SK, HEAD_DIM, LOWER, UPPER,
-                DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                pages, stride_kb, stride_vb, NUM_PAGES, rows_b, rows_b, offs_n, offs_d, mid, hi,
+                BMASK, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
                 dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, False,
-                False, SPARSE, BLOCK_N)
+                MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, False,
+                False, SPARSE, PAGE_SIZE, BLOCK_N)
 
     o_base = O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
     lse_base = LSE + off_b * stride_lb + off_h * stride_lh + q_off

@@ -65,6 +65,55 @@ def load_rows(src, start, offs, stride, n_rows, cols, N_COLS, CHECK_ROWS: tl.con
 
 
 @triton.jit
+def load_kv(src, pages, start, offs, stride, stride_page, n_rows, n_pages, cols, N_COLS,
+            CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, USE_TMA: tl.constexpr,
+            PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``load_rows`` of key / value rows start + offs: contiguous (PAGE_SIZE 0), or paged:
+    row r in page ``pages[r // PAGE_SIZE]`` (int32) at r % PAGE_SIZE, pages ``stride_page``
+    apart from ``src`` (TMA: a descriptor over every page's rows, PAGE_SIZE >= BLOCK_R). A page
+    outside [0, n_pages) reads as zeros; no address outside the pool is formed."""
+    if PAGE_SIZE == 0:
+        x = load_rows(src, start, offs, stride, n_rows, cols, N_COLS, CHECK_ROWS, CHECK_COLS,
+                      USE_TMA)
+    else:
+        rows = start + offs
+        if PAGE_SIZE >= BLOCK_R:  # the tile lies in one page
+            page = tl.load(pages + start // PAGE_SIZE)
+            ok = page.to(tl.uint32) < n_pages  # (one unsigned compare: also page < 0)
+            in_page = start % PAGE_SIZE
+            if USE_TMA:  # past the pool's rows for a page outside it: TMA's zero fill
+                x = src.load([tl.where(ok, page, n_pages) * PAGE_SIZE + in_page, 0])
+            else:
+                ptrs = (src + tl.where(ok, page, 0).to(tl.int64) * stride_page
+                        + (in_page + offs).to(tl.int64)[:, None] * stride + cols[None, :])
+                x = _masked_rows(ptrs, tl.full([BLOCK_R, 1], 1, tl.int1) & ok, rows, n_rows,
+                                 cols, N_COLS, CHECK_ROWS, CHECK_COLS)
+        else:  # pages of fewer rows than a tile: each row's own page
+            if CHECK_ROWS:
+                page = tl.load(pages + rows // PAGE_SIZE, mask=rows < n_rows, other=0)
+            else:
+                page = tl.load(pages + rows // PAGE_SIZE)
+            ok = page.to(tl.uint32) < n_pages
+            ptrs = (src + (tl.where(ok, page, 0).to(tl.int64) * stride_page
+                           + (rows % PAGE_SIZE).to(tl.int64) * stride)[:, None] + cols[None, :])
+            x = _masked_rows(ptrs, ok[:, None], rows, n_rows, cols, N_COLS, CHECK_ROWS,
+                             CHECK_COLS)
+    return x
+
+
+@triton.jit
+def _masked_rows(ptrs, keep, rows, n_rows, cols, N_COLS, CHECK_ROWS: tl.constexpr,
+                 CHECK_COLS: tl.constexpr):
+    """A tile of rows where ``keep`` (a column of row flags), zero elsewhere and past n_rows
+    and N_COLS where checked."""
+    if CHECK_ROWS:
+        keep = keep & (rows[:, None] < n_rows)
+    if CHECK_COLS:
+        keep = keep & (cols[None, :] < N_COLS)
+    return tl.load(ptrs, mask=keep, other=0.0)
+
+
+@triton.jit
 def store_tile(ptrs, x, rows, n_rows, cols, N_COLS, CHECK_COLS: tl.constexpr):
     """Store a tile, skipping rows >= n_rows and cols >= N_COLS."""
     if CHECK_COLS:
@@ -87,6 +136,9 @@ def seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK, TOTAL_Q, TOTAL_K, WIN_LEFT,
     writes nothing), one whose key rows fall outside [0, TOTAL_K] sees no keys.
     IS_VARLEN 2: CU_Q / CU_K hold each sequence's (start, end) rows, 2B int32s, bounded on
     the device beforehand (the backward's way: its kernels then run the unchecked code).
+    IS_VARLEN 3: packed queries over paged keys: sequence b's SEQUSED_K[b] keys (or
+    CU_K[b + 1] - CU_K[b]; CU_K may be None beside SEQUSED_K) start at position 0 of its pages
+    (k_off 0), TOTAL_K the positions its block-table row holds: a longer sequence sees none.
     Returns (q_off, k_off, SQ, SK, LOWER, UPPER, DIAG): query i sees key j iff
     i + LOWER <= j <= i + UPPER, with DIAG = SK - SQ (bottom-right alignment).
     """
@@ -97,6 +149,18 @@ def seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK, TOTAL_Q, TOTAL_K, WIN_LEFT,
         SK = tl.load(CU_K + 2 * off_b + 1) - k_start
         q_off = q_start.to(tl.int64)
         k_off = k_start.to(tl.int64)
+    elif IS_VARLEN == 3:
+        q_start = tl.load(CU_Q + off_b)
+        q_end = tl.load(CU_Q + off_b + 1)
+        if SEQUSED_K is not None:
+            SK = tl.load(SEQUSED_K + off_b)
+        else:
+            SK = tl.load(CU_K + off_b + 1) - tl.load(CU_K + off_b)
+        q_ok = (q_start.to(tl.uint32) <= q_end.to(tl.uint32)) & (q_end.to(tl.uint32) <= TOTAL_Q)
+        SQ = tl.where(q_ok, q_end - q_start, 0)
+        SK = tl.where(SK.to(tl.uint32) <= TOTAL_K, SK, 0)
+        q_off = q_start.to(tl.int64)
+        k_off = 0
     elif IS_VARLEN:
         q_start = tl.load(CU_Q + off_b)
         q_end = tl.load(CU_Q + off_b + 1)

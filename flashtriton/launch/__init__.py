@@ -72,10 +72,12 @@ def backward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
 
 @on_device_of
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
-                      varlen: Optional[Varlen] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """O in q's shape and dtype; LSE fp32 in natural log, (B, H, SQ) or (H, total_q)."""
+                      varlen: Optional[Varlen] = None, out: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """O in q's shape and dtype (into ``out`` where given: q's shape and dtype, a unit stride
+    on D); LSE fp32 in natural log, (B, H, SQ) or (H, total_q)."""
     SK = _dims(q, k, varlen)[2]
-    out = runtime._empty_like(q)
+    out = runtime._empty_like(q) if out is None else out
     lse, stride_lb, stride_lh = _lse_buffer(q, varlen)
     if out.numel() == 0:
         return out, lse

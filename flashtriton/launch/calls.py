@@ -70,12 +70,16 @@ def lookup_mods(key: int):
 class Varlen(NamedTuple):
     """Packed sequences: q (total_q, H, D), k/v (total_k, HKV, D), int32 offsets (B + 1);
     seqused_k (B,) int32 or None: sequence b's keys are the seqused_k[b] rows from
-    cu_seqlens_k[b] on (the forward only)."""
+    cu_seqlens_k[b] on (the forward only). block_table (B, max_pages) int32 or None: k/v are
+    pages (num_pages, page_size, HKV, D) and sequence b's keys (seqused_k[b], or
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b]; cu_seqlens_k may then be None) fill its pages
+    block_table[b] from position 0 (the forward only)."""
     cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
+    cu_seqlens_k: Optional[torch.Tensor]
     max_seqlen_q: int
     max_seqlen_k: int
     seqused_k: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
 
 
 def _alibi_args(variant: Variant):
@@ -192,10 +196,13 @@ def _cu(varlen: Optional[Varlen]):
 
 
 def _sizes(q, k, varlen: Optional[Varlen], SQ: int, SK: int):
-    """The kernels' SQ, SK, TOTAL_Q, TOTAL_K: varlen's rows of the packed q and k bound
-    every offset the kernels read from CU_Q / CU_K (kernels.common.seq_bounds)."""
+    """The kernels' SQ, SK, TOTAL_Q, TOTAL_K: varlen's rows of the packed q and k (or the
+    positions of a block-table row) bound every offset and length the kernels read from
+    CU_Q / CU_K / SEQUSED_K (kernels.common.seq_bounds)."""
     if varlen is None:
         return SQ, SK, SQ, SK
+    if varlen.block_table is not None:  # the positions of a block-table row
+        return SQ, SK, q.shape[0], varlen.block_table.shape[1] * k.shape[1]
     return SQ, SK, q.shape[0], k.shape[0]
 
 

@@ -14,7 +14,7 @@ from ..runtime import Replay, autotuned, launch_jit, pointers, recall, remember
 from .calls import (_DECODE_KEY, _KEY, Variant, Varlen, _alibi_args, _block_args, _common, _cu,
                     _dims, _mask_args, _signature, _sizes, _strides)
 
-_fwd = autotuned("fwd", _attn_fwd_kernel, (*_KEY, "USE_TMA"))
+_fwd = autotuned("fwd", _attn_fwd_kernel, (*_KEY, "USE_TMA", "PAGE_SIZE"))
 _dkdv = autotuned("dkdv", _attn_bwd_dkdv_kernel, (*_KEY, "USE_TMA"))
 _dq = autotuned("dq", _attn_bwd_dq_kernel, (*_KEY, "USE_TMA"))
 _decode = autotuned("decode", _attn_decode_kernel, _DECODE_KEY)
@@ -40,22 +40,29 @@ def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: V
     b * stride_lb + h * stride_lh + i, i counted from the sequence's first row in the packed
     tensors under varlen). Returns the launch's Replay, if any: its leading arguments are
     q, k, v, out, lse, ALiBi, the score mask, CU_Q, CU_K, SEQUSED_K, the block mask, the
-    sinks."""
+    sinks, the block table. Paged keys (varlen.block_table): k and v (pages, page_size,
+    HKV, D), read by TMA where pages are whole row blocks of one tensor."""
     B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
     common, key = _common(q, varlen, SQ, SK, variant)
     if common["HAS_ALIBI"] == 2:  # the forward kernel has the general form only
         common = dict(common, HAS_ALIBI=1)
+    table = None if varlen is None else varlen.block_table
+    page_size = 0 if table is None else k.shape[1]
     use_tma = runtime._use_tma(k, v)
+    if table is not None:
+        common = dict(common, IS_VARLEN=3)
+        use_tma = use_tma and k.shape[0] * page_size < 2**31 and all(
+            x.stride(0) == page_size * x.stride(1) for x in (k, v))
     return runtime._launch(
-        _fwd, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), (*key, use_tma),
+        _fwd, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), (*key, use_tma, page_size),
         q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
-        variant.sinks, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        variant.sinks, table, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
-        *_block_args(variant.kv_blocks)[1:],
-        H, H // HKV, *_sizes(q, k, varlen, SQ, SK),
-        USE_TMA=use_tma, HAS_SINK=variant.sinks is not None, **common,
+        *_block_args(variant.kv_blocks)[1:], 0 if table is None else table.stride(0),
+        H, H // HKV, *_sizes(q, k, varlen, SQ, SK), k.shape[0] if table is not None else 0,
+        USE_TMA=use_tma, HAS_SINK=variant.sinks is not None, PAGE_SIZE=page_size, **common,
     )
 
 
