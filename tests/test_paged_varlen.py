@@ -86,6 +86,15 @@ def test_lengths_from_cu_seqlens_k(lens):
     _check(*lens, 16, torch.bfloat16, True, use_seqused=False)
 
 
+@pytest.mark.parametrize("page", [8, 32, 512])
+def test_many_chunks_of_pages(page):
+    """Keys past one chunk of the pointer path's page lists (64 tiles), sliding windows whose
+    first tile starts inside a page, pages larger than a chunk."""
+    lens = ([2, 1], [1100, 300]) if not ON_GPU else ([300, 1, 2000], [9000, 7000, 5000])
+    _check(*lens, page, torch.float16, True)
+    _check(*lens, page, torch.float16, True, window_size=(500, 0))
+
+
 @pytest.mark.parametrize("option", ["window", "softcap", "alibi", "sinks", "gqa-4"])
 def test_variants_over_pages(option):
     lens = LENS[0]

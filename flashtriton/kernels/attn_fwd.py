@@ -22,6 +22,8 @@ from .common import (LN2, LOG2E, NEG_BIG, add_sink, apply_attn_mask, dropout_kee
                      load_kv, load_tile, row_source, scores, seq_bounds, store_tile)
 from .mask import kv_range, rows_hi, visible
 
+GATHER_TILES = tl.constexpr(64)  # key tiles a chunk of paged keys read by pointers
+
 
 @triton.jit
 def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
@@ -68,9 +70,9 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_
 
 
 @triton.jit
-def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
-                    stride_vt, pages, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n,
-                    offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM,
+def _attn_fwd_tiles(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
+                    stride_vt, pages, chunk_lo, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b,
+                    offs_n, offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM,
                     LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
                     seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
                     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -86,15 +88,17 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
     first use, and ptxas interleaves the next product's issue with the exp2s). Without
     SPLIT, half a is the whole block and b is untouched. LISTED: lo..hi count through the
     key blocks (of SPARSE keys) that blk_list names, one flat loop for the pipeliner.
-    PAGE_SIZE > 0: the keys and values sit in pages (common.load_kv)."""
+    PAGE_SIZE > 0: the keys and values sit in pages (common.load_kv; ``pages``: the
+    sequence's block-table row, or under a gather the page of each key from ``chunk_lo`` on,
+    _attn_fwd_inner's chunk)."""
     for it in range(lo, hi, BLOCK_N):
         start_n = it
         if LISTED:
             start_n = tl.load(blk_list + it // SPARSE) * SPARSE + it % SPARSE
         cols = start_n + offs_n                                      # [BLOCK_N]
-        k = load_kv(k_base, pages, start_n, offs_n, stride_kt, stride_kp, SK, NUM_PAGES, offs_d,
+        k = load_kv(k_base, pages, chunk_lo, start_n, offs_n, stride_kt, stride_kp, SK, NUM_PAGES, offs_d,
                     HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE, BLOCK_N)  # [BLOCK_N, BLOCK_D]
-        v = load_kv(v_base, pages, start_n, offs_n, stride_vt, stride_vp, SK, NUM_PAGES, offs_d,
+        v = load_kv(v_base, pages, chunk_lo, start_n, offs_n, stride_vt, stride_vp, SK, NUM_PAGES, offs_d,
                     HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE, BLOCK_N)  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
@@ -116,6 +120,50 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
                                                HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                                SCORE_MOD, MASK_MOD, MASK)
             acc_b = tl.dot(p.to(v.dtype), v, acc_b, input_precision=DOT_PREC)
+    return acc_a, l_a, m_a, acc_b, l_b, m_b
+
+
+@triton.jit
+def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
+                    stride_vt, pages, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n,
+                    offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM,
+                    LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+                    seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
+                    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
+                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+                    SPLIT: tl.constexpr, LISTED: tl.constexpr, SPARSE: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks lo..hi (_attn_fwd_tiles). Paged keys read by pointers: in chunks of
+    GATHER_TILES tiles (or a page), each chunk's pages loaded once before its tiles, so that no load
+    inside the pipelined loop feeds the addresses of the key and value loads (Triton's
+    pipeliner then prefetches them num_stages - 1 tiles ahead, as for contiguous keys; with
+    the block table read in the loop it prefetched one)."""
+    if PAGE_SIZE > 0 and not USE_TMA:
+        # chunks start at multiples of CHUNK, a multiple of PAGE_SIZE: whole pages
+        CHUNK: tl.constexpr = (GATHER_TILES * BLOCK_N if GATHER_TILES * BLOCK_N >= PAGE_SIZE
+                               else PAGE_SIZE)
+        n_entries = tl.cdiv(SK, PAGE_SIZE)  # the sequence's pages in its block-table row
+        for chunk_lo in range(lo // CHUNK * CHUNK, hi, CHUNK):
+            entries = chunk_lo // PAGE_SIZE + tl.arange(0, CHUNK // PAGE_SIZE)
+            chunk = tl.load(pages + entries, mask=entries < n_entries, other=0)
+            acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_tiles(
+                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
+                chunk, chunk_lo, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
+                tl.maximum(chunk_lo, lo), tl.minimum(chunk_lo + CHUNK, hi), blk_list, SQ, SK, HEAD_DIM, LOWER,
+                UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
+                rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
+                HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK, DOT_PREC, UPCAST,
+                USE_TMA, SPLIT, LISTED, SPARSE, PAGE_SIZE, BLOCK_N)
+    else:
+        acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_tiles(
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
+            pages, 0, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, lo, hi,
+            blk_list, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
+            stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER,
+            HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK,
+            DOT_PREC, UPCAST, USE_TMA, SPLIT, LISTED, SPARSE, PAGE_SIZE, BLOCK_N)
     return acc_a, l_a, m_a, acc_b, l_b, m_b
 
 

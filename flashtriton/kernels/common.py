@@ -65,39 +65,31 @@ def load_rows(src, start, offs, stride, n_rows, cols, N_COLS, CHECK_ROWS: tl.con
 
 
 @triton.jit
-def load_kv(src, pages, start, offs, stride, stride_page, n_rows, n_pages, cols, N_COLS,
+def load_kv(src, pages, chunk_lo, start, offs, stride, stride_page, n_rows, n_pages, cols, N_COLS,
             CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, USE_TMA: tl.constexpr,
             PAGE_SIZE: tl.constexpr, BLOCK_R: tl.constexpr):
-    """``load_rows`` of key / value rows start + offs: contiguous (PAGE_SIZE 0), or paged:
-    row r in page ``pages[r // PAGE_SIZE]`` (int32) at r % PAGE_SIZE, pages ``stride_page``
-    apart from ``src`` (TMA: a descriptor over every page's rows, PAGE_SIZE >= BLOCK_R). A page
-    outside [0, n_pages) reads as zeros; no address outside the pool is formed."""
+    """``load_rows`` of key / value rows start + offs: contiguous (PAGE_SIZE 0), or paged: row r
+    in page P(r) at r % PAGE_SIZE, pages ``stride_page`` apart from ``src``. TMA (a tile in one
+    page, PAGE_SIZE >= BLOCK_R): ``pages`` is the block-table row, P(r) = pages[r // PAGE_SIZE]
+    (int32), ``src`` a descriptor over every page's rows. Pointers: ``pages`` holds the pages
+    of the keys from ``chunk_lo`` on (a register tensor, one entry a page), P(r) =
+    pages[(r - chunk_lo) // PAGE_SIZE]. A page outside [0, n_pages) reads as zeros; no
+    address outside the pool is formed."""
     if PAGE_SIZE == 0:
         x = load_rows(src, start, offs, stride, n_rows, cols, N_COLS, CHECK_ROWS, CHECK_COLS,
                       USE_TMA)
+    elif USE_TMA:
+        page = tl.load(pages + start // PAGE_SIZE)
+        ok = page.to(tl.uint32) < n_pages  # (one unsigned compare: also page < 0)
+        # past the pool's rows for a page outside it: TMA's zero fill
+        x = src.load([tl.where(ok, page, n_pages) * PAGE_SIZE + start % PAGE_SIZE, 0])
     else:
         rows = start + offs
-        if PAGE_SIZE >= BLOCK_R:  # the tile lies in one page
-            page = tl.load(pages + start // PAGE_SIZE)
-            ok = page.to(tl.uint32) < n_pages  # (one unsigned compare: also page < 0)
-            in_page = start % PAGE_SIZE
-            if USE_TMA:  # past the pool's rows for a page outside it: TMA's zero fill
-                x = src.load([tl.where(ok, page, n_pages) * PAGE_SIZE + in_page, 0])
-            else:
-                ptrs = (src + tl.where(ok, page, 0).to(tl.int64) * stride_page
-                        + (in_page + offs).to(tl.int64)[:, None] * stride + cols[None, :])
-                x = _masked_rows(ptrs, tl.full([BLOCK_R, 1], 1, tl.int1) & ok, rows, n_rows,
-                                 cols, N_COLS, CHECK_ROWS, CHECK_COLS)
-        else:  # pages of fewer rows than a tile: each row's own page
-            if CHECK_ROWS:
-                page = tl.load(pages + rows // PAGE_SIZE, mask=rows < n_rows, other=0)
-            else:
-                page = tl.load(pages + rows // PAGE_SIZE)
-            ok = page.to(tl.uint32) < n_pages
-            ptrs = (src + (tl.where(ok, page, 0).to(tl.int64) * stride_page
-                           + (rows % PAGE_SIZE).to(tl.int64) * stride)[:, None] + cols[None, :])
-            x = _masked_rows(ptrs, ok[:, None], rows, n_rows, cols, N_COLS, CHECK_ROWS,
-                             CHECK_COLS)
+        page = tl.gather(pages, (rows - chunk_lo) // PAGE_SIZE, 0)
+        ok = page.to(tl.uint32) < n_pages
+        ptrs = (src + (tl.where(ok, page, 0).to(tl.int64) * stride_page
+                       + (rows % PAGE_SIZE).to(tl.int64) * stride)[:, None] + cols[None, :])
+        x = _masked_rows(ptrs, ok[:, None], rows, n_rows, cols, N_COLS, CHECK_ROWS, CHECK_COLS)
     return x
 
 
