@@ -11,7 +11,7 @@ from .autograd import AttentionOutput, attention, register_mods
 from .block_mask import BlockMask, create_block_mask
 from .validation import (_contents as validation_contents, check_alibi, check_block_table,
                          check_cache_indices, check_cu_seqlens, check_deterministic,
-                         check_dropout, check_index_tensor, check_max_seqlen, check_out,
+                         check_dropout, check_flag, check_index_tensor, check_max_seqlen, check_out,
                          check_qkv, check_scale, check_sinks, check_softcap,
                          check_varlen_indices, check_window, describe, unit_last)
 
@@ -62,7 +62,7 @@ def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_
 def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
          dropout_p=0.0, names=("q", "k", "v"), attn_mask=None, score_mod=None,
          score_mod_grad=None, mask_mod=None, block_mask=None,
-         deterministic=False, sinks=None) -> AttentionOutput:
+         deterministic=False, sinks=None, batch_invariant=False) -> AttentionOutput:
     """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
     check_qkv(q, k, v, names)
     scale = check_scale(softmax_scale, q.shape[-1])
@@ -76,14 +76,15 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
     out, lse = attention(unit_last(q), unit_last(k), unit_last(v), None, None, 0, 0,
                          alibi_slopes, attn_mask, scale, bool(causal), left, right, softcap,
                          dropout_p, seed, *blocks, check_deterministic(deterministic),
-                         sinks=sinks)
+                         check_flag("batch_invariant", batch_invariant), sinks=sinks)
     return AttentionOutput(out, lse)
 
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                 softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                 dropout_p=0.0, names=("q", "k", "v"), deterministic=False,
-                sinks=None, seqused_k=None, block_table=None, out=None) -> AttentionOutput:
+                sinks=None, seqused_k=None, block_table=None, out=None,
+                batch_invariant=False) -> AttentionOutput:
     paged = block_table is not None
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
@@ -138,14 +139,15 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             x.requires_grad for x in (q, k, v, sinks) if x is not None):
         raise ValueError(f"{' / '.join(forward_only)}: inference only (no backward); call "
                          f"under torch.no_grad() or with inputs that do not require grad")
-    if paged and max_q == 1 and q.shape[0] == B and not dropout_p:
+    if paged and max_q == 1 and q.shape[0] == B and not dropout_p and not batch_invariant:
         # a decoding batch (one query a sequence): the KV-cache path's split kernel
         return _paged_decode(q, k, v, cu_k, seqused_k, block_table, scale, causal, (left, right),
                              softcap, alibi_slopes, sinks, out)
     out, lse = attention(unit_last(q), unit_last(k), unit_last(v), cu_q, cu_k, max_q, max_k,
                          alibi_slopes, None, scale, bool(causal), left, right, softcap,
                          dropout_p, seed, None, None, 128, 0, check_deterministic(deterministic),
-                         sinks=sinks, seqused_k=seqused_k, block_table=block_table, out=out)
+                         check_flag("batch_invariant", batch_invariant), sinks=sinks,
+                         seqused_k=seqused_k, block_table=block_table, out=out)
     return AttentionOutput(out, lse)
 
 
@@ -218,6 +220,13 @@ _OPTIONS_DOC = """
            flash-attn, the backward may add dQ in an order that varies from run to run
            (the Gluon backward on Hopper at head dim 128; the Triton kernels that run
            everything else are repeatable either way).
+        batch_invariant: the forward's bits for a row depend only on the row, its keys and
+           the options: not on the rest of the batch, the row's place among the query
+           tokens, seqlen_q or the grid (one fixed tile, no autotuning, every key tile
+           through the same masked softmax, the Triton forward). Bitwise equal to
+           ``attention_with_kvcache(..., batch_invariant=True)`` over the same keys: a
+           training forward's log-probs match decoding's (RL rollouts). Costs forward time
+           (docs/perf.md); the backward is unchanged.
 """
 
 
@@ -226,10 +235,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
                     dropout_p: float = 0.0, score_mod=None, score_mod_grad=None, mask_mod=None,
                     block_mask: Optional[BlockMask] = None, deterministic: bool = False,
-                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor] = None,
+                    batch_invariant: bool = False) -> torch.Tensor:
     return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                 score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
-                block_mask=block_mask, deterministic=deterministic, sinks=sinks).out
+                block_mask=block_mask, deterministic=deterministic, sinks=sinks,
+                batch_invariant=batch_invariant).out
 
 
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -239,10 +250,12 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              dropout_p: float = 0.0, score_mod=None, score_mod_grad=None,
                              mask_mod=None, block_mask: Optional[BlockMask] = None,
                              deterministic: bool = False,
-                             sinks: Optional[torch.Tensor] = None) -> AttentionOutput:
+                             sinks: Optional[torch.Tensor] = None,
+                             batch_invariant: bool = False) -> AttentionOutput:
     return _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                 score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
-                block_mask=block_mask, deterministic=deterministic, sinks=sinks)
+                block_mask=block_mask, deterministic=deterministic, sinks=sinks,
+                batch_invariant=batch_invariant)
 
 
 flash_attention.__doc__ = """Exact softmax attention, out = softmax(q k^T * softmax_scale) v, differentiable.
@@ -297,6 +310,8 @@ _VARLEN_DOC = """
            left out).
         out: (total_q, nheads, headdim) in q's dtype: the output is written there.
         seqused_k, block_table and out are for inference (no backward).
+        batch_invariant: as in ``flash_attention`` (a decode batch over pages then stays on
+           the forward kernel).
 """
 
 
@@ -310,11 +325,12 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            sinks: Optional[torch.Tensor] = None,
                            seqused_k: Optional[torch.Tensor] = None,
                            block_table: Optional[torch.Tensor] = None,
-                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           out: Optional[torch.Tensor] = None,
+                           batch_invariant: bool = False) -> torch.Tensor:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                        deterministic=deterministic, sinks=sinks, seqused_k=seqused_k,
-                       block_table=block_table, out=out).out
+                       block_table=block_table, out=out, batch_invariant=batch_invariant).out
 
 
 def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -328,11 +344,12 @@ def flash_attention_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.T
                                     sinks: Optional[torch.Tensor] = None,
                                     seqused_k: Optional[torch.Tensor] = None,
                                     block_table: Optional[torch.Tensor] = None,
-                                    out: Optional[torch.Tensor] = None) -> AttentionOutput:
+                                    out: Optional[torch.Tensor] = None,
+                                    batch_invariant: bool = False) -> AttentionOutput:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                        deterministic=deterministic, sinks=sinks, seqused_k=seqused_k,
-                       block_table=block_table, out=out)
+                       block_table=block_table, out=out, batch_invariant=batch_invariant)
 
 
 flash_attention_varlen.__doc__ = """``flash_attention`` on packed sequences; returns out (total_q, nheads, headdim).

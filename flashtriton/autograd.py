@@ -32,11 +32,12 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=No
 
 def _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
              dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods,
-             deterministic, sinks) -> Variant:
+             deterministic, batch_invariant, sinks) -> Variant:
     seed = 0 if dropout_seed is None else int(dropout_seed)  # a CPU tensor: no device sync
     return Variant(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
                    attn_mask, dropout_p, seed, *launch.lookup_mods(mods), kv_blocks, q_blocks,
-                   block_size, deterministic=deterministic, sinks=sinks)
+                   block_size, deterministic=deterministic, sinks=sinks,
+                   batch_invariant=batch_invariant)
 
 
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
@@ -45,27 +46,30 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
              causal: bool, window_left: int, window_right: int, softcap: float, dropout_p: float,
              dropout_seed: Optional[Tensor], kv_blocks: Optional[Tensor],
              q_blocks: Optional[Tensor], block_size: int, mods: int,
-             deterministic: bool, sinks: Optional[Tensor], seqused_k: Optional[Tensor] = None,
+             deterministic: bool, batch_invariant: bool, sinks: Optional[Tensor],
+             seqused_k: Optional[Tensor] = None,
              block_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """out in q's shape; lse fp32 (B, H, SQ), or (H, total_q) for packed sequences.
 
     dropout_seed: a CPU int64 tensor (drawn from torch's generator by the caller);
-    deterministic: the backward (attn_bwd) is to be bitwise repeatable; sinks: (H,) logits
+    deterministic: the backward (attn_bwd) is to be bitwise repeatable; batch_invariant: the
+    forward's bits for a row do not depend on the rest of the batch (Variant); sinks: (H,) logits
     that join each row's softmax (the LSE includes them); seqused_k, block_table: packed
     sequences' key counts and pages (Varlen; the forward only)."""
     return _forward_into(None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          alibi_slopes, attn_mask, softmax_scale, causal, window_left,
                          window_right, softcap, dropout_p, dropout_seed, kv_blocks, q_blocks,
-                         block_size, mods, deterministic, sinks, seqused_k, block_table)
+                         block_size, mods, deterministic, batch_invariant, sinks, seqused_k,
+                         block_table)
 
 
 def _forward_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest):
     """attn_fwd into ``out`` (None: a new tensor); rest: attn_fwd's arguments after
     max_seqlen_k."""
-    variant = _variant(*rest[:15])
+    variant = _variant(*rest[:16])
     return launch.attention_forward(q, k, v, variant,
                                     _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                            max_seqlen_k, *rest[15:]), out)
+                                            max_seqlen_k, *rest[16:]), out)
 
 
 attn_fwd = torch.library.custom_op("flashtriton::attn_fwd", _attn_fwd, mutates_args=())
@@ -87,7 +91,7 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
              softmax_scale: float, causal: bool, window_left: int, window_right: int,
              softcap: float, dropout_p: float, dropout_seed: Optional[Tensor],
              kv_blocks: Optional[Tensor], q_blocks: Optional[Tensor], block_size: int,
-             mods: int, deterministic: bool, sinks: Optional[Tensor]
+             mods: int, deterministic: bool, batch_invariant: bool, sinks: Optional[Tensor]
              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv, dsinks) of attn_fwd, recomputed from q, k, v, out and lse;
     dsinks is empty without sinks (an op returns tensors)."""
@@ -95,7 +99,7 @@ def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         dout, q, k, v, out, lse,
         _variant(alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right,
                  softcap, dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods,
-                 deterministic, sinks),
+                 deterministic, batch_invariant, sinks),
         _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return dq, dk, dv, q.new_empty(0) if dsinks is None else dsinks
 
@@ -141,7 +145,8 @@ class FlashAttnFunction(torch.autograd.Function):
     """out, lse = FlashAttnFunction.apply(q, k, v, sinks, rest), rest = attn_fwd's arguments
     between v and sinks as one tuple (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     alibi_slopes, attn_mask, softmax_scale, causal, window_left, window_right, softcap,
-    dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods, deterministic): autograd
+    dropout_p, dropout_seed, kv_blocks, q_blocks, block_size, mods, deterministic,
+    batch_invariant): autograd
     processes every argument of apply on every call (host time), and only q, k, v and the
     sinks are differentiable; the tensors in ``rest`` are inputs the backward reads, kept on
     ctx."""

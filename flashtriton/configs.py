@@ -160,6 +160,16 @@ def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: 
     return kept or [c for c in configs if max(c[0], c[1]) <= max_block][:1] or configs[:1]
 
 
+def invariant_tile(head_dim_padded: int, elem_bytes: int) -> Tuple[int, int, int, int]:
+    """The forward's one tile under batch_invariant (no autotuning: every call of a head-dim
+    class and element size runs it, whatever its batch, lengths or grid)."""
+    if _env.INTERPRET:
+        return _INTERPRET
+    if elem_bytes >= 4:
+        return (_FP32_WIDE if head_dim_padded >= 128 else _FP32)[0]
+    return _GPU["fwd"][_dim_class(head_dim_padded)][0]
+
+
 def as_kwargs(cfg: Tuple[int, int, int, int]) -> Dict[str, int]:
     """The tile sizes of a config (decoding configs have no BLOCK_M: the call sets it)."""
     bm, bn, _, _ = cfg

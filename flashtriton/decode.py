@@ -13,8 +13,8 @@ from . import configs, runtime, validation
 from .api import AttentionOutput
 from .launch import decode as decode_launch
 from .launch.decode import append_kv, merge_partials, step_signature
-from .validation import (check_alibi, check_block_table, check_cache_indices, check_index_tensor,
-                         check_qkv, check_scale, check_sinks, check_softcap, check_window,
+from .validation import (check_alibi, check_block_table, check_cache_indices, check_flag,
+                         check_index_tensor, check_qkv, check_scale, check_sinks, check_softcap, check_window,
                          describe)
 
 __all__ = ["attention_with_kvcache", "append_kv", "apply_rotary", "merge_attention_states",
@@ -57,7 +57,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rotary_sin: Optional[torch.Tensor] = None,
                            rotary_interleaved: bool = True,
                            num_splits: int = 0, return_lse: bool = True,
-                           sinks: Optional[torch.Tensor] = None) -> AttentionOutput:
+                           sinks: Optional[torch.Tensor] = None,
+                           batch_invariant: bool = False) -> AttentionOutput:
     """Attention of a few query tokens over a KV cache, after appending k, v to it.
 
     Args:
@@ -89,6 +90,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            shorter (as flash-attn's ``return_softmax_lse=False``).
         sinks: attention sinks (nheads,), as in ``flash_attention``: one logit a query head
            in every row's softmax denominator (the LSE includes it).
+        batch_invariant: a sequence's output does not depend on the rest of the batch, on
+           the grid or on num_splits, and equals bitwise ``flash_attention(q, k, v,
+           batch_invariant=True)`` over the same keys (and a training forward's rows at the
+           same positions): every call runs the forward kernel over the cache (its one fixed
+           tile, no KV splits); slower than the split kernel for small batches
+           (docs/perf.md). Not with cache_leftpad over a paged cache.
 
     Returns ``AttentionOutput(out, lse)``: out (batch, seqlen_q, nheads, headdim), lse
     (batch, nheads, seqlen_q) float32 or None. Not differentiable.
@@ -107,7 +114,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             and isinstance(q, torch.Tensor) and q.stride(-1) == 1
             and type(window_size) is tuple and decode_launch.TIMELINE is None
             and not validation.validating()
-            and (sinks is None or isinstance(sinks, torch.Tensor) and sinks.stride(-1) == 1))
+            and (sinks is None or isinstance(sinks, torch.Tensor) and sinks.stride(-1) == 1)
+            and type(batch_invariant) is bool)
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
                alibi_slopes, sinks)
     signature = None
@@ -116,7 +124,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             signature = step_signature(q, k_cache, v_cache, cache_seqlens, block_table,
                                        cache_batch_idx, cache_leftpad, alibi_slopes, softmax_scale,
                                        causal, window_size, softcap, num_splits, return_lse,
-                                       sinks)
+                                       sinks, batch_invariant)
         except AttributeError:  # not a tensor where one belongs: the checks below say so
             step = False
         replayed = decode_launch.replay_step(signature, tensors, return_lse)
@@ -133,6 +141,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     softcap = check_softcap(softcap)
     alibi = check_alibi(alibi_slopes, B, H, q.device)
     sinks = check_sinks(sinks, H, q.device)
+    batch_invariant = check_flag("batch_invariant", batch_invariant)
+    if batch_invariant and block_table is not None and cache_leftpad is not None:
+        raise ValueError("batch_invariant: cache_leftpad over a paged cache is not supported "
+                         "(left-pad a contiguous cache, or start each sequence at page 0)")
     if rotary_cos is not None:  # positions: the cache's indices (left padding included)
         steps = torch.arange(SQ, device=q.device)
         local = causal or checked.window != (-1, -1)
@@ -145,7 +157,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                              rotary_interleaved)
     return decode_launch.attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 cache_batch_idx, cache_leftpad, alibi, scale, causal, left, right,
-                                softcap, num_splits, return_lse, signature, step, sinks)
+                                softcap, num_splits, return_lse, signature, step, sinks,
+                                batch_invariant)
 
 
 class _Checked(NamedTuple):

@@ -6,8 +6,8 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from . import _env, launch
-from .validation import (check_alibi, check_dropout, check_qkv, check_scale, check_softcap,
-                         check_window)
+from .validation import (check_alibi, check_dropout, check_flag, check_qkv, check_scale,
+                         check_softcap, check_window)
 
 
 class Explanation(NamedTuple):
@@ -23,7 +23,8 @@ class Explanation(NamedTuple):
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
             softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
             softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-            dropout_p: float = 0.0, block_mask=None, deterministic: bool = False) -> Explanation:
+            dropout_p: float = 0.0, block_mask=None, deterministic: bool = False,
+            batch_invariant: bool = False) -> Explanation:
     """The kernel families ``flash_attention(q, k, v, **options)`` runs, forward and backward,
     and the reasons the others do not; also logged at debug level. Checks its arguments as
     flash_attention does (ValueError / TypeError); launches nothing."""
@@ -32,7 +33,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     variant = launch.Variant(check_scale(softmax_scale, q.shape[-1]), bool(causal), left, right,
                              check_softcap(softcap),
                              check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device),
-                             dropout_p=check_dropout(dropout_p)[0], deterministic=deterministic)
+                             dropout_p=check_dropout(dropout_p)[0], deterministic=deterministic,
+                             batch_invariant=check_flag("batch_invariant", batch_invariant))
     if block_mask is not None:
         variant = variant._replace(mask_mod=block_mask.mask_mod, kv_blocks=block_mask.kv_blocks,
                                    q_blocks=block_mask.q_blocks, block_size=block_mask.block_size)

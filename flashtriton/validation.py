@@ -245,6 +245,15 @@ def check_deterministic(deterministic) -> bool:
     return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
 
 
+def check_flag(name: str, value) -> bool:
+    """A switch: a bool (or numpy bool / 0-d tensor that converts); anything else a TypeError."""
+    if isinstance(value, (bool, numbers.Integral)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool:
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def unit_last(x: torch.Tensor) -> torch.Tensor:
     """x, or a contiguous copy where its stride on headdim is not 1 (what the kernels need)."""
     return x if x.stride(-1) == 1 else x.contiguous()

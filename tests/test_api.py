@@ -188,9 +188,9 @@ def test_custom_ops_opcheck():
         ((q[0], k[0], v[0], cu, cu_k, 13, 13, None, None), (0.3, True, 4, -1, 0.0, 0.0, None),
          sinks),
     ]
-    for args, opts, sink in cases:
-        # no block mask, no mods, default backward, the sinks
-        opts = opts + (None, None, 128, 0, False, sink)
+    for (args, opts, sink), invariant in zip(cases, (False, True, False, True)):
+        # no block mask, no mods, default backward, batch_invariant, the sinks
+        opts = opts + (None, None, 128, 0, False, invariant, sink)
         torch.library.opcheck(torch.ops.flashtriton.attn_fwd.default, args + opts)
         out, lse = torch.ops.flashtriton.attn_fwd(*args, *opts)
         dout = torch.randn_like(out)

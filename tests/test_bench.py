@@ -133,7 +133,8 @@ def test_registry_lists_every_provider_and_suite():
     assert set(bench.PROVIDERS) == {"flashtriton", "sdpa_cudnn", "flex", "sdpa_flash",
                                     "sdpa_efficient", "flash_attn", "naive"}
     assert set(bench.DECODE_PROVIDERS) == {"flashtriton", "flashtriton_paged16",
-                                           "flashtriton_paged_varlen16", "sdpa"}
+                                           "flashtriton_paged_varlen16",
+                                           "flashtriton_batch_invariant", "sdpa"}
     assert list(bench.SUITES) == ["train", "gqa", "overhead", "coldstart", "decode"]
     with pytest.raises(SystemExit) as exc:
         bench_main(["--providers", "no_such"])

@@ -124,12 +124,12 @@ class DecodeInputs(NamedTuple):
 # that is timed, as it was before this registry: flashtriton with return_lse=False returns
 # its AttentionOutput, SDPA its (B, H, 1, D) tensor); output(result) is out (B, 1, H, D).
 
-def _kvcache(paged: bool):
+def _kvcache(paged: bool, batch_invariant: bool = False):
     def make(x: DecodeInputs):
         from flashtriton.decode import attention_with_kvcache
         k, v, table = (x.k_pages, x.v_pages, x.table) if paged else (x.k, x.v, None)
         return lambda: attention_with_kvcache(x.q, k, v, cache_seqlens=x.lens, block_table=table,
-                                              return_lse=False)
+                                              return_lse=False, batch_invariant=batch_invariant)
     return make
 
 
@@ -153,6 +153,7 @@ DECODE_PROVIDERS = {
     "flashtriton": (_kvcache(paged=False), lambda r: r.out),
     "flashtriton_paged16": (_kvcache(paged=True), lambda r: r.out),
     "flashtriton_paged_varlen16": (_paged_varlen, lambda r: r.unsqueeze(1)),
+    "flashtriton_batch_invariant": (_kvcache(paged=False, batch_invariant=True), lambda r: r.out),
     "sdpa": (_sdpa_decode, lambda r: r.transpose(1, 2)),
 }
 

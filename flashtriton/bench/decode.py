@@ -2,7 +2,8 @@
 headdim 128, bf16), --decode-batches x --decode-lens.
 
 Each provider of DECODE_PROVIDERS (flashtriton over a contiguous cache and over 16-token
-pages, torch SDPA with GQA) is checked against flashtriton.reference (float32) first; then GB/s
+pages, through flash_attn_varlen_func over the pages, with batch_invariant=True, and torch
+SDPA with GQA) is checked against flashtriton.reference (float32) first; then GB/s
 of K and V read and % of the copy bandwidth measured in the same run, for eager calls (their
 kernels) and for the step replayed from a CUDA graph (as serving engines run it): GPU time
 after an L2 flush that leaves no dirty lines (common.cold_ms), the copy too; and the host's

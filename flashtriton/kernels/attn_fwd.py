@@ -12,7 +12,10 @@ pages BLOCK_TABLE[b], as flash-attn's paged varlen and vLLM lay them out),
 HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
 HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Hopper),
 HAS_SINK (SINK: one logit per query head that joins every row's softmax denominator and has
-no value: O = sum_j p_j v_j / (sum_j p_j + exp(sink)), LSE over the keys and the sink).
+no value: O = sum_j p_j v_j / (sum_j p_j + exp(sink)), LSE over the keys and the sink),
+INVARIANT (the fully visible key tiles through the masked softmax too: one arithmetic for every
+tile, so a row's bits do not depend on which tiles its query block sees whole; tiles that a
+row does not see at all leave its state exactly as it was).
 """
 
 import triton
@@ -204,7 +207,8 @@ def _attn_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, INVARIANT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
     off_bh = tl.program_id(1)
@@ -307,7 +311,7 @@ def _attn_fwd_kernel(
             pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
             UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, False, DOT_PREC, UPCAST, TMA_KV, SPLIT,
+            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, INVARIANT, DOT_PREC, UPCAST, TMA_KV, SPLIT,
             False, SPARSE, PAGE_SIZE, BLOCK_N)
         mid = hi
         if SPLIT and HAS_UPPER:

@@ -38,6 +38,8 @@ def forward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Va
     SQ, D = _dims(q, k, varlen)[1], q.shape[-1]
     if not _env.GLUON:
         return "triton", ["gluon: FLASHTRITON_GLUON=0"]
+    if variant.batch_invariant:
+        return "triton", ["gluon: batch_invariant runs the Triton forward's one fixed tile"]
     if not configs.gluon_forward_first(D, SQ, variant.causal):
         return "triton", [f"gluon: the forward takes it at head dims {configs.GLUON_FWD_HEAD_DIMS}"
                           f" and causal sequences over {configs.GLUON_FWD_CAUSAL_MAX_TRITON} "

@@ -46,6 +46,9 @@ class Variant(NamedTuple):
     diag_offset: int = 0                         # shifts the window's diagonal (ring attention)
     deterministic: bool = False                  # a bitwise-repeatable backward (no atomics)
     sinks: Optional[torch.Tensor] = None         # (H,) one sink logit a query head (float)
+    batch_invariant: bool = False                # the forward: one fixed tile, every key tile
+    #   through the masked softmax (a row's bits do not depend on the batch, its query block
+    #   or seqlen_q: launch.triton_forward)
 
 
 # The @triton.jit modifiers cannot travel through torch.library schemas: the ops carry an

@@ -194,12 +194,13 @@ def remembered(signature):
 def step_signature(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_batch_idx=None,
                    cache_leftpad=None, alibi_slopes=None, softmax_scale=None, causal=False,
                    window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=True,
-                   sinks=None):
+                   sinks=None, batch_invariant=False):
     """What a plain step of attention_with_kvcache with these arguments is remembered under
     (``remembered`` of it: the step's record; the tools in tools/ read them)."""
     return runtime.call_signature(
         "decode-step", (softmax_scale, causal, window_size, softcap, num_splits, return_lse,
-                        configs.DECODE_MERGE_IN_KERNEL and _eager(q)), q, k_cache, v_cache, cache_seqlens,
+                        configs.DECODE_MERGE_IN_KERNEL and _eager(q), batch_invariant), q,
+        k_cache, v_cache, cache_seqlens,
         block_table, cache_batch_idx, cache_leftpad, alibi_slopes, sinks)
 
 
@@ -242,10 +243,11 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
 
 def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
            cache_leftpad, alibi, scale, causal, left, right, softcap, num_splits, return_lse,
-           signature, step, sinks=None) -> AttentionOutput:
+           signature, step, sinks=None, batch_invariant=False) -> AttentionOutput:
     """attention_with_kvcache over checked arguments (q and k rotated): append k, v, then the
-    prefill route (many query tokens over a contiguous cache) or the split kernel; a plain
-    step (``step``) is remembered under ``signature``."""
+    prefill route (many query tokens over a contiguous cache; every call under
+    batch_invariant, over paged caches too) or the split kernel; a plain step (``step``) is
+    remembered under ``signature``."""
     s_new = 0
     if k is not None:
         s_new = k.shape[1]
@@ -253,12 +255,21 @@ def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
     seqlens = cache_seqlens if s_new == 0 else (cache_seqlens + s_new).to(torch.int32)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1]) and block_table is None:
+    variant = Variant(scale, causal, left, right, softcap, alibi, sinks=sinks,
+                      batch_invariant=batch_invariant)
+    if batch_invariant and block_table is not None:
+        return _paged_prefill(q, k_cache, v_cache, seqlens, block_table, variant, return_lse)
+    if batch_invariant or (configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1])
+                           and block_table is None):
         prefill = _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad,
-                           Variant(scale, causal, left, right, softcap, alibi, sinks=sinks),
-                           return_lse, signature, step)
+                           variant, return_lse, signature, step)
         if prefill is not None:
             return prefill
+        if batch_invariant:
+            raise ValueError("batch_invariant: k_cache / v_cache must hold each row's "
+                             "positions at one stride (row stride = seqlen_cache x token "
+                             f"stride) and fewer than 2**31 tokens; got {tuple(k_cache.shape)} "
+                             f"with strides {k_cache.stride()}")
     return _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
                    alibi, scale, left, right, softcap, num_splits, return_lse, signature, step,
                    sinks)
@@ -305,6 +316,30 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
         Varlen(spans[:B + 1], spans[seg:seg + B], SQ, S, spans[2 * seg:2 * seg + B]))
     _remember(signature, PrefillRoute(run_spans, run_fwd, seg))
     return AttentionOutput(out, lse if return_lse else None)
+
+
+def _paged_prefill(q, k_cache, v_cache, seqlens, block_table, variant,
+                   return_lse) -> AttentionOutput:
+    """The forward kernel over a paged cache (batch_invariant): q as (B * SQ, H, D) packed
+    sequences of SQ queries, sequence b's seqlens[b] keys in its pages (Varlen's
+    block_table); not remembered."""
+    B, SQ, H, D = q.shape
+    out = runtime._empty(q.shape, q.dtype, q.device)
+    lse = runtime._empty((B, H, SQ), torch.float32, q.device)
+    if out.numel():
+        q = q.contiguous()
+        launch.triton_forward(q.view(B * SQ, H, D), k_cache, v_cache, out.view(B * SQ, H, D),
+                              lse, (H - 1) * SQ, SQ, variant,
+                              Varlen(_query_offsets(B, SQ, q.device), None, SQ,
+                                     block_table.shape[1] * k_cache.shape[1], seqlens,
+                                     block_table))
+    return AttentionOutput(out, lse if return_lse else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _query_offsets(B: int, SQ: int, device) -> torch.Tensor:
+    """cu_seqlens of B packed sequences of SQ queries each: 0, SQ, ..., B * SQ (int32)."""
+    return torch.arange(0, (B + 1) * SQ, SQ, dtype=torch.int32, device=device)
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,

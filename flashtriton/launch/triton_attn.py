@@ -2,9 +2,11 @@
 (kernels.attn_bwd), autotuned over configs' tiles; every variant, any GPU and the
 interpreter. Also the decoding kernel's autotuner (flashtriton.decode launches it)."""
 
+import functools
 from typing import Optional, Tuple
 
 import torch
+import triton
 
 from .. import configs, runtime
 from ..kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _varlen_spans_kernel
@@ -55,15 +57,29 @@ def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: V
         common = dict(common, IS_VARLEN=3)
         use_tma = use_tma and k.shape[0] * page_size < 2**31 and all(
             x.stride(0) == page_size * x.stride(1) for x in (k, v))
-    return runtime._launch(
-        _fwd, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), (*key, use_tma, page_size),
-        q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
-        variant.sinks, table, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
-        *_block_args(variant.kv_blocks)[1:], 0 if table is None else table.stride(0),
-        H, H // HKV, *_sizes(q, k, varlen, SQ, SK), k.shape[0] if table is not None else 0,
-        USE_TMA=use_tma, HAS_SINK=variant.sinks is not None, PAGE_SIZE=page_size, **common,
-    )
+    args = (q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
+            variant.sinks, table, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
+            *_block_args(variant.kv_blocks)[1:], 0 if table is None else table.stride(0),
+            H, H // HKV, *_sizes(q, k, varlen, SQ, SK), k.shape[0] if table is not None else 0)
+    flags = dict(USE_TMA=use_tma, HAS_SINK=variant.sinks is not None, PAGE_SIZE=page_size,
+                 INVARIANT=variant.batch_invariant, **common)
+
+    def grid(meta):
+        return configs.cdiv(SQ, meta["BLOCK_M"]), B * H
+    if variant.batch_invariant:  # one tile for every call (no autotuning)
+        return runtime.launch_jit(_attn_fwd_kernel, grid, *args,
+                                  _cfg=_invariant_config(common["BLOCK_D"], q.element_size()),
+                                  **flags)
+    return runtime._launch(_fwd, grid, (*key, use_tma, page_size), *args, **flags)
+
+
+@functools.lru_cache(maxsize=None)
+def _invariant_config(block_d: int, elem_bytes: int) -> triton.Config:
+    """The Triton config of configs.invariant_tile (one object a tile: launch_jit keys its
+    compiled kernels by the config's identity)."""
+    bm, bn, warps, stages = tile = configs.invariant_tile(block_d, elem_bytes)
+    return triton.Config(configs.as_kwargs(tile), num_warps=warps, num_stages=stages)
 
 
 
