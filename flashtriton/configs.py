@@ -112,7 +112,7 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
 # 128). Head dim 256 holds half as many.
 DECODE_MAX_ROWS = 128
 # From this many packed query rows (query heads a KV head x query tokens) a KV-cache call
-# over a contiguous cache runs the prefill forward kernel (its tiles and pipelining; each
+# runs the prefill forward kernel (over pages too, without left padding) (its tiles and pipelining; each
 # query head reads K/V itself) instead of the split kernel (every K/V byte read once per row
 # block of DECODE_MAX_ROWS). H200, bf16, B=2, 4K-16K keys (tools/bench_edges.py prefill;
 # docs/perf.md's decisions): with 6 query heads a KV head the split kernel takes 0.2-0.7x

@@ -146,9 +146,7 @@ def _cache_case(gen, B, SQ, H, HKV, D, cap, paged):
 @pytest.mark.parametrize("paged", [0, 16], ids=["contiguous", "page16"])
 def test_many_query_tokens_per_kv_head(monkeypatch, route, paged):
     """6 query heads a KV head x 12 tokens = 72 packed rows in tiles of 16 rows (5 row
-    blocks), or the prefill kernel (contiguous caches), causal with left padding."""
-    if route == "prefill" and paged:
-        pytest.skip("paged caches take the split kernel")
+    blocks), or the prefill kernel (over pages too), causal with left padding (contiguous)."""
     monkeypatch.setattr(configs, "DECODE_MAX_ROWS", 16)
     monkeypatch.setattr(configs, "KVCACHE_PREFILL_MIN_ROWS", 1 if route == "prefill" else 10**9)
     gen = torch.Generator().manual_seed(8)

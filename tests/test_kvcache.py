@@ -486,8 +486,6 @@ def test_sinks_on_every_route(monkeypatch, paged, route, splits, in_kernel, pref
     (merge kernel, in-kernel) start from them, the prefill route runs the forward with them;
     out and lse against the reference with the sinks, new sinks on a replayed step, no LSE
     asked, and a sequence without keys (out 0, lse = the sink)."""
-    if route == "prefill" and paged:
-        pytest.skip("the prefill route takes contiguous caches")
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 30)
     if prefill_rows:

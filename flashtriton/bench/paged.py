@@ -6,7 +6,9 @@ against flashtriton's contiguous kernels on the same keys.
 Batches (32 query heads, 8 KV heads, head dim 128, bf16, causal): prefill-heavy and mixed
 ones (decode rows of one query beside prefill rows) against the contiguous varlen forward
 over the same keys packed; decode-only ones against ``flash_attn_with_kvcache`` over the same
-pages. Pages of 16 (vLLM's) and 256 (flash-attn's) tokens, shuffled in the pool. Each paged
+pages (and, for prefill batches of as many queries a sequence, flash_attn_with_kvcache over
+the 16-token pages beside them). Pages of 16 (vLLM's) and 256 (flash-attn's) tokens,
+shuffled in the pool. Each paged
 call is first checked against flashtriton.reference (float32) on its first and last sequence's
 first KV head group; a failed check reports no speed. Times: do_bench medians, the calls
 alternated in 3 rounds (the median of each).
@@ -54,7 +56,8 @@ def _cu(lens, device):
 
 def calls(seqs, device="cuda", gen=None):
     """{name: call} for one batch: the paged varlen calls, the contiguous varlen call, and
-    for decode-only batches flash_attn_with_kvcache over the 16-token pages; and the inputs."""
+    for batches of as many queries a sequence flash_attn_with_kvcache over the 16-token pages;
+    and the inputs."""
     from flashtriton.compat.flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
     lq, lk = [s[0] for s in seqs], [s[1] for s in seqs]
     q = torch.randn(sum(lq), H, D, device=device, dtype=torch.bfloat16)
@@ -69,8 +72,8 @@ def calls(seqs, device="cuda", gen=None):
         out[f"paged {page}"] = (lambda kp=kp, vp=vp, table=table: flash_attn_varlen_func(
             q, kp, vp, cu_q, None, max(lq), max(lk), causal=True, block_table=table,
             seqused_k=used))
-        if page == 16 and max(lq) == 1:
-            q4 = q.view(len(lq), 1, H, D)
+        if page == 16 and len(set(lq)) == 1:  # as many queries a sequence: a (B, SQ) batch
+            q4 = q.view(len(lq), lq[0], H, D)
             out["flash_attn_with_kvcache 16"] = (
                 lambda kp=kp, vp=vp, table=table: flash_attn_with_kvcache(
                     q4, kp, vp, cache_seqlens=used, block_table=table, causal=True).view(q.shape))
@@ -101,8 +104,7 @@ def main(argv=None):
     for name, seqs in BATCHES:
         torch.manual_seed(0)
         fns, inputs = calls(seqs)
-        base = "flash_attn_with_kvcache 16" if "flash_attn_with_kvcache 16" in fns \
-            else "contiguous varlen"
+        base = "flash_attn_with_kvcache 16" if max(inputs[3]) == 1 else "contiguous varlen"
         row = dict(meta, suite="paged-varlen", batch=name, H=H, HKV=HKV, D=D,
                    queries=sum(inputs[3]), keys=sum(inputs[4]), baseline=base)
         errs = {n: check(fn, inputs) for n, fn in fns.items()}

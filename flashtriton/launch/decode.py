@@ -245,9 +245,10 @@ def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
            cache_leftpad, alibi, scale, causal, left, right, softcap, num_splits, return_lse,
            signature, step, sinks=None, batch_invariant=False) -> AttentionOutput:
     """attention_with_kvcache over checked arguments (q and k rotated): append k, v, then the
-    prefill route (many query tokens over a contiguous cache; every call under
-    batch_invariant, over paged caches too) or the split kernel; a plain step (``step``) is
-    remembered under ``signature``."""
+    forward kernel over the cache (many query tokens, configs.kvcache_prefill, or every call
+    under batch_invariant: the prefill route over a contiguous cache, _paged_prefill over
+    pages without left padding) or the split kernel; a plain step (``step``) is remembered
+    under ``signature``."""
     s_new = 0
     if k is not None:
         s_new = k.shape[1]
@@ -257,10 +258,10 @@ def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
         q = q.contiguous()
     variant = Variant(scale, causal, left, right, softcap, alibi, sinks=sinks,
                       batch_invariant=batch_invariant)
-    if batch_invariant and block_table is not None:
+    prefill = configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1])
+    if block_table is not None and (batch_invariant or prefill and cache_leftpad is None):
         return _paged_prefill(q, k_cache, v_cache, seqlens, block_table, variant, return_lse)
-    if batch_invariant or (configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1])
-                           and block_table is None):
+    if batch_invariant or (prefill and block_table is None):
         prefill = _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad,
                            variant, return_lse, signature, step)
         if prefill is not None:
@@ -320,9 +321,9 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
 
 def _paged_prefill(q, k_cache, v_cache, seqlens, block_table, variant,
                    return_lse) -> AttentionOutput:
-    """The forward kernel over a paged cache (batch_invariant): q as (B * SQ, H, D) packed
-    sequences of SQ queries, sequence b's seqlens[b] keys in its pages (Varlen's
-    block_table); not remembered."""
+    """The forward kernel over a paged cache (many query tokens, or batch_invariant): q as
+    (B * SQ, H, D) packed sequences of SQ queries, sequence b's seqlens[b] keys in its pages
+    (Varlen's block_table); not remembered (a launch's Python each call)."""
     B, SQ, H, D = q.shape
     out = runtime._empty(q.shape, q.dtype, q.device)
     lse = runtime._empty((B, H, SQ), torch.float32, q.device)
