@@ -62,7 +62,14 @@ variants = {
     "mods-blockmask": dict(SCORE_MOD=bias_mod, SCORE_GRAD=bias_grad, MASK_MOD=causal_mod,
                            HAS_BLOCK_MASK=True),
     "sinks-window": dict(HAS_SINK=True, HAS_LOWER=True, HAS_UPPER=True),  # gpt-oss's layers
+    # paged varlen: 16-token pages by pointers (each chunk's pages before its tiles), 256 by TMA
+    "paged-16": dict(IS_VARLEN=3, PAGE_SIZE=16, USE_TMA=False, HAS_UPPER=True,
+                     SEQUSED_K="*i32", BLOCK_TABLE="*i32"),
+    "paged-256-tma": dict(IS_VARLEN=3, PAGE_SIZE=256, HAS_UPPER=True, SEQUSED_K="*i32",
+                          BLOCK_TABLE="*i32"),
+    "invariant": dict(INVARIANT=True, HAS_UPPER=True),  # batch_invariant's masked whole tiles
 }
+FORWARD_ONLY = ("HAS_SINK", "PAGE_SIZE", "INVARIANT")  # (the backward kernels take none)
 fails = 0
 HASHES = "--hashes" in sys.argv[1:]
 
@@ -101,8 +108,8 @@ for kname in ("fwd", "dkdv", "dq"):
     for vname, v in variants.items():
         if kname == "fwd" and (v.get("HAS_ALIBI") == 2 or v.get("IS_VARLEN") == 2):
             continue  # the backward's forms (one-sided ALiBi, bounded varlen rows)
-        if kname != "fwd" and v.get("HAS_SINK"):
-            continue  # the backward kernels read no sinks (the LSE holds them)
+        if kname != "fwd" and any(v.get(flag) for flag in FORWARD_ONLY):
+            continue  # sinks (the LSE holds them), pages and batch_invariant: forward only
         bm, bn = (64, 128) if kname == "dkdv" else (128, 64)
         check(f"{kname:5s} {vname:15s}",
               lambda: compile_kernel(kname, 128, bm, bn, 8, 3, **v), variant_judge)

@@ -35,7 +35,7 @@ DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_
                 HAS_ALIBI=0, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
                 MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False, SEQUSED_K=None,
                 DOT_PREC="tf32", UPCAST=False, USE_TMA=True, STATS_TMA=True, HAS_SINK=False,
-                BLOCK_M=128,
+                PAGE_SIZE=0, BLOCK_TABLE=None, INVARIANT=False, BLOCK_M=128,
                 BLOCK_N=64)
 SKELETON = re.compile(r"(HGMMA|WARPGROUP\.(?:ARRIVE|DEPBAR)|MUFU\.EX2|BAR\.SYNC|BRA|DEPBAR)")
 
