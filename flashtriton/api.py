@@ -99,7 +99,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         raise ValueError(f"{names[1]} and {names[2]} must have the same shape; got "
                          f"{describe(k)} and {describe(v)}")
     # The dense checks on (1, tokens, H, D) views cover dtypes, devices, heads and head dims.
-    kv = (k[0], v[0]) if paged else (k, v)
+    kv = (k[:1].flatten(0, 1), v[:1].flatten(0, 1)) if paged else (k, v)
     check_qkv(q.unsqueeze(0), kv[0].unsqueeze(0), kv[1].unsqueeze(0), names)
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     B = cu_q.numel() - 1

@@ -14,8 +14,8 @@ from .api import AttentionOutput
 from .launch import decode as decode_launch
 from .launch.decode import append_kv, merge_partials, step_signature
 from .validation import (check_alibi, check_block_table, check_cache_indices, check_flag,
-                         check_index_tensor, check_qkv, check_scale, check_sinks, check_softcap, check_window,
-                         describe)
+                         check_index_tensor, check_qkv, check_scale, check_sinks, check_softcap,
+                         check_window, describe)
 
 __all__ = ["attention_with_kvcache", "append_kv", "apply_rotary", "merge_attention_states",
            "merge_partials", "step_signature", "PagedKVCache"]

@@ -99,10 +99,12 @@ def _attn_fwd_tiles(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
         if LISTED:
             start_n = tl.load(blk_list + it // SPARSE) * SPARSE + it % SPARSE
         cols = start_n + offs_n                                      # [BLOCK_N]
-        k = load_kv(k_base, pages, chunk_lo, start_n, offs_n, stride_kt, stride_kp, SK, NUM_PAGES, offs_d,
-                    HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE, BLOCK_N)  # [BLOCK_N, BLOCK_D]
-        v = load_kv(v_base, pages, chunk_lo, start_n, offs_n, stride_vt, stride_vp, SK, NUM_PAGES, offs_d,
-                    HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE, BLOCK_N)  # [BLOCK_N, BLOCK_D]
+        k = load_kv(k_base, pages, chunk_lo, start_n, offs_n, stride_kt, stride_kp, SK, NUM_PAGES,
+                    offs_d, HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE,
+                    BLOCK_N)                                         # [BLOCK_N, BLOCK_D]
+        v = load_kv(v_base, pages, chunk_lo, start_n, offs_n, stride_vt, stride_vp, SK, NUM_PAGES,
+                    offs_d, HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE,
+                    BLOCK_N)                                         # [BLOCK_N, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -139,8 +141,8 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
                     SPLIT: tl.constexpr, LISTED: tl.constexpr, SPARSE: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks lo..hi (_attn_fwd_tiles). Paged keys read by pointers: in chunks of
-    GATHER_TILES tiles (or a page), each chunk's pages loaded once before its tiles, so that no load
-    inside the pipelined loop feeds the addresses of the key and value loads (Triton's
+    GATHER_TILES tiles (or a page), each chunk's pages loaded once before its tiles, so that no
+    load inside the pipelined loop feeds the addresses of the key and value loads (Triton's
     pipeliner then prefetches them num_stages - 1 tiles ahead, as for contiguous keys; with
     the block table read in the loop it prefetched one)."""
     if PAGE_SIZE > 0 and not USE_TMA:
@@ -154,7 +156,8 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
             acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_tiles(
                 acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
                 chunk, chunk_lo, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
-                tl.maximum(chunk_lo, lo), tl.minimum(chunk_lo + CHUNK, hi), blk_list, SQ, SK, HEAD_DIM, LOWER,
+                tl.maximum(chunk_lo, lo), tl.minimum(chunk_lo + CHUNK, hi), blk_list, SQ, SK,
+                HEAD_DIM, LOWER,
                 UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
                 rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
                 HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK, DOT_PREC, UPCAST,
@@ -198,7 +201,8 @@ def _attn_fwd_kernel(
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_bb, stride_bh, stride_bq, BM_N, stride_tb,
-    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, NUM_PAGES, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
+    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, NUM_PAGES, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
+    sm_scale,
     dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
     IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
@@ -280,14 +284,16 @@ def _attn_fwd_kernel(
         # past the end of the keys (a ragged last block) are masked by MASK.
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
+            0, tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N,
             SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
             stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER,
             HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC,
             UPCAST, TMA_KV, SPLIT, True, SPARSE, PAGE_SIZE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, 0, tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
+            0, tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
             HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
             seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
             HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV,
@@ -301,24 +307,27 @@ def _attn_fwd_kernel(
         # upper bound only (HAS_LOWER False there).
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
+            lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
             UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
             MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT,
             False, SPARSE, PAGE_SIZE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
+            full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
             UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, INVARIANT, DOT_PREC, UPCAST, TMA_KV, SPLIT,
-            False, SPARSE, PAGE_SIZE, BLOCK_N)
+            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, INVARIANT, DOT_PREC, UPCAST, TMA_KV,
+            SPLIT, False, SPARSE, PAGE_SIZE, BLOCK_N)
         mid = hi
         if SPLIT and HAS_UPPER:
             mid = rows_hi(start_m, HALF, SK, UPPER, full_hi, hi, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
             acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, full_hi, mid, BMASK, SQ, SK, HEAD_DIM, LOWER,
+            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
+            full_hi, mid, BMASK, SQ, SK, HEAD_DIM, LOWER,
             UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
             dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
             MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT,
@@ -329,7 +338,8 @@ def _attn_fwd_kernel(
             acc_b, l_b, m_b, _, _, _ = _attn_fwd_inner(
                 acc_b, l_b, m_b, acc_b, l_b, m_b, q_b, q_b, k_base, v_base, stride_kt, stride_vt,
                 pages, stride_kb, stride_vb, NUM_PAGES, rows_b, rows_b, offs_n, offs_d, mid, hi,
-                BMASK, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                BMASK, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
+                stride_mm, stride_mn, seed, rng_bh,
                 dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
                 MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, False,
                 False, SPARSE, PAGE_SIZE, BLOCK_N)
