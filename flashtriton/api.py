@@ -64,7 +64,7 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
          score_mod_grad=None, mask_mod=None, block_mask=None,
          deterministic=False, sinks=None, batch_invariant=False) -> AttentionOutput:
     """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
-    check_qkv(q, k, v, names)
+    check_qkv(q, k, v, names, own_v_dim=True)
     scale = check_scale(softmax_scale, q.shape[-1])
     left, right = check_window(window_size)
     softcap = check_softcap(softcap)
@@ -95,12 +95,12 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 "(num_blocks, page_size, nheads_k, headdim) pages with block_table"
                 if dims == 4 else "(total_tokens, nheads, headdim) for packed sequences")
                 + f"; got {describe(x)}")
-    if k.shape[:-1] != v.shape[:-1] or (paged and k.shape != v.shape):
-        raise ValueError(f"{names[1]} and {names[2]} must have the same shape; got "
-                         f"{describe(k)} and {describe(v)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{names[1]} and {names[2]} must have the same shape but for the head "
+                         f"dim; got {describe(k)} and {describe(v)}")
     # The dense checks on (1, tokens, H, D) views cover dtypes, devices, heads and head dims.
     kv = (k[:1].flatten(0, 1), v[:1].flatten(0, 1)) if paged else (k, v)
-    check_qkv(q.unsqueeze(0), kv[0].unsqueeze(0), kv[1].unsqueeze(0), names)
+    check_qkv(q.unsqueeze(0), kv[0].unsqueeze(0), kv[1].unsqueeze(0), names, own_v_dim=True)
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     B = cu_q.numel() - 1
     if seqused_k is not None:
@@ -132,14 +132,15 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     dropout_p, seed = check_dropout(dropout_p)
     sinks = check_sinks(sinks, q.shape[1], q.device)
     if out is not None:
-        check_out(out, q)
+        check_out(out, q, v.shape[-1])
     forward_only = [name for name, x in (("seqused_k", seqused_k), ("block_table", block_table),
                                          ("out", out)) if x is not None]
     if forward_only and torch.is_grad_enabled() and any(
             x.requires_grad for x in (q, k, v, sinks) if x is not None):
         raise ValueError(f"{' / '.join(forward_only)}: inference only (no backward); call "
                          f"under torch.no_grad() or with inputs that do not require grad")
-    if paged and max_q == 1 and q.shape[0] == B and not dropout_p and not batch_invariant:
+    if (paged and max_q == 1 and q.shape[0] == B and not dropout_p and not batch_invariant
+            and v.shape[-1] == q.shape[-1]):
         # a decoding batch (one query a sequence): the KV-cache path's split kernel
         return _paged_decode(q, k, v, cu_k, seqused_k, block_table, scale, causal, (left, right),
                              softcap, alibi_slopes, sinks, out)
@@ -174,7 +175,8 @@ _OPTIONS_DOC = """
         k: (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads
            must be a multiple of nheads_k (GQA/MQA share each k/v head between
            nheads // nheads_k query heads without copying).
-        v: same shape as k.
+        v: k's shape, or with a head dim of its own (1..256): MLA's (DeepSeek-V3: q and k
+           192, v 128); out then has v's head dim.
         causal: mask aligned to the bottom-right corner (flash-attn's
            convention): query i sees key j iff j <= i + seqlen_k - seqlen_q.
            With seqlen_q=2, seqlen_k=5 (1 = attend)::
@@ -261,8 +263,9 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 flash_attention.__doc__ = """Exact softmax attention, out = softmax(q k^T * softmax_scale) v, differentiable.
 """ + _OPTIONS_DOC + """
     Returns:
-        out: (batch, seqlen_q, nheads, headdim), dtype of q, in q's memory layout when q is
-            dense (e.g. a transposed (batch, nheads, seqlen, headdim) tensor), else contiguous.
+        out: (batch, seqlen_q, nheads, headdim of v), dtype of q, in q's memory layout when q
+            is dense (e.g. a transposed (batch, nheads, seqlen, headdim) tensor), else
+            contiguous.
 
     Any strides are accepted (e.g. views of a packed qkv tensor); only a
     non-unit stride on headdim is copied. headdim 1..256. S and P are never
@@ -286,7 +289,8 @@ _VARLEN_DOC = """
     and ALiBi positions are per sequence, bottom-right aligned.
 
     Args:
-        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim).
+        q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim) (v's head dim may
+           differ, as in ``flash_attention``).
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 on q's device, starting at 0.
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (they size the
            grid: rows beyond them are not computed). An int, or a 0-d tensor
@@ -302,13 +306,13 @@ _VARLEN_DOC = """
            sequence b's keys fill its pages block_table[b] in order from position 0
            (flash-attn's and vLLM's layout); cu_seqlens_k may then be None beside
            seqused_k. Decode rows (one query) and prefill rows mix in one call; a batch of
-           one query a sequence (max_seqlen_q 1) runs the KV-cache split kernel
-           (``attention_with_kvcache``). No host synchronisation; entries are checked as
+           one query a sequence (max_seqlen_q 1, v's head dim q's) runs the KV-cache split
+           kernel (``attention_with_kvcache``). No host synchronisation; entries are checked as
            ``flashtriton.validation`` says, and whatever they hold nothing outside k, v and
            the table is read (a sequence longer than its pages sees no keys; a page outside
            the pool is not read: its keys count as zeros, or, for the split kernel, are
            left out).
-        out: (total_q, nheads, headdim) in q's dtype: the output is written there.
+        out: (total_q, nheads, headdim of v) in q's dtype: the output is written there.
         seqused_k, block_table and out are for inference (no backward).
         batch_invariant: as in ``flash_attention`` (a decode batch over pages then stays on
            the forward kernel).

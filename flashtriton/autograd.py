@@ -49,7 +49,8 @@ def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
              deterministic: bool, batch_invariant: bool, sinks: Optional[Tensor],
              seqused_k: Optional[Tensor] = None,
              block_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """out in q's shape; lse fp32 (B, H, SQ), or (H, total_q) for packed sequences.
+    """out in q's shape with v's head dim; lse fp32 (B, H, SQ), or (H, total_q) for packed
+    sequences.
 
     dropout_seed: a CPU int64 tensor (drawn from torch's generator by the caller);
     deterministic: the backward (attn_bwd) is to be bitwise repeatable; batch_invariant: the
@@ -82,7 +83,7 @@ def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
         lse_shape = (B, H, SQ)
     else:
         lse_shape = (q.shape[1], q.shape[0])
-    return launch.output_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    return launch.output_like(q, v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -181,7 +181,10 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
                             f"{' or None' if none_ok else ''}, got {type(x).__name__}")
     paged = block_table is not None
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must be 4-D of one shape; got k_cache "
+        own = (" (the KV cache takes no head dim of its own for v_cache: MLA's runs in "
+               "flash_attention and flash_attention_varlen, paged too)"
+               if k_cache.dim() == 4 and v_cache.shape[:3] == k_cache.shape[:3] else "")
+        raise ValueError(f"k_cache and v_cache must be 4-D of one shape{own}; got k_cache "
                          f"{describe(k_cache)}, v_cache {describe(v_cache)}")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError("q must be a 4-D (batch, seqlen_q, nheads, headdim) tensor")

@@ -61,7 +61,8 @@ def autotuned(kind: str, kernel, key):
 
     def early_prune(cfgs, named_args, **kwargs):
         max_block = kwargs["SPARSE"] if kwargs.get("HAS_BLOCK_MASK") else 1 << 30
-        keep = configs.prune(kind, [_cfg_tuple(c) for c in cfgs], kwargs["BLOCK_D"],
+        widest = max(kwargs["BLOCK_D"], kwargs.get("BLOCK_DV", 0))  # (MLA: v's head dim)
+        keep = configs.prune(kind, [_cfg_tuple(c) for c in cfgs], widest,
                              named_args["Q"].element_size(), max_block)
         return [c for c in cfgs if _cfg_tuple(c) in keep]
 
@@ -277,20 +278,44 @@ def tuned_tiles() -> list:
     return [(name, key, _cfg_tuple(cfg)) for (_, key), (name, cfg) in _TUNED.items()]
 
 
-def output_like(x: torch.Tensor) -> torch.Tensor:
+def output_like(x: torch.Tensor, head_dim: Optional[int] = None) -> torch.Tensor:
     """An uninitialised tensor of x's shape and dtype, in x's memory layout when x is dense
     (an output or gradient then has the layout of its input: SDPA's (B, H, N, D) tensors get
     (B, H, N, D) gradients, which autograd accumulates without a copy), else contiguous.
-    The custom ops' fake implementations use it too, so traced strides match real ones."""
-    out = torch.empty_like(x)
-    if out.stride(-1) != 1:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return out
+    head_dim: another size of the last dimension (the output of MLA's value head dim), the
+    other dimensions in x's order in memory. The custom ops' fake implementations use it too,
+    so traced strides match real ones."""
+    if head_dim is None or head_dim == x.shape[-1]:
+        out = torch.empty_like(x)
+        if out.stride(-1) != 1:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return out
+    shape = (*x.shape[:-1], head_dim)
+    order = _dense_order(x)
+    if order is None:
+        return x.new_empty(shape)
+    buf = x.new_empty([shape[d] for d in order])
+    return buf.permute([order.index(d) for d in range(x.dim())])
 
 
-def _empty_like(x: torch.Tensor) -> torch.Tensor:
+def _dense_order(x: torch.Tensor) -> Optional[list]:
+    """x's dimensions from outermost to innermost in memory where x is dense with a unit
+    stride on its last dimension (dimensions of size 1 in logical order), else None."""
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d) if x.shape[d] > 1 else 0, d))
+    inner = [d for d in order if x.shape[d] > 1]
+    if x.dim() == 0 or (inner and inner[-1] != x.dim() - 1):
+        return None
+    expected = 1
+    for d in reversed(inner):
+        if x.stride(d) != expected:
+            return None
+        expected *= x.shape[d]
+    return [d for d in order if d != x.dim() - 1] + [x.dim() - 1]
+
+
+def _empty_like(x: torch.Tensor, head_dim: Optional[int] = None) -> torch.Tensor:
     """Every output buffer comes from here (tests poison it with NaN)."""
-    return output_like(x)
+    return output_like(x, head_dim)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:

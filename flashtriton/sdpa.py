@@ -19,8 +19,8 @@ def sdpa_misfit(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     """Why ``scaled_dot_product_attention`` sends this call to torch's function instead of
     the kernels, or None where the kernels run it: ``validation.supported`` on SDPA's
     (batch, heads, seqlen, headdim) layout, then the calls torch itself refuses."""
-    reason = supported(query, key, value, names=_NAMES, layout="bhsd", attn_mask=attn_mask,
-                       dropout_p=dropout_p, softmax_scale=scale)
+    reason = supported(query, key, value, names=_NAMES, layout="bhsd", own_v_dim=True,
+                       attn_mask=attn_mask, dropout_p=dropout_p, softmax_scale=scale)
     if reason is not None:
         return reason
     H, HK = query.shape[1], key.shape[1]
@@ -44,7 +44,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     Routed to flashtriton's kernels when all hold: query/key/value are 4-D,
     float16/bfloat16/float32, on one CUDA device (or the CPU under
     TRITON_INTERPRET=1), key and value of one shape with query's batch and
-    head dim (<= 256), heads equal (or a multiple with ``enable_gqa=True``),
+    key of query's head dim (<= 256; value's may differ, as torch's Ev), heads equal (or a multiple with ``enable_gqa=True``),
     ``scale`` None or a finite number, ``0 <= dropout_p < 1`` (the kernels' own RNG:
     statistically torch's dropout, not its exact mask), and ``attn_mask`` None or a mask
     the kernels read tile by tile in place:

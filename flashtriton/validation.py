@@ -71,12 +71,14 @@ _LAYOUTS = {"bshd": (2, "(batch, seqlen, nheads, headdim)"),
             "bhsd": (1, "(batch, nheads, seqlen, headdim)")}
 
 
-def _fits(q, k, v, same_batch: bool, h: int) -> bool:
+def _fits(q, k, v, same_batch: bool, h: int, own_v_dim: bool = False) -> bool:
     """The one combined test for valid q, k, v (heads on axis h): reads each attribute once.
     False: ``_qkv_reason`` names the problem."""
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
-        qs, ks, dtype = q.shape, k.shape, q.dtype
-        if (len(qs) == 4 and len(ks) == 4 and ks == v.shape and dtype in SUPPORTED_DTYPES
+        qs, ks, vs, dtype = q.shape, k.shape, v.shape, q.dtype
+        if (len(qs) == 4 and len(ks) == 4 and (ks == vs or own_v_dim and len(vs) == 4
+                                                and ks[:3] == vs[:3] and 1 <= vs[3] <= MAX_HEAD_DIM)
+                and dtype in SUPPORTED_DTYPES
                 and k.dtype == dtype and v.dtype == dtype and 1 <= qs[3] <= MAX_HEAD_DIM
                 and ks[3] == qs[3] and (ks[0] == qs[0] or not same_batch)
                 and ks[h] > 0 and qs[h] % ks[h] == 0):
@@ -86,7 +88,8 @@ def _fits(q, k, v, same_batch: bool, h: int) -> bool:
     return False
 
 
-def _qkv_reason(q, k, v, names, same_batch: bool, layout: str) -> Optional[Reason]:
+def _qkv_reason(q, k, v, names, same_batch: bool, layout: str,
+                own_v_dim: bool = False) -> Optional[Reason]:
     """The checks of ``_fits`` one by one: the first problem, named."""
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
@@ -113,9 +116,15 @@ def _qkv_reason(q, k, v, names, same_batch: bool, layout: str) -> Optional[Reaso
     if device.type not in ("cpu", "cuda"):
         return Reason(f"{nq} is on device {device}; flashtriton supports CUDA/ROCm GPUs "
                       "(and the CPU with TRITON_INTERPRET=1)")
-    if k.shape != v.shape:
-        return Reason(f"{nk} and {nv} must have the same shape; got {nk} {describe(k)} and "
-                      f"{nv} {describe(v)}")
+    if k.shape[:3] != v.shape[:3] or (k.shape != v.shape and not own_v_dim):
+        other = (" (a head dim of its own for v, as MLA's: the forward and backward of "
+                 "flash_attention and its varlen form, not the KV cache)"
+                 if k.shape[:3] == v.shape[:3] else " but for the head dim")
+        return Reason(f"{nk} and {nv} must have the same shape{other}; got {nk} {describe(k)} "
+                      f"and {nv} {describe(v)}")
+    if not 1 <= v.shape[3] <= MAX_HEAD_DIM:
+        return Reason(f"{nv}'s headdim must be in 1..{MAX_HEAD_DIM}; got {v.shape[3]} "
+                      f"({nv} {describe(v)})")
     if same_batch and k.shape[0] != q.shape[0]:
         return Reason(f"batch mismatch: {nq} {describe(q)}, {nk} {describe(k)}")
     D = q.shape[3]
@@ -162,7 +171,8 @@ def _option_reason(check, *args) -> Optional[Reason]:
 
 
 def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout: str = "bshd",
-              same_batch: bool = True, unit_stride: bool = False, attn_mask=None,
+              same_batch: bool = True, own_v_dim: bool = False, unit_stride: bool = False,
+              attn_mask=None,
               mask_name: str = "attn_mask", dropout_p=None, softmax_scale=None, window_size=None,
               softcap=None, alibi_slopes=None) -> Optional[Reason]:
     """Whether the kernels can run this call: None, or why not -- a ``Reason`` (a str naming
@@ -173,8 +183,9 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
     API's; "bhsd": (batch, nheads, seqlen, headdim), torch SDPA's), float16 / bfloat16 /
     float32 of one dtype, on one CUDA device (or the CPU under TRITON_INTERPRET=1); k and v
     of one shape with q's head dim (1..MAX_HEAD_DIM) and batch (any batch with
-    ``same_batch=False``: KV caches); q's heads a multiple of k's (GQA/MQA). ``names``:
-    the arguments' names in the messages.
+    ``same_batch=False``: KV caches; ``own_v_dim=True``: v's head dim may differ, as MLA's,
+    1..MAX_HEAD_DIM); q's heads a multiple of k's (GQA/MQA). ``names``: the arguments' names
+    in the messages.
 
     Any strides: the entry points copy a tensor whose stride on headdim is not 1
     (``unit_last``). ``unit_stride=True`` refuses such tensors instead (for tensors the
@@ -195,8 +206,8 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
         h = _LAYOUTS[layout][0]
     except KeyError:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}") from None
-    if not _fits(q, k, v, same_batch, h):
-        return _qkv_reason(q, k, v, names, same_batch, layout)
+    if not _fits(q, k, v, same_batch, h, own_v_dim):
+        return _qkv_reason(q, k, v, names, same_batch, layout, own_v_dim)
     if unit_stride:
         for name, x in zip(names, (q, k, v)):
             if x.stride(-1) != 1:
@@ -225,17 +236,19 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
     return None
 
 
-def check_qkv(q, k, v, names=("q", "k", "v"), same_batch: bool = True) -> None:
+def check_qkv(q, k, v, names=("q", "k", "v"), same_batch: bool = True,
+              own_v_dim: bool = False) -> None:
     """Raise TypeError/ValueError naming the argument for input the kernels cannot take
     (``supported``'s rules for (batch, seqlen, nheads, headdim) q, k, v).
-    same_batch=False: k and v may have another batch size than q (KV caches).
+    same_batch=False: k and v may have another batch size than q (KV caches); own_v_dim:
+    v's head dim may differ from q's and k's (MLA).
 
     Every call pays for this (host time): valid input passes one combined test, reading
     each attribute once; anything else goes through the checks one by one, which name
     the problem."""
-    if _fits(q, k, v, same_batch, 2):
+    if _fits(q, k, v, same_batch, 2, own_v_dim):
         return
-    reason = _qkv_reason(q, k, v, names, same_batch, "bshd")
+    reason = _qkv_reason(q, k, v, names, same_batch, "bshd", own_v_dim)
     if reason is not None:
         raise reason.error(str(reason))
 
@@ -411,14 +424,17 @@ def check_cu_seqlens(name, cu, device) -> torch.Tensor:
     return cu.contiguous()
 
 
-def check_out(out, q: torch.Tensor) -> torch.Tensor:
-    """An output buffer (``out=``): q's shape, dtype and device, a unit stride on headdim."""
+def check_out(out, q: torch.Tensor, head_dim: Optional[int] = None) -> torch.Tensor:
+    """An output buffer (``out=``): q's shape (with v's head dim ``head_dim`` where given),
+    dtype and device, a unit stride on headdim."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device \
+    shape = q.shape if head_dim is None else (*q.shape[:-1], head_dim)
+    if out.shape != shape or out.dtype != q.dtype or out.device != q.device \
             or out.stride(-1) != 1:
-        raise ValueError(f"out must match q ({describe(q)}) in shape, dtype and device, with a "
-                         f"unit stride on headdim; got {describe(out)}")
+        raise ValueError(f"out must have shape {tuple(shape)} (q's, with v's head dim), q's dtype "
+                         f"and device ({describe(q)}) and a unit stride on headdim; got "
+                         f"{describe(out)}")
     return out
 
 

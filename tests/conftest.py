@@ -19,8 +19,8 @@ def nan_outputs(monkeypatch):
     """Every buffer the launchers allocate starts as NaN, so unwritten elements fail."""
     real_empty_like = runtime.output_like
 
-    def empty_like(x):
-        return real_empty_like(x).fill_(float("nan"))
+    def empty_like(x, head_dim=None):
+        return real_empty_like(x, head_dim).fill_(float("nan"))
 
     def empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from accuracy import assert_rule
+from flashtriton.reference import attention_reference
 from conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")  # the test extra installs it
@@ -304,9 +305,42 @@ def test_sinks_keywords():
         attention_forward(_Module(), wide, wide, wide, None, s_aux=sinks)
 
 
-def test_value_head_dim_differs_raises():
-    with pytest.raises(NotImplementedError, match="head dims"):
-        attention_forward(_Module(), *_qkv(dv=8), None)
+def _deepseek_v3(impl, dtype):
+    """A tiny random DeepSeek-V3: MLA with q / k head dim 16 + 8 (no rope + rope) and v head
+    dim 16, dense MLP layers (routing ties would differ between dtypes)."""
+    cfg = transformers.DeepseekV3Config(**{**TINY, "num_key_value_heads": 4}, q_lora_rank=32,
+                                        kv_lora_rank=16, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=16,
+                                        first_k_dense_replace=TINY["num_hidden_layers"],
+                                        n_routed_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).to(DEVICE, dtype).eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+def test_deepseek_v3_mla_matches_eager(caplog):
+    """MLA's value head dim (16, q and k 24) runs in the kernels, not the sdpa fallback:
+    logits and every gradient against float64 eager; generate() agrees with sdpa."""
+    models = {"ref": _deepseek_v3("eager", torch.float64),
+              "torch": _deepseek_v3("sdpa", torch.float32),
+              "ours": _deepseek_v3("triton_fa", torch.float32)}
+    with caplog.at_level(logging.DEBUG, logger="flashtriton"):
+        _check(models, lambda model, name: model(_ids((2, 12), 14)).logits)
+        prompt = _ids((1, 6), 15, low=2)  # (no pad token 0 in the prompt)
+        a = models["torch"].generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        b = models["ours"].generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+    assert not [r for r in caplog.records if "fall" in r.getMessage()], caplog.text
+
+
+def test_value_head_dim_differs():
+    q, k, v = _qkv(dv=8)
+    out, _ = attention_forward(_Module(), q, k, v, None)
+    ref = attention_reference(*(x.transpose(1, 2).double() for x in (q, k, v)), causal=True)
+    assert out.shape == (1, 4, 2, 8)
+    assert torch.allclose(out.double(), ref.out, atol=1e-5)
 
 
 def test_unknown_keywords():

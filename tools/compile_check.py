@@ -132,6 +132,12 @@ for kname in ("fwd", "dkdv", "dq"):
             check(f"{kname:5s} D{bd} tile {bm}x{bn} warps={warps} stages={stages}",
                   lambda: compile_kernel(kname, bd, bm, bn, warps, stages, causal=True),
                   tile_judge)
+# MLA's head dims (q and k 192 padded to 256, v 128): each kind's first tile of the 256 class
+for kname in ("fwd", "dkdv", "dq"):
+    bm, bn, warps, stages = configs._GPU[kname][256][0]
+    check(f"{kname:5s} MLA 192/128 tile {bm}x{bn} warps={warps} stages={stages}",
+          lambda: compile_kernel(kname, 256, bm, bn, warps, stages, causal=True, BLOCK_DV=128,
+                                 EVEN_D=False), tile_judge)
 # decode, merge, block mask
 extra = [
     ("decode", _attn_decode_kernel, dict(BLOCK_D=128, EVEN_D=True, PAGED=True, PAGE_SIZE=16, SAME_LAYOUT=True, HAS_LOWER=False, HAS_UPPER=True,

@@ -31,7 +31,8 @@ POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", DO="*bf16", DK="*bf1
                 CU_K="*i32", BMASK="*i32", SINK="*fp32")
 FLOATS = ("qk_scale", "cap2", "sm_scale", "dropout_p")
 # The plain variant of the training kernels; callers override what they test.
-DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, HAS_LOWER=False, HAS_UPPER=False, HAS_SOFTCAP=False,
+DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, BLOCK_DV=128, EVEN_DV=True, HAS_LOWER=False,
+                HAS_UPPER=False, HAS_SOFTCAP=False,
                 HAS_ALIBI=0, MASK_KIND=0, HAS_DROPOUT=False, SCORE_MOD=None, SCORE_GRAD=None,
                 MASK_MOD=None, HAS_BLOCK_MASK=False, SPARSE=128, IS_VARLEN=False, SEQUSED_K=None,
                 DOT_PREC="tf32", UPCAST=False, USE_TMA=True, STATS_TMA=True, HAS_SINK=False,
@@ -62,9 +63,11 @@ def source_for(fn, consts, pointers):
 
 
 def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **overrides):
-    """One training kernel (fwd, dkdv, dq) for sm_90: bf16, head dim ``dim``, a tile, and
-    constexpr overrides of ``DEFAULTS`` (e.g. HAS_SOFTCAP=True)."""
-    consts = dict(DEFAULTS, BLOCK_D=dim, BLOCK_M=block_m, BLOCK_N=block_n, HAS_UPPER=causal)
+    """One training kernel (fwd, dkdv, dq) for sm_90: bf16, head dim ``dim`` (v's too, unless
+    BLOCK_DV is overridden), a tile, and constexpr overrides of ``DEFAULTS`` (e.g.
+    HAS_SOFTCAP=True)."""
+    consts = dict(DEFAULTS, BLOCK_D=dim, BLOCK_DV=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                  HAS_UPPER=causal)
     consts.update(overrides)
     pointers = dict(POINTERS)  # an override "*i32" makes that argument a pointer
     pointers.update({n: consts.pop(n) for n, t in list(consts.items())

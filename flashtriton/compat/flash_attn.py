@@ -87,7 +87,8 @@ def _check_packed(name, x, n, shape_doc):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, learnable_sink=None):
-    """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
+    """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
+    v's head dim its own where it differs (FlashAttention-3's headdim_v: MLA's 192 / 128).
 
     nheads must be a multiple of nheads_k (MQA/GQA). Causal masks and
     window_size=(left, right) align to the bottom-right corner when seqlen_q !=
@@ -101,7 +102,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     (FlashAttention-4's name; gpt-oss's sinks): one logit a query head in every
     row's softmax denominator, differentiable.
 
-    Returns out (batch, seqlen_q, nheads, headdim); with
+    Returns out (batch, seqlen_q, nheads, headdim of v); with
     ``return_attn_probs=True``, ``(out, softmax_lse, None)`` where softmax_lse
     is (batch, nheads, seqlen_q) float32 (+inf for rows that see no key).
     """
@@ -143,7 +144,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            deterministic=False, return_attn_probs=False, block_table=None, *,
                            learnable_sink=None, seqused_k=None, out=None,
                            return_softmax_lse=False):
-    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), or with
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim) (v's head dim may
+    differ, as in ``flash_attn_func``), or with
     ``block_table`` (batch, max_blocks) int32 a paged KV cache (num_blocks, page_size,
     nheads_k, headdim) (flash-attn 2.6+; page_size any power of two >= 8).
 

@@ -51,7 +51,8 @@ position_bias (T5, LongT5, Pix2Struct, ...)        fallback to transformers' sdp
 s_aux, sinks (gpt-oss, DeepSeek V4, Inkling 2)     sinks (attention sinks, differentiable)
 indices, block_indices (DeepSeek V3.2, MiniMax)    NotImplementedError (sparse attention)
 head_mask; block_table, k_cache, v_cache (paged)   NotImplementedError unless None
-value head dim != query head dim (MLA)             NotImplementedError
+value head dim != query head dim (DeepSeek-V3     out with the value's head dim (MLA's
+MLA: 192 / 128)                                    192 / 128), forward and backward
 use_cache, cache_position, layer_idx, cache,       ignored (bookkeeping: no effect on the
 past_key_value(s), output_hidden_states,           result; seq_idx is for Mamba layers,
 output_router_logits, num_items_in_batch,          eager attention ignores it too)
@@ -199,7 +200,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       dropout: float = 0.0, scaling: Optional[float] = None,
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                       is_causal: Optional[bool] = None, **kwargs):
-    """transformers' attention signature: query (B, H, SQ, D), key/value (B, HKV, SK, D);
+    """transformers' attention signature: query (B, H, SQ, D), key/value (B, HKV, SK, D)
+    (value's head dim may differ: MLA);
     attention_mask None, a 2-D (B, SK) padding mask (1 = token) or a 4-D mask (see the
     module's docstring). Returns ((B, SQ, H, D), None): attention weights are never
     returned (``output_attentions`` gets None)."""
@@ -221,9 +223,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                        "not compute the attention weights; they are returned as None (use "
                        "attn_implementation='eager' to get them)")
     _check_kwargs(kwargs)
-    if query.shape[-1] != key.shape[-1] or value.shape[-1] != query.shape[-1]:
-        raise _refuse(f"query/key/value head dims that differ (query {query.shape[-1]}, key "
-                      f"{key.shape[-1]}, value {value.shape[-1]}; e.g. MLA's value head dim)")
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise _refuse(f"an attention_mask of type {type(attention_mask).__name__} (a tensor "
                       "or None)")
@@ -242,7 +241,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         window = ((sliding_window - 1, sliding_window - 1)
                   if sliding_window is not None and SK > sliding_window else (-1, -1))
 
-    reason = supported(q, k, v, names=("query", "key", "value"),
+    reason = supported(q, k, v, names=("query", "key", "value"), own_v_dim=True,
                        attn_mask=attention_mask if full_mask else None,
                        mask_name="attention_mask")
     if reason is None and position_bias is not None:

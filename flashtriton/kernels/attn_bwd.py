@@ -64,10 +64,11 @@ def _ds(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot, cols,
-                         offs_m, offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG,
-                         alibi_at, qk_scale,
+                         offs_m, offs_d, offs_dv, lo, hi, blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V,
+                         LOWER, UPPER, DIAG, alibi_at, qk_scale,
                          cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                         off_b, off_h, sm_scale, EVEN_D: tl.constexpr, HAS_LOWER: tl.constexpr,
+                         off_b, off_h, sm_scale, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                         HAS_LOWER: tl.constexpr,
                          HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                          HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
@@ -82,8 +83,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
         rows = start_m + offs_m                                      # [BLOCK_M]
         q = load_rows(q_base, start_m, offs_m, stride_qt, SQ, offs_d, HEAD_DIM, MASK, not EVEN_D,
                       USE_TMA)                                       # [BLOCK_M, BLOCK_D]
-        do = load_rows(do_base, start_m, offs_m, stride_dot, SQ, offs_d, HEAD_DIM, MASK,
-                       not EVEN_D, USE_TMA)                          # [BLOCK_M, BLOCK_D]
+        do = load_rows(do_base, start_m, offs_m, stride_dot, SQ, offs_dv, HEAD_DIM_V, MASK,
+                       not EVEN_DV, USE_TMA)                         # [BLOCK_M, BLOCK_DV]
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -114,7 +115,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
         if HAS_DROPOUT:  # the forward's mask, regenerated
             keep_t = dropout_keep(seed, rng_bh, rows, cols, dropout_p, True)
             pd_t = tl.where(keep_t, p_t * (1.0 / (1.0 - dropout_p)), 0.0)
-        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)     # [BLOCK_N, BLOCK_D]
+        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)     # [BLOCK_N, BLOCK_DV]
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)             # [BLOCK_N, BLOCK_M]
         if HAS_DROPOUT:
             dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
@@ -140,11 +141,12 @@ def _attn_bwd_dkdv_kernel(
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_bb, stride_bh, stride_bq, BM_N,
-    HKV, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
+    HKV, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, HEAD_DIM_V, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
+    sm_scale,
     dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
@@ -165,16 +167,17 @@ def _attn_bwd_dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)                           # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)                                   # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)                                   # [BLOCK_D]
+    offs_dv = tl.arange(0, BLOCK_DV)                                 # [BLOCK_DV]: V, dO, dV
     c64 = (k_off + cols.to(tl.int64))[:, None]                       # rows of the packed K
     k = load_tile(K + off_b * stride_kb + off_hk * stride_kh + c64 * stride_kt + offs_d[None, :],
                   cols, SK, offs_d, HEAD_DIM, True, not EVEN_D)      # [BLOCK_N, BLOCK_D]
-    v = load_tile(V + off_b * stride_vb + off_hk * stride_vh + c64 * stride_vt + offs_d[None, :],
-                  cols, SK, offs_d, HEAD_DIM, True, not EVEN_D)      # [BLOCK_N, BLOCK_D]
+    v = load_tile(V + off_b * stride_vb + off_hk * stride_vh + c64 * stride_vt + offs_dv[None, :],
+                  cols, SK, offs_dv, HEAD_DIM_V, True, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                        BLOCK_M, BLOCK_N)
@@ -186,7 +189,7 @@ def _attn_bwd_dkdv_kernel(
         q_base = Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
         do_base = DO + off_b * stride_dob + q_off * stride_dot + off_h * stride_doh
         q_base = row_source(q_base, SQ, stride_qt, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        do_base = row_source(do_base, SQ, stride_dot, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        do_base = row_source(do_base, SQ, stride_dot, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
         lse = LSE + off_b * stride_lb + off_h * stride_lh + q_off
         delta = DELTA + off_b * stride_lb + off_h * stride_lh + q_off
         if STATS_TMA:  # (the launcher checked that these rows start 16-byte aligned)
@@ -207,70 +210,71 @@ def _attn_bwd_dkdv_kernel(
             blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_n // SPARSE) * stride_bq
             # full blocks (no mask_mod), then partial ones, each list in one flat loop
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, 0,
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, 0,
                                           tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N, SQ, SK,
-                                          HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
-                                          qk_scale, cap2, slope2,
-                                          mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                          SCORE_MOD, SCORE_GRAD, None, True, DOT_PREC, UPCAST,
-                                          USE_TMA, True, SPARSE, STATS_TMA, BLOCK_M)
+                                          HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, alibi_at,
+                                          qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+                                          seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
+                                          EVEN_DV, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+                                          MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None,
+                                          True, DOT_PREC, UPCAST, USE_TMA, True, SPARSE, STATS_TMA,
+                                          BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, 0,
-                                          tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
-                                          HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
-                                          qk_scale, cap2, slope2,
-                                          mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          USE_TMA, True, SPARSE, STATS_TMA, BLOCK_M)
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, 0,
+                                          tl.load(blocks) * SPARSE, blocks + 2, SQ, SK, HEAD_DIM,
+                                          HEAD_DIM_V, LOWER, UPPER, DIAG, alibi_at, qk_scale, cap2,
+                                          slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                                          dropout_p, off_b, off_h, sm_scale, EVEN_D, EVEN_DV,
+                                          HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                          HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True,
+                                          DOT_PREC, UPCAST, USE_TMA, True, SPARSE, STATS_TMA,
+                                          BLOCK_M)
         else:
             # Masked query blocks at the diagonal, fully visible ones, masked ones at the
             # window's far edge; the last start at or past every key's upper bound (q_range's
             # full_lo) and check the lower bound only (HAS_UPPER False there).
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, lo, full_lo, BMASK, SQ,
-                                          SK, HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
-                                          qk_scale, cap2, slope2,
-                                          mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, lo, full_lo,
+                                          BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG,
+                                          alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                          stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
+                                          sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER,
                                           HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
                                           USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, full_lo, full_hi, BMASK,
-                                          SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
-                                          qk_scale, cap2,
-                                          slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                                          dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER,
-                                          HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, full_lo,
+                                          full_hi, BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER,
+                                          UPPER, DIAG, alibi_at, qk_scale, cap2, slope2, mask_base,
+                                          stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                          off_h, sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER,
+                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
                                           SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST,
                                           USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, full_hi, hi, BMASK, SQ,
-                                          SK, HEAD_DIM, LOWER, UPPER, DIAG, alibi_at,
-                                          qk_scale, cap2, slope2,
-                                          mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                                          off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, False,
-                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, full_hi, hi,
+                                          BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG,
+                                          alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
+                                          stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
+                                          sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, False, HAS_SOFTCAP,
+                                          HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
+                                          MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, False, SPARSE,
+                                          STATS_TMA, BLOCK_M)
 
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
-    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + c64 * stride_dvt + offs_d[None, :]
+    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + c64 * stride_dvt + offs_dv[None, :]
     store_tile(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), cols, SK, offs_d, HEAD_DIM,
                not EVEN_D)
-    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), cols, SK, offs_d, HEAD_DIM, not EVEN_D)
+    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), cols, SK, offs_dv, HEAD_DIM_V, not EVEN_DV)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, offs_n,
-                       offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM, LOWER, UPPER, alibi_at,
-                       qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                       dropout_p, off_b, off_h, sm_scale, EVEN_D: tl.constexpr,
+                       offs_d, offs_dv, lo, hi, blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER,
+                       UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
+                       seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D: tl.constexpr,
+                       EVEN_DV: tl.constexpr,
                        HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
@@ -284,8 +288,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride
         cols = start_n + offs_n                                      # [BLOCK_N]
         k = load_rows(k_base, start_n, offs_n, stride_kt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
                       USE_TMA)                                       # [BLOCK_N, BLOCK_D]
-        v = load_rows(v_base, start_n, offs_n, stride_vt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
-                      USE_TMA)                                       # [BLOCK_N, BLOCK_D]
+        v = load_rows(v_base, start_n, offs_n, stride_vt, SK, offs_dv, HEAD_DIM_V, MASK,
+                      not EVEN_DV, USE_TMA)                          # [BLOCK_N, BLOCK_DV]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -330,11 +334,12 @@ def _attn_bwd_dq_kernel(
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_bb, stride_bh, stride_bq, BM_N,
-    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, sm_scale,
+    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, HEAD_DIM_V, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
+    sm_scale,
     dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
@@ -357,13 +362,15 @@ def _attn_bwd_dq_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)                           # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)                                   # [BLOCK_D]
+    offs_dv = tl.arange(0, BLOCK_DV)                                 # [BLOCK_DV]: V, O, dO
     r64 = (q_off + rows.to(tl.int64))[:, None]                       # rows of the packed Q
     q = load_tile(Q + off_b * stride_qb + off_h * stride_qh + r64 * stride_qt + offs_d[None, :],
                   rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)      # [BLOCK_M, BLOCK_D]
-    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + r64 * stride_dot + offs_d[None, :],
-                   rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)     # [BLOCK_M, BLOCK_D]
-    o = load_tile(O + off_b * stride_ob + off_h * stride_oh + r64 * stride_ot + offs_d[None, :],
-                  rows, SQ, offs_d, HEAD_DIM, True, not EVEN_D)      # [BLOCK_M, BLOCK_D]
+    do = load_tile(DO + off_b * stride_dob + off_h * stride_doh + r64 * stride_dot
+                   + offs_dv[None, :], rows, SQ, offs_dv, HEAD_DIM_V, True,
+                   not EVEN_DV)                                      # [BLOCK_M, BLOCK_DV]
+    o = load_tile(O + off_b * stride_ob + off_h * stride_oh + r64 * stride_ot + offs_dv[None, :],
+                  rows, SQ, offs_dv, HEAD_DIM_V, True, not EVEN_DV)  # [BLOCK_M, BLOCK_DV]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)         # rowsum(dO * O)
     tl.store(DELTA + off_b * stride_lb + off_h * stride_lh + q_off + rows, delta, mask=rows < SQ)
     if UPCAST:
@@ -386,52 +393,54 @@ def _attn_bwd_dq_kernel(
     k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
     v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
     k_base = row_source(k_base, SK, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    v_base = row_source(v_base, SK, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    v_base = row_source(v_base, SK, stride_vt, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     if HAS_BLOCK_MASK:
         # key blocks of this query block: n_partial, n_full, partial indices, full indices
         blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_m // SPARSE) * stride_bq
         # full blocks (no mask_mod), then partial ones, each list in one flat loop
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
-                                rows, offs_n, offs_d, 0, tl.load(blocks + 1) * SPARSE,
-                                blocks + 2 + BM_N, SQ, SK, HEAD_DIM, LOWER, UPPER, alibi_at,
-                                qk_scale,
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
+                                offs_n, offs_d, offs_dv, 0, tl.load(blocks + 1) * SPARSE, blocks +
+                                2 + BM_N, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, alibi_at,
+                                qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
+                                rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, EVEN_DV,
+                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+                                HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None, True, DOT_PREC, UPCAST,
+                                USE_TMA, True, SPARSE, BLOCK_N)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
+                                offs_n, offs_d, offs_dv, 0, tl.load(blocks) * SPARSE, blocks + 2,
+                                SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, alibi_at, qk_scale,
                                 cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                                dropout_p, off_b, off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER,
-                                HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
-                                SCORE_GRAD, None, True, DOT_PREC, UPCAST, USE_TMA, True, SPARSE,
-                                BLOCK_N)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
-                                rows, offs_n, offs_d, 0, tl.load(blocks) * SPARSE, blocks + 2, SQ,
-                                SK, HEAD_DIM, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2,
-                                mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                off_h, sm_scale, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                                HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
-                                MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, True, SPARSE, BLOCK_N)
+                                dropout_p, off_b, off_h, sm_scale, EVEN_D, EVEN_DV, HAS_LOWER,
+                                HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
+                                True, SPARSE, BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
         # as in the forward: the right edge's blocks check the upper bound only
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
-                                UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
-                                UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
+                                offs_n, offs_d, offs_dv, lo, full_lo, BMASK, SQ, SK, HEAD_DIM,
+                                HEAD_DIM_V, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2,
+                                mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                off_h, sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER,
+                                HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
+                                SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, False,
+                                SPARSE, BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
-                                UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC,
-                                UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
+                                offs_n, offs_d, offs_dv, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM,
+                                HEAD_DIM_V, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2,
+                                mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                off_h, sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER,
+                                HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
+                                SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, False,
+                                SPARSE, BLOCK_N)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, full_hi, hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
-                                UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                stride_mn, seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC,
-                                UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
+                                offs_n, offs_d, offs_dv, full_hi, hi, BMASK, SQ, SK, HEAD_DIM,
+                                HEAD_DIM_V, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2,
+                                mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+                                off_h, sm_scale, EVEN_D, EVEN_DV, False, HAS_UPPER, HAS_SOFTCAP,
+                                HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                                True, DOT_PREC, UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,

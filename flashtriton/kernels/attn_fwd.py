@@ -1,8 +1,9 @@
 """Forward kernel: FlashAttention-2 tiling with online softmax.
 
 One program per (query block, batch * head), the block in two halves of BLOCK_M / 2 rows
-whose products and softmaxes interleave (_attn_fwd_inner; SPLIT, for head dims up to 128:
-at 256 the two halves' accumulators do not fit the registers and one half is faster).
+whose products and softmaxes interleave (_attn_fwd_inner; SPLIT, while BLOCK_D + BLOCK_DV <=
+256: at head dim 256 the two halves' q and accumulators do not fit the registers and one half
+is faster).
 S and P exist only as (BLOCK_M / 2, BLOCK_N) register tiles; the program writes O and the
 natural-log LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
@@ -10,7 +11,9 @@ Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K, SEQU
 not None: per-sequence key counts; 3: keys in pages of PAGE_SIZE rows, sequence b's in the
 pages BLOCK_TABLE[b], as flash-attn's paged varlen and vLLM lay them out),
 HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
-HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA (K and V by tensor descriptor: TMA on Hopper),
+HAS_SOFTCAP, HAS_ALIBI, EVEN_D / EVEN_DV (the head dims HEAD_DIM of q and k, HEAD_DIM_V of v
+and O, which differ for MLA, are their powers of two BLOCK_D / BLOCK_DV), USE_TMA (K and V by
+tensor descriptor: TMA on Hopper),
 HAS_SINK (SINK: one logit per query head that joins every row's softmax denominator and has
 no value: O = sum_j p_j v_j / (sum_j p_j + exp(sink)), LSE over the keys and the sink),
 INVARIANT (the fully visible key tiles through the masked softmax too: one arithmetic for every
@@ -75,9 +78,10 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_
 @triton.jit
 def _attn_fwd_tiles(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
                     stride_vt, pages, chunk_lo, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b,
-                    offs_n, offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM,
+                    offs_n, offs_d, offs_dv, lo, hi, blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V,
                     LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
                     seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
+                    EVEN_DV: tl.constexpr,
                     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
@@ -103,8 +107,8 @@ def _attn_fwd_tiles(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
                     offs_d, HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE,
                     BLOCK_N)                                         # [BLOCK_N, BLOCK_D]
         v = load_kv(v_base, pages, chunk_lo, start_n, offs_n, stride_vt, stride_vp, SK, NUM_PAGES,
-                    offs_d, HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE,
-                    BLOCK_N)                                         # [BLOCK_N, BLOCK_D]
+                    offs_dv, HEAD_DIM_V, MASK, not EVEN_DV, USE_TMA, PAGE_SIZE,
+                    BLOCK_N)                                         # [BLOCK_N, BLOCK_DV]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -131,9 +135,10 @@ def _attn_fwd_tiles(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
 @triton.jit
 def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
                     stride_vt, pages, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n,
-                    offs_d, lo, hi, blk_list, SQ, SK, HEAD_DIM,
+                    offs_d, offs_dv, lo, hi, blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V,
                     LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
                     seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
+                    EVEN_DV: tl.constexpr,
                     HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
@@ -156,20 +161,20 @@ def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
             acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_tiles(
                 acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
                 chunk, chunk_lo, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
-                tl.maximum(chunk_lo, lo), tl.minimum(chunk_lo + CHUNK, hi), blk_list, SQ, SK,
-                HEAD_DIM, LOWER,
-                UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
-                rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-                HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK, DOT_PREC, UPCAST,
-                USE_TMA, SPLIT, LISTED, SPARSE, PAGE_SIZE, BLOCK_N)
+                offs_dv, tl.maximum(chunk_lo, lo), tl.minimum(chunk_lo + CHUNK, hi), blk_list, SQ,
+                SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
+                stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, EVEN_DV,
+                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
+                MASK_MOD, MASK, DOT_PREC, UPCAST, USE_TMA, SPLIT, LISTED, SPARSE, PAGE_SIZE,
+                BLOCK_N)
     else:
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_tiles(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, 0, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, lo, hi,
-            blk_list, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
-            stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER,
-            HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK,
-            DOT_PREC, UPCAST, USE_TMA, SPLIT, LISTED, SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
+            0, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, lo, hi,
+            blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+            mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, EVEN_DV,
+            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
+            MASK_MOD, MASK, DOT_PREC, UPCAST, USE_TMA, SPLIT, LISTED, SPARSE, PAGE_SIZE, BLOCK_N)
     return acc_a, l_a, m_a, acc_b, l_b, m_b
 
 
@@ -201,12 +206,12 @@ def _attn_fwd_kernel(
     stride_ab, stride_ah,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_bb, stride_bh, stride_bq, BM_N, stride_tb,
-    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, NUM_PAGES, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
-    sm_scale,
+    H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, WIN_LEFT, WIN_RIGHT,
+    qk_scale, cap2, sm_scale,
     dropout_p, seed,
     SQ_BUCKET, SK_BUCKET,  # autotuning key only
-    IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
     MASK_MOD: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr, SPARSE: tl.constexpr,
@@ -227,12 +232,14 @@ def _attn_fwd_kernel(
         if start_m >= SQ:
             return
 
-    SPLIT: tl.constexpr = BLOCK_D <= 128  # measured: D=256 split 0.70x of unsplit (docs/perf.md)
+    # two halves while q and the accumulator fit: D=256 split ran 0.70x of unsplit (docs/perf.md)
+    SPLIT: tl.constexpr = BLOCK_D + BLOCK_DV <= 256
     HALF: tl.constexpr = BLOCK_M // (1 + SPLIT)
     rows_a = start_m + tl.arange(0, HALF)                            # [HALF] each
     rows_b = rows_a + HALF
     offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)                                   # [BLOCK_D]
+    offs_dv = tl.arange(0, BLOCK_DV)                                 # [BLOCK_DV]: V and O
     q_base = Q + off_b * stride_qb + q_off * stride_qt + off_h * stride_qh
     # paged: TMA over the pool's rows (pages of PAGE_SIZE rows: the launcher checks) where a
     # tile lies in one page
@@ -243,14 +250,14 @@ def _attn_fwd_kernel(
         v_base = V + off_hk * stride_vh
         k_base = row_source(k_base, NUM_PAGES * PAGE_SIZE, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D,
                             TMA_KV)
-        v_base = row_source(v_base, NUM_PAGES * PAGE_SIZE, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D,
-                            TMA_KV)
+        v_base = row_source(v_base, NUM_PAGES * PAGE_SIZE, stride_vt, HEAD_DIM_V, BLOCK_N,
+                            BLOCK_DV, TMA_KV)
     else:
         pages = BLOCK_TABLE
         k_base = K + off_b * stride_kb + k_off * stride_kt + off_hk * stride_kh
         v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
         k_base = row_source(k_base, SK, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-        v_base = row_source(v_base, SK, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+        v_base = row_source(v_base, SK, stride_vt, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
 
     q_a = load_tile(q_base + rows_a.to(tl.int64)[:, None] * stride_qt + offs_d[None, :], rows_a,
                     SQ, offs_d, HEAD_DIM, True, not EVEN_D)          # [HALF, BLOCK_D]
@@ -274,7 +281,7 @@ def _attn_fwd_kernel(
     rng_bh = (off_b * H + off_h).to(tl.int32)
     m_a = tl.full([HALF], NEG_BIG, dtype=tl.float32)
     l_a = tl.zeros([HALF], dtype=tl.float32)
-    acc_a = tl.zeros([HALF, BLOCK_D], dtype=tl.float32)
+    acc_a = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
     m_b, l_b, acc_b = m_a, l_a, acc_a
 
     if HAS_BLOCK_MASK:
@@ -283,21 +290,21 @@ def _attn_fwd_kernel(
         # Full blocks (no mask_mod), then partial ones; each list in one flat loop. Sub-blocks
         # past the end of the keys (a ragged last block) are masked by MASK.
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
-            0, tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N,
-            SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm,
-            stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER,
-            HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC,
-            UPCAST, TMA_KV, SPLIT, True, SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
+            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, 0,
+            tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER,
+            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
+            dropout_p, off_b, off_h, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
+            MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC, UPCAST, TMA_KV, SPLIT, True,
+            SPARSE, PAGE_SIZE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
-            0, tl.load(blocks) * SPARSE, blocks + 2, SQ, SK,
-            HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-            seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP,
-            HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV,
-            SPLIT, True, SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
+            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, 0,
+            tl.load(blocks) * SPARSE, blocks + 2, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG,
+            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
+            off_h, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
+            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT, True, SPARSE,
+            PAGE_SIZE, BLOCK_N)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
@@ -306,51 +313,49 @@ def _attn_fwd_kernel(
         # blocks start at or past every row's lower bound (kv_range's full_lo): they check the
         # upper bound only (HAS_LOWER False there).
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
-            lo, full_lo, BMASK, SQ, SK, HEAD_DIM, LOWER,
-            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-            dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT,
-            False, SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
+            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, lo, full_lo,
+            BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+            mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, EVEN_DV,
+            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
+            MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT, False, SPARSE, PAGE_SIZE, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
-            full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM, LOWER,
-            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-            dropout_p, off_b, off_h, EVEN_D, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, INVARIANT, DOT_PREC, UPCAST, TMA_KV,
-            SPLIT, False, SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
+            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, full_lo,
+            full_hi, BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2,
+            slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D,
+            EVEN_DV, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+            SCORE_MOD, MASK_MOD, INVARIANT, DOT_PREC, UPCAST, TMA_KV, SPLIT, False, SPARSE,
+            PAGE_SIZE, BLOCK_N)
         mid = hi
         if SPLIT and HAS_UPPER:
             mid = rows_hi(start_m, HALF, SK, UPPER, full_hi, hi, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-            pages, stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
-            full_hi, mid, BMASK, SQ, SK, HEAD_DIM, LOWER,
-            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-            dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-            MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT,
-            False, SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
+            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, full_hi, mid,
+            BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
+            mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, EVEN_DV,
+            False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD,
+            True, DOT_PREC, UPCAST, TMA_KV, SPLIT, False, SPARSE, PAGE_SIZE, BLOCK_N)
         # Past half a's last visible key (the causal diagonal of its rows) only half b runs:
         # the b state goes in as the "a" arguments of a one-half (SPLIT=False) loop.
         if SPLIT and HAS_UPPER:
             acc_b, l_b, m_b, _, _, _ = _attn_fwd_inner(
                 acc_b, l_b, m_b, acc_b, l_b, m_b, q_b, q_b, k_base, v_base, stride_kt, stride_vt,
-                pages, stride_kb, stride_vb, NUM_PAGES, rows_b, rows_b, offs_n, offs_d, mid, hi,
-                BMASK, SQ, SK, HEAD_DIM, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
-                stride_mm, stride_mn, seed, rng_bh,
-                dropout_p, off_b, off_h, EVEN_D, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, False,
-                False, SPARSE, PAGE_SIZE, BLOCK_N)
+                pages, stride_kb, stride_vb, NUM_PAGES, rows_b, rows_b, offs_n, offs_d, offs_dv,
+                mid, hi, BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2,
+                slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
+                EVEN_D, EVEN_DV, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
+                SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, False, False, SPARSE,
+                PAGE_SIZE, BLOCK_N)
 
     o_base = O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
     lse_base = LSE + off_b * stride_lb + off_h * stride_lh + q_off
     sink2 = 0.0
     if HAS_SINK:
         sink2 = tl.load(SINK + off_h).to(tl.float32) * LOG2E
-    _store_rows(acc_a, l_a, m_a, rows_a, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM, sink2,
-                EVEN_D, HAS_SINK)
+    _store_rows(acc_a, l_a, m_a, rows_a, o_base, stride_ot, lse_base, SQ, offs_dv, HEAD_DIM_V,
+                sink2, EVEN_DV, HAS_SINK)
     if SPLIT:
-        _store_rows(acc_b, l_b, m_b, rows_b, o_base, stride_ot, lse_base, SQ, offs_d, HEAD_DIM,
-                    sink2, EVEN_D, HAS_SINK)
+        _store_rows(acc_b, l_b, m_b, rows_b, o_base, stride_ot, lse_base, SQ, offs_dv, HEAD_DIM_V,
+                    sink2, EVEN_DV, HAS_SINK)

@@ -76,10 +76,10 @@ def backward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                       varlen: Optional[Varlen] = None, out: Optional[torch.Tensor] = None
                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """O in q's shape and dtype (into ``out`` where given: q's shape and dtype, a unit stride
-    on D); LSE fp32 in natural log, (B, H, SQ) or (H, total_q)."""
+    """O in q's shape with v's head dim, in q's dtype (into ``out`` where given: that shape
+    and dtype, a unit stride on D); LSE fp32 in natural log, (B, H, SQ) or (H, total_q)."""
     SK = _dims(q, k, varlen)[2]
-    out = runtime._empty_like(q) if out is None else out
+    out = runtime._empty_like(q, v.shape[-1]) if out is None else out
     lse, stride_lb, stride_lh = _lse_buffer(q, varlen)
     if out.numel() == 0:
         return out, lse

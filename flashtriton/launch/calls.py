@@ -12,7 +12,7 @@ from .. import _env, configs, runtime
 from ..runtime import call_signature
 
 LOG2E = math.log2(math.e)
-_KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "IS_VARLEN", "HAS_LOWER", "HAS_UPPER", "HAS_SOFTCAP",
+_KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "IS_VARLEN", "HAS_LOWER", "HAS_UPPER", "HAS_SOFTCAP",
         "HAS_ALIBI", "MASK_KIND", "HAS_DROPOUT", "HAS_BLOCK_MASK", "SPARSE"]
 
 
@@ -127,9 +127,11 @@ def _lse_buffer(q, varlen: Optional[Varlen]):
     return lse, 0, lse.stride(0)
 
 
-def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
+def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant,
+            head_dim_v: Optional[int] = None):
     """Constexpr and runtime arguments shared by every kernel of one call, and the tuning key
     (dtype and the autotuner's key values). Computed once per distinct call signature.
+    head_dim_v: v's head dim where it differs from q's (MLA).
 
     The mask: query i sees key j iff i + d - left <= j <= i + d + right, with
     d = SK - SQ of the sequence (bottom-right alignment, flash-attn's rule) plus
@@ -138,7 +140,8 @@ def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
     """
     v = variant
     common, key = _common_cached(
-        q.shape[-1], q.dtype, varlen is not None, configs.bucket(SQ), configs.bucket(SK),
+        q.shape[-1], q.shape[-1] if head_dim_v is None else head_dim_v, q.dtype,
+        varlen is not None, configs.bucket(SQ), configs.bucket(SK),
         v.softmax_scale, v.causal, v.window_left, v.window_right, v.diag_offset, v.softcap,
         v.alibi_slopes is not None, _mask_args(v)[1], v.dropout_p, v.score_mod,
         v.score_mod_grad, v.mask_mod, v.kv_blocks is not None, v.block_size)
@@ -148,7 +151,7 @@ def _common(q, varlen: Optional[Varlen], SQ: int, SK: int, variant: Variant):
 
 
 @functools.lru_cache(maxsize=1024)
-def _common_cached(head_dim, dtype, is_varlen, sq_bucket, sk_bucket, softmax_scale, causal,
+def _common_cached(head_dim, head_dim_v, dtype, is_varlen, sq_bucket, sk_bucket, softmax_scale, causal,
                    window_left, window_right, diag_offset, softcap, has_alibi, mask_kind,
                    dropout_p, score_mod, score_mod_grad, mask_mod, has_block_mask, block_size):
     right = 0 if causal else window_right
@@ -167,6 +170,9 @@ def _common_cached(head_dim, dtype, is_varlen, sq_bucket, sk_bucket, softmax_sca
         IS_VARLEN=is_varlen,
         BLOCK_D=configs.block_d(head_dim),
         EVEN_D=configs.block_d(head_dim) == head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=configs.block_d(head_dim_v),
+        EVEN_DV=configs.block_d(head_dim_v) == head_dim_v,
         HAS_LOWER=window_left >= 0,
         HAS_UPPER=right >= 0,
         HAS_SOFTCAP=has_softcap,

@@ -88,8 +88,9 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
         return f"the Gluon forward takes bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if varlen is not None or q.dim() != 4 or q.shape[1] != k.shape[1]:
         return "the Gluon forward takes dense batches with as many queries as keys"
-    if q.shape[-1] not in head_dims:
-        return f"the Gluon forward takes head dims {head_dims}, got {q.shape[-1]}"
+    if q.shape[-1] not in head_dims or v.shape[-1] != q.shape[-1]:
+        return (f"the Gluon forward takes head dims {head_dims} (v's as q's), got "
+                f"{q.shape[-1]} (v {v.shape[-1]})")
     w = variant
     windowed = _windowed(w)
     listed = (w.kv_blocks is not None and w.block_size == configs.GLUON_FWD_BLOCK_N

@@ -43,11 +43,12 @@ def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: V
     tensors under varlen). Returns the launch's Replay, if any: its leading arguments are
     q, k, v, out, lse, ALiBi, the score mask, CU_Q, CU_K, SEQUSED_K, the block mask, the
     sinks, the block table. Paged keys (varlen.block_table): k and v (pages, page_size,
-    HKV, D), read by TMA where pages are whole row blocks of one tensor."""
+    HKV, D), read by TMA where pages are whole row blocks of one tensor. v's head dim may
+    differ from q's and k's (MLA): out has v's."""
     B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
     (mask, *mask_strides), _ = _mask_args(variant)
-    common, key = _common(q, varlen, SQ, SK, variant)
+    common, key = _common(q, varlen, SQ, SK, variant, v.shape[-1])
     if common["HAS_ALIBI"] == 2:  # the forward kernel has the general form only
         common = dict(common, HAS_ALIBI=1)
     table = None if varlen is None else varlen.block_table
@@ -69,7 +70,8 @@ def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: V
         return configs.cdiv(SQ, meta["BLOCK_M"]), B * H
     if variant.batch_invariant:  # one tile for every call (no autotuning)
         return runtime.launch_jit(_attn_fwd_kernel, grid, *args,
-                                  _cfg=_invariant_config(common["BLOCK_D"], q.element_size()),
+                                  _cfg=_invariant_config(max(common["BLOCK_D"], common["BLOCK_DV"]),
+                                                         q.element_size()),
                                   **flags)
     return runtime._launch(_fwd, grid, (*key, use_tma, page_size), *args, **flags)
 
@@ -102,7 +104,7 @@ def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[
         replays[0](q_, k_, v_, out_, dout_, lse_, delta_, dq_)
         replays[1](q_, k_, v_, dout_, lse_, delta_, dk_, dv_)
         return dq, dk, dv, delta
-    common, key = _common(q, varlen, SQ, SK, variant)
+    common, key = _common(q, varlen, SQ, SK, variant, v.shape[-1])
     cu = _cu(varlen)
     if varlen is not None:  # the sequences' rows bounded once, not in each program
         cu = (*_bounded_spans(q, k, varlen), None)
