@@ -339,7 +339,8 @@ def _outputs_inside_sentinels(monkeypatch):
         return inner.fill_(float("nan"))
 
     monkeypatch.setattr(runtime, "_empty", empty)
-    monkeypatch.setattr(runtime, "_empty_like", lambda x: empty(x.shape, x.dtype, x.device))
+    monkeypatch.setattr(runtime, "_empty_like", lambda x, head_dim=None: empty(
+        (*x.shape[:-1], head_dim or x.shape[-1]), x.dtype, x.device))
     return made
 
 
