@@ -96,6 +96,18 @@ def test_output_layout_follows_q():
     assert_rule("out", out, ref.out, lowp.out, 2, q.dtype)
 
 
+def _check_rule(out, ref, low, inputs, leaves, lowp):
+    """out and the gradients of ``inputs`` under the accuracy rule: ref (float64, from
+    ``leaves``) and low (torch in the inputs' dtype, from ``lowp``)."""
+    dtype = inputs[0].dtype
+    assert_rule("out", out, ref, low, 2, dtype)
+    dout = torch.randn_like(out)
+    for name, g, r, p in zip(("dq", "dk", "dv"), torch.autograd.grad(out, inputs, dout),
+                             torch.autograd.grad(ref, leaves, dout.double()),
+                             torch.autograd.grad(low, lowp, dout)):
+        assert_rule(name, g, r, p, 3, dtype)
+
+
 def _packed(lens_q, lens_k, H, HKV, D, DV, dtype=torch.bfloat16):
     q = torch.randn(sum(lens_q), H, D, device=DEVICE, dtype=dtype)
     k = torch.randn(sum(lens_k), HKV, D, device=DEVICE, dtype=dtype)
@@ -130,14 +142,9 @@ def test_varlen_forward_and_backward():
     assert out.shape == (sum(lens_q), H, DV)
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     lowp = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    ref, low = _per_sequence(*leaves, lens_q, lens_k, True)
-    ref_lp, _ = _per_sequence(*lowp, lens_q, lens_k, True)
-    assert_rule("out", out, ref, low, 2, q.dtype)
-    dout = torch.randn_like(out)
-    for name, g, r, p in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout),
-                             torch.autograd.grad(ref, leaves, dout.double()),
-                             torch.autograd.grad(ref_lp, lowp, dout)):
-        assert_rule(name, g, r, p, 3, q.dtype)
+    ref, _ = _per_sequence(*leaves, lens_q, lens_k, True)
+    _, low = _per_sequence(*lowp, lens_q, lens_k, True)  # torch in q's dtype
+    _check_rule(out, ref, low, (q, k, v), leaves, lowp)
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode-only"])
@@ -200,12 +207,7 @@ def test_sdpa_drop_in_runs_the_kernels():
     ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
     lowp = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     low = F.scaled_dot_product_attention(*lowp, is_causal=True)
-    assert_rule("out", out, ref, low, 2, q.dtype)
-    dout = torch.randn_like(out)
-    for name, g, r, p in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout),
-                             torch.autograd.grad(ref, leaves, dout.double()),
-                             torch.autograd.grad(low, lowp, dout)):
-        assert_rule(name, g, r, p, 3, q.dtype)
+    _check_rule(out, ref, low, (q, k, v), leaves, lowp)
 
 
 def test_kernel_families():
