@@ -58,7 +58,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rotary_interleaved: bool = True,
                            num_splits: int = 0, return_lse: bool = True,
                            sinks: Optional[torch.Tensor] = None,
-                           batch_invariant: bool = False) -> AttentionOutput:
+                           batch_invariant: bool = False,
+                           k_descale: Optional[torch.Tensor] = None,
+                           v_descale: Optional[torch.Tensor] = None,
+                           q_descale: Optional[torch.Tensor] = None) -> AttentionOutput:
     """Attention of a few query tokens over a KV cache, after appending k, v to it.
 
     Args:
@@ -67,9 +70,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            (chunked prefill, ``configs.kvcache_prefill``) run the prefill forward kernel.
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged:
            (num_blocks, page_size, nheads_k, headdim) with ``block_table``; any strides
-           with a unit stride on headdim (e.g. K and V as views of one buffer).
+           with a unit stride on headdim (e.g. K and V as views of one buffer). In q's
+           dtype, or fp8 (float8_e4m3fn / float8_e5m2, both the same) holding
+           value / descale, with ``k_descale`` and ``v_descale``.
         k, v: (batch, seqlen_new, nheads_k, headdim) or None: written into the cache at
-           positions cache_seqlens[b] ... (in place, also into pages), then attended.
+           positions cache_seqlens[b] ... (in place, also into pages), then attended. Into
+           an fp8 cache: in q's dtype, quantised on the way (value / descale, saturated to
+           the fp8 range, rounded to nearest), or already in the cache's fp8 (copied).
         cache_seqlens: int or (batch,) int32: keys in the cache before the append
            (None: the whole cache).
         block_table: (batch, max_blocks) int32 page indices, in any order; page_size a
@@ -95,7 +102,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            batch_invariant=True)`` over the same keys (and a training forward's rows at the
            same positions): every call runs the forward kernel over the cache (its one fixed
            tile, no KV splits); slower than the split kernel for small batches
-           (docs/perf.md). Not with cache_leftpad over a paged cache.
+           (docs/perf.md). Not with cache_leftpad over a paged cache, nor fp8 caches.
+        k_descale, v_descale: an fp8 cache's dequantisation factors (value = stored x
+           descale), float32 (batch, nheads_k) as FlashAttention-3's, or (nheads_k,); None
+           for a cache in q's dtype. Decoding reads the fp8 bytes and dequantises in
+           registers (the split kernel, whatever the query count).
+        q_descale: with q in fp8 (FlashAttention-3's fp8 call): q's factors, float32
+           (batch, nheads_k) or (nheads_k,); q is dequantised to bfloat16, and out is
+           bfloat16.
 
     Returns ``AttentionOutput(out, lse)``: out (batch, seqlen_q, nheads, headdim), lse
     (batch, nheads, seqlen_q) float32 or None. Not differentiable.
@@ -106,6 +120,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     its cache sees no keys (out 0, lse -inf), keys in pages outside the pool are not
     attended, and appends outside the cache are dropped.
     """
+    if q_descale is not None or getattr(q, "dtype", None) in validation.FP8_DTYPES:
+        q = _dequantized_q(q, q_descale, k_cache)
     # A plain step (no append, no rotary, per-sequence lengths) whose arguments match an
     # earlier call's in everything but the data replays that call's launches before the
     # checks, which the earlier call passed with the same shapes, strides, dtypes, devices
@@ -117,14 +133,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             and (sinks is None or isinstance(sinks, torch.Tensor) and sinks.stride(-1) == 1)
             and type(batch_invariant) is bool)
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
-               alibi_slopes, sinks)
+               alibi_slopes, sinks, k_descale, v_descale)
     signature = None
     if step:
         try:
             signature = step_signature(q, k_cache, v_cache, cache_seqlens, block_table,
                                        cache_batch_idx, cache_leftpad, alibi_slopes, softmax_scale,
                                        causal, window_size, softcap, num_splits, return_lse,
-                                       sinks, batch_invariant)
+                                       sinks, batch_invariant, k_descale, v_descale)
         except AttributeError:  # not a tensor where one belongs: the checks below say so
             step = False
         replayed = decode_launch.replay_step(signature, tensors, return_lse)
@@ -132,7 +148,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             return replayed
     checked = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                           cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, causal,
-                          window_size)
+                          window_size, k_descale, v_descale)
     cache_seqlens = checked.cache_seqlens
     B, SQ, H, D = q.shape
     scale = check_scale(softmax_scale, D)
@@ -145,6 +161,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch_invariant and block_table is not None and cache_leftpad is not None:
         raise ValueError("batch_invariant: cache_leftpad over a paged cache is not supported "
                          "(left-pad a contiguous cache, or start each sequence at page 0)")
+    if batch_invariant and checked.descales[0] is not None:
+        raise ValueError(f"batch_invariant runs the forward kernel, which reads no fp8 cache; "
+                         f"k_cache is {k_cache.dtype}")
     if rotary_cos is not None:  # positions: the cache's indices (left padding included)
         steps = torch.arange(SQ, device=q.device)
         local = causal or checked.window != (-1, -1)
@@ -158,16 +177,38 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return decode_launch.attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 cache_batch_idx, cache_leftpad, alibi, scale, causal, left, right,
                                 softcap, num_splits, return_lse, signature, step, sinks,
-                                batch_invariant)
+                                batch_invariant, checked.descales)
+
+
+def _dequantized_q(q, q_descale, k_cache) -> torch.Tensor:
+    """An fp8 q (FlashAttention-3's fp8 call) times its factors q_descale (batch, nheads_k)
+    or (nheads_k,), in bfloat16."""
+    if not isinstance(q, torch.Tensor) or q.dtype not in validation.FP8_DTYPES:
+        raise ValueError(f"q_descale applies to an fp8 q; got q "
+                         f"{describe(q) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.dim() != 4 or not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4 \
+            or q.shape[2] % max(k_cache.shape[2], 1):
+        raise ValueError(f"q must be 4-D (batch, seqlen_q, nheads, headdim) with nheads a "
+                         f"multiple of k_cache's; got q {describe(q)}")
+    B, SQ, H, D = q.shape
+    HKV = k_cache.shape[2]
+    if q_descale is None:
+        raise ValueError(f"q_descale is needed with an fp8 q ({describe(q)}): float32 "
+                         f"(batch, nheads_k) = ({B}, {HKV}) or (nheads_k,)")
+    factor = validation.check_descale("q_descale", q_descale, B, HKV, q.device)
+    grouped = q.view(B, SQ, HKV, H // HKV, D).float() * factor[:, None, :, None, None]
+    return grouped.to(torch.bfloat16).view(B, SQ, H, D)
 
 
 class _Checked(NamedTuple):
     cache_seqlens: torch.Tensor  # (B,) int32 on q's device
     window: Tuple[int, int]
+    descales: tuple  # an fp8 cache's (k_descale, v_descale) as (B, HKV) views, else Nones
 
 
 def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
-                cache_leftpad, rotary_cos, rotary_sin, causal, window_size) -> _Checked:
+                cache_leftpad, rotary_cos, rotary_sin, causal, window_size, k_descale=None,
+                v_descale=None) -> _Checked:
     """attention_with_kvcache's checks (validation.py's, and the index contents where
     validation says so); raises TypeError / ValueError naming the argument."""
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
@@ -190,7 +231,9 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
         raise ValueError("q must be a 4-D (batch, seqlen_q, nheads, headdim) tensor")
     B, SQ, H, D = q.shape
     # dtypes, devices, heads and head dim of q against the cache (whose batch may differ)
-    check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), same_batch=False)
+    fp8 = k_cache.dtype if k_cache.dtype in validation.FP8_DTYPES else None
+    check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), same_batch=False, kv_dtype=fp8)
+    descales = validation.check_descales(k_cache, v_cache, k_descale, v_descale, B, q.device)
     HKV = k_cache.shape[2]
     page_size = k_cache.shape[1]
     if paged:
@@ -223,7 +266,11 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
                          f"{describe(rotary_sin)}")
     s_new = 0
     if k is not None:
-        check_qkv(q, k, v, ("q", "k", "v"))
+        given = getattr(k, "dtype", None)
+        if given in validation.FP8_DTYPES and given != fp8:
+            raise TypeError(f"k and v in {given} go into a cache of that dtype (copied as "
+                            f"they are); k_cache is {k_cache.dtype}")
+        check_qkv(q, k, v, ("q", "k", "v"), kv_dtype=fp8 if given == fp8 else None)
         if k.shape[2] != HKV:
             raise ValueError(f"k has {k.shape[2]} heads, the cache {HKV}")
         s_new = k.shape[1]
@@ -234,7 +281,7 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
         rotary_len = (rotary_cos.shape[0], max(s_new, SQ if local else 1))
     check_cache_indices(cache_seqlens, s_new, capacity, k_cache.shape[0], block_table,
                         page_size, cache_batch_idx, cache_leftpad, rotary_len)
-    return _Checked(cache_seqlens, window)
+    return _Checked(cache_seqlens, window, descales)
 
 
 def merge_attention_states(outs, lses) -> AttentionOutput:
@@ -264,16 +311,25 @@ class PagedKVCache:
         cache.free(seq_id)                                 # its pages go back to the pool
 
     Page bookkeeping is host-side (Python lists); the pages themselves and the block
-    tables live on the device. Pages of one sequence need not be contiguous.
+    tables live on the device. Pages of one sequence need not be contiguous. An fp8 cache
+    (dtype torch.float8_e4m3fn or float8_e5m2) takes k_descale and v_descale, float32
+    (num_kv_heads,): appends quantise into it, attention dequantises.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=torch.bfloat16, device=None):
+                 dtype=torch.bfloat16, device=None, k_descale: Optional[torch.Tensor] = None,
+                 v_descale: Optional[torch.Tensor] = None):
         if page_size < 8 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 8, got {page_size}")
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        validation.check_descales(self.k, self.v, k_descale, v_descale, 1, self.k.device)
+        for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if d is not None and d.dim() != 1:  # one factor a KV head, for any batch
+                raise ValueError(f"{name} must have shape (num_kv_heads,) = ({num_kv_heads},); "
+                                 f"got {describe(d)}")
+        self.k_descale, self.v_descale = k_descale, v_descale
         self.page_size = page_size
         self._free = list(range(num_pages - 1, -1, -1))
         self._pages = {}
@@ -336,7 +392,8 @@ class PagedKVCache:
                                 device=self.k.device)
             out, _ = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=lens,
                                             block_table=self.block_table(seq_ids),
-                                            return_lse=False, **options)
+                                            return_lse=False, k_descale=self.k_descale,
+                                            v_descale=self.v_descale, **options)
         except BaseException:  # the call's checks refused it: give the new pages back
             for s, n in pages.items():
                 self._free.extend(reversed(self._pages[s][n:]))

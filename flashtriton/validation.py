@@ -32,6 +32,8 @@ from . import _env
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What a KV cache may also hold, with its descale factors: value / descale in fp8
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 _VALIDATE = _env.VALIDATE
 
@@ -71,15 +73,16 @@ _LAYOUTS = {"bshd": (2, "(batch, seqlen, nheads, headdim)"),
             "bhsd": (1, "(batch, nheads, seqlen, headdim)")}
 
 
-def _fits(q, k, v, same_batch: bool, h: int, own_v_dim: bool = False) -> bool:
+def _fits(q, k, v, same_batch: bool, h: int, own_v_dim: bool = False, kv_dtype=None) -> bool:
     """The one combined test for valid q, k, v (heads on axis h): reads each attribute once.
     False: ``_qkv_reason`` names the problem."""
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         qs, ks, vs, dtype = q.shape, k.shape, v.shape, q.dtype
+        kv = dtype if kv_dtype is None else kv_dtype
         if (len(qs) == 4 and len(ks) == 4 and (ks == vs or own_v_dim and len(vs) == 4
                                                 and ks[:3] == vs[:3] and 1 <= vs[3] <= MAX_HEAD_DIM)
                 and dtype in SUPPORTED_DTYPES
-                and k.dtype == dtype and v.dtype == dtype and 1 <= qs[3] <= MAX_HEAD_DIM
+                and k.dtype == kv and v.dtype == kv and 1 <= qs[3] <= MAX_HEAD_DIM
                 and ks[3] == qs[3] and (ks[0] == qs[0] or not same_batch)
                 and ks[h] > 0 and qs[h] % ks[h] == 0):
             device = q.device  # each .device builds a torch.device: read once per tensor
@@ -89,7 +92,7 @@ def _fits(q, k, v, same_batch: bool, h: int, own_v_dim: bool = False) -> bool:
 
 
 def _qkv_reason(q, k, v, names, same_batch: bool, layout: str,
-                own_v_dim: bool = False) -> Optional[Reason]:
+                own_v_dim: bool = False, kv_dtype=None) -> Optional[Reason]:
     """The checks of ``_fits`` one by one: the first problem, named."""
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
@@ -99,10 +102,13 @@ def _qkv_reason(q, k, v, names, same_batch: bool, layout: str,
     for name, x in zip(names, (q, k, v)):
         if x.dim() != 4:
             return Reason(f"{name} must be 4-D {dims}; got {describe(x)}")
-        if x.dtype not in SUPPORTED_DTYPES:
+        if x.dtype not in SUPPORTED_DTYPES and (x is q or x.dtype != kv_dtype):
             return Reason(f"{name} has unsupported dtype {x.dtype}; flashtriton computes in "
                           f"float16, bfloat16 or float32 ({describe(x)})", TypeError)
-    if not (q.dtype == k.dtype == v.dtype):
+    if kv_dtype is not None and not (k.dtype == v.dtype == kv_dtype):
+        return Reason(f"{nk} and {nv} must both be {kv_dtype}; got {k.dtype}, {v.dtype}",
+                      TypeError)
+    if kv_dtype is None and not (q.dtype == k.dtype == v.dtype):
         return Reason(f"{nq}, {nk}, {nv} must share one dtype; got {q.dtype}, {k.dtype}, "
                       f"{v.dtype}", TypeError)
     device = q.device
@@ -237,18 +243,19 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
 
 
 def check_qkv(q, k, v, names=("q", "k", "v"), same_batch: bool = True,
-              own_v_dim: bool = False) -> None:
+              own_v_dim: bool = False, kv_dtype: Optional[torch.dtype] = None) -> None:
     """Raise TypeError/ValueError naming the argument for input the kernels cannot take
     (``supported``'s rules for (batch, seqlen, nheads, headdim) q, k, v).
     same_batch=False: k and v may have another batch size than q (KV caches); own_v_dim:
-    v's head dim may differ from q's and k's (MLA).
+    v's head dim may differ from q's and k's (MLA); kv_dtype: the dtype k and v hold instead
+    of q's (an fp8 KV cache).
 
     Every call pays for this (host time): valid input passes one combined test, reading
     each attribute once; anything else goes through the checks one by one, which name
     the problem."""
-    if _fits(q, k, v, same_batch, 2, own_v_dim):
+    if _fits(q, k, v, same_batch, 2, own_v_dim, kv_dtype):
         return
-    reason = _qkv_reason(q, k, v, names, same_batch, "bshd", own_v_dim)
+    reason = _qkv_reason(q, k, v, names, same_batch, "bshd", own_v_dim, kv_dtype)
     if reason is not None:
         raise reason.error(str(reason))
 
@@ -370,6 +377,51 @@ def check_sinks(sinks, H: int, device, name: str = "sinks") -> Optional[torch.Te
     if sinks.device != device:
         raise ValueError(f"{name} must be on q's device {device}; got {describe(sinks)}")
     return sinks if sinks.stride(0) == 1 else sinks.contiguous()
+
+
+def check_descale(name: str, d, B: int, HKV: int, device) -> torch.Tensor:
+    """fp8 dequantisation factors (value = stored x descale): a float32 tensor on q's device,
+    (batch, nheads_k) as FlashAttention-3's or (nheads_k,), returned as a (batch, nheads_k)
+    view."""
+    if not isinstance(d, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(d).__name__}")
+    if d.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32; got {describe(d)}")
+    if d.device != device:
+        raise ValueError(f"{name} must be on q's device {device}; got {describe(d)}")
+    if tuple(d.shape) not in ((B, HKV), (HKV,)):
+        raise ValueError(f"{name} must have shape (batch, nheads_k) = ({B}, {HKV}) or "
+                         f"(nheads_k,) = ({HKV},), one factor a KV head; got {describe(d)}")
+    return d.expand(B, HKV)
+
+
+def check_descales(k_cache, v_cache, k_descale, v_descale, B: int,
+                   device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """An fp8 KV cache's factors (``check_descale``), as (batch, nheads_k) views; (None, None)
+    for a cache in q's dtype, which takes none. Needs a GPU that converts fp8 (compute
+    capability 8.9+) or the interpreter."""
+    given = (("k_descale", k_descale), ("v_descale", v_descale))
+    if k_cache.dtype not in FP8_DTYPES:
+        for name, d in given:
+            if d is not None:
+                raise ValueError(f"{name} applies to fp8 KV caches ({_FP8_NAMES}); k_cache is "
+                                 f"{k_cache.dtype}")
+        return None, None
+    if device.type == "cuda" and torch.version.hip is None \
+            and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"an fp8 KV cache ({describe(k_cache)}) needs a GPU of compute "
+                         f"capability 8.9 or later (Ada, Hopper, Blackwell); this one is "
+                         f"{torch.cuda.get_device_capability(device)}")
+    HKV = k_cache.shape[2]
+    for name, d in given:
+        if d is None:
+            raise ValueError(f"{name} is needed with an fp8 KV cache ({describe(k_cache)}, "
+                             f"holding value / descale): a float32 (batch, nheads_k) = ({B}, "
+                             f"{HKV}) or (nheads_k,) tensor")
+    return tuple(check_descale(name, d, B, HKV, device) for name, d in given)
+
+
+_FP8_NAMES = "torch.float8_e4m3fn or torch.float8_e5m2"
 
 
 def _dropout_p(dropout_p) -> float:

@@ -134,7 +134,8 @@ def test_registry_lists_every_provider_and_suite():
                                     "sdpa_efficient", "flash_attn", "naive"}
     assert set(bench.DECODE_PROVIDERS) == {"flashtriton", "flashtriton_paged16",
                                            "flashtriton_paged_varlen16",
-                                           "flashtriton_batch_invariant", "sdpa"}
+                                           "flashtriton_batch_invariant", "flashtriton_fp8",
+                                           "flashtriton_paged16_fp8", "sdpa"}
     assert list(bench.SUITES) == ["train", "gqa", "overhead", "coldstart", "decode"]
     with pytest.raises(SystemExit) as exc:
         bench_main(["--providers", "no_such"])
@@ -205,9 +206,13 @@ def test_decode_check_against_the_reference(monkeypatch):
     interpreter); the paged inputs hold the same keys as the contiguous cache."""
     from flashtriton.bench import decode
     torch.manual_seed(0)
-    x = decode.decode_inputs(2, 64, H=4, HKV=2, D=16, page=16, device=DEVICE)
+    x = decode.decode_inputs(2, 64, H=4, HKV=2, D=16, page=16, device=DEVICE, fp8=True)
     pages = x.k_pages[x.table.long()].reshape(2, 64, 2, 16)
     assert torch.equal(pages, x.k)
+    assert torch.equal(x.fp8.k_pages[x.table.long()].reshape(2, 64, 2, 16).view(torch.uint8),
+                       x.fp8.k.view(torch.uint8))
+    # the fp8 cache stands for the same keys, to fp8's rounding
+    assert decode.dequantized(x.fp8)[0].sub(x.k.float()).abs().max() <= x.k.abs().max() / 8
     checked = decode.check_decode(list(bench.DECODE_PROVIDERS), x)
     assert set(checked) == set(bench.DECODE_PROVIDERS)
     for prov, (fn, err) in checked.items():

@@ -352,18 +352,18 @@ def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_ker
     assert grid == (3, 4, 1)                   # splits x (B * HKV)
     if in_kernel:
         (ws, _, counts), = decode_launch._WORKSPACES.values()
-        assert counts == ws.data_ptr() and args[13] == counts  # the counts, then the partials
-        assert (args[9] == counts + 4 * decode_launch._COUNTS
-                and args[10] - args[9] == 4 * 3 * 2 * 4 * 32)
-        assert args[11:13] == (out.data_ptr(), lse.data_ptr())
+        assert counts == ws.data_ptr() and args[15] == counts  # the counts, then the partials
+        assert (args[11] == counts + 4 * decode_launch._COUNTS
+                and args[12] - args[11] == 4 * 3 * 2 * 4 * 32)
+        assert args[13:15] == (out.data_ptr(), lse.data_ptr())
         return
     _, _, merge_args = merge.compiled[0].runs[-1]   # call 2 ran it cached, call 3 replayed
-    assert args[8] is None                     # no sinks
-    assert args[11:14] == (None, None, None)   # no merge in the split kernel
+    assert args[8:11] == (None, None, None)    # no sinks, no fp8 descales
+    assert args[13:16] == (None, None, None)   # no merge in the split kernel
     assert args[0] == q.data_ptr() and args[1] == cache.data_ptr() and args[3] == lens.data_ptr()
-    assert args[9] == merge_args[0] and args[10] == merge_args[1]  # the partials merged
+    assert args[11] == merge_args[0] and args[12] == merge_args[1]  # the partials merged
     # one allocation: the LSEs (16-byte aligned) after the 3 x 2 x 4 x 1 x 32 fp32 outputs
-    assert args[10] - args[9] == 4 * 3 * 2 * 4 * 32 and args[10] % 16 == 0
+    assert args[12] - args[11] == 4 * 3 * 2 * 4 * 32 and args[12] % 16 == 0
     assert merge_args[2] == out.data_ptr() and merge_args[3] == lse.data_ptr()
     step(num_splits=2)                         # another split size: tuned or compiled anew
     assert split.tuned + len(split.fn.slow) == 3 and len(split.fn.compiled[0].runs) == 1

@@ -12,7 +12,7 @@ flashtriton.reference (common.check, float32, chunked so that no score matrix pa
 before its speed is measured; a row whose check fails reports the failure and no speed.
 """
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +110,8 @@ def available(name: str) -> bool:
 class DecodeInputs(NamedTuple):
     """One decoding step's inputs (decode.decode_inputs): q (B, 1, H, D); a contiguous cache
     k, v (B, N, HKV, D); the same keys and values in shuffled pages with their block table;
-    cache_seqlens."""
+    cache_seqlens; and, for the fp8 providers, the same cache quantised (``fp8``: a
+    DecodeInputs over float8_e4m3fn caches with its descales, or None)."""
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -118,18 +119,24 @@ class DecodeInputs(NamedTuple):
     v_pages: torch.Tensor
     table: torch.Tensor
     lens: torch.Tensor
+    fp8: Optional["DecodeInputs"] = None
+    k_descale: Optional[torch.Tensor] = None  # (B, HKV) float32 of an fp8 cache
+    v_descale: Optional[torch.Tensor] = None
 
 
 # Decoding providers: (make, output): make(DecodeInputs) is a step (no arguments, the call
 # that is timed, as it was before this registry: flashtriton with return_lse=False returns
 # its AttentionOutput, SDPA its (B, H, 1, D) tensor); output(result) is out (B, 1, H, D).
 
-def _kvcache(paged: bool, batch_invariant: bool = False):
+def _kvcache(paged: bool, batch_invariant: bool = False, fp8: bool = False):
     def make(x: DecodeInputs):
         from flashtriton.decode import attention_with_kvcache
+        if fp8:
+            x = x.fp8
         k, v, table = (x.k_pages, x.v_pages, x.table) if paged else (x.k, x.v, None)
         return lambda: attention_with_kvcache(x.q, k, v, cache_seqlens=x.lens, block_table=table,
-                                              return_lse=False, batch_invariant=batch_invariant)
+                                              return_lse=False, batch_invariant=batch_invariant,
+                                              k_descale=x.k_descale, v_descale=x.v_descale)
     return make
 
 
@@ -154,8 +161,13 @@ DECODE_PROVIDERS = {
     "flashtriton_paged16": (_kvcache(paged=True), lambda r: r.out),
     "flashtriton_paged_varlen16": (_paged_varlen, lambda r: r.unsqueeze(1)),
     "flashtriton_batch_invariant": (_kvcache(paged=False, batch_invariant=True), lambda r: r.out),
+    "flashtriton_fp8": (_kvcache(paged=False, fp8=True), lambda r: r.out),
+    "flashtriton_paged16_fp8": (_kvcache(paged=True, fp8=True), lambda r: r.out),
     "sdpa": (_sdpa_decode, lambda r: r.transpose(1, 2)),
 }
+# Providers over the fp8 cache (DecodeInputs.fp8): checked against the reference over its
+# dequantised values, one byte an element read.
+FP8_DECODE_PROVIDERS = ("flashtriton_fp8", "flashtriton_paged16_fp8")
 
 
 # The suites of python -m flashtriton.bench and their shapes.

@@ -16,7 +16,8 @@ Suites (flashtriton.bench.SUITES):
             --decode-batches x --decode-lens; GB/s of K and V read and % of the copy
             bandwidth measured in the same run, for eager calls (their kernels) and for the
             step replayed from a CUDA graph (as serving engines run it); flashtriton
-            contiguous and paged (16-token pages) against torch SDPA with GQA; GPU time after
+            contiguous and paged (16-token pages), in bf16 and over the cache quantised to
+            float8_e4m3fn, against torch SDPA with GQA (--decode-providers); GPU time after
             an L2 flush that leaves no dirty lines (cold_ms), the copy too; the host's time
             a step, back to back
 
@@ -37,7 +38,7 @@ import sys
 
 import torch
 
-from . import PROVIDERS, SUITES, available, shapes
+from . import DECODE_PROVIDERS, PROVIDERS, SUITES, available, shapes
 from .common import meta as run_meta
 from .decode import copy_bandwidth_gbps, run_decode
 from .report import merge, report
@@ -61,6 +62,8 @@ def main(argv=None):
     p.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
     p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64])
     p.add_argument("--decode-lens", nargs="+", type=int, default=[1024, 8192, 65536, 131072])
+    p.add_argument("--decode-providers", nargs="+", default=list(DECODE_PROVIDERS),
+                   choices=list(DECODE_PROVIDERS))
     p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
     p.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384,
                                                                   32768])
@@ -117,7 +120,8 @@ def main(argv=None):
             print(f"coldstart {row}", flush=True)
         if "decode" in args.suites:
             copy = copy_bandwidth_gbps()
-            for row in run_decode(args.decode_batches, args.decode_lens, meta, copy):
+            for row in run_decode(args.decode_batches, args.decode_lens, meta, copy,
+                                  args.decode_providers):
                 row["copy_GBps"] = copy
                 rows.append(row)
                 jsonl.write(json.dumps(row) + "\n")

@@ -2,25 +2,26 @@
 headdim 128, bf16), --decode-batches x --decode-lens.
 
 Each provider of DECODE_PROVIDERS (flashtriton over a contiguous cache and over 16-token
-pages, through flash_attn_varlen_func over the pages, with batch_invariant=True, and torch
-SDPA with GQA) is checked against flashtriton.reference (float32) first; then GB/s
-of K and V read and % of the copy bandwidth measured in the same run, for eager calls (their
-kernels) and for the step replayed from a CUDA graph (as serving engines run it): GPU time
-after an L2 flush that leaves no dirty lines (common.cold_ms), the copy too; and the host's
-time a step, back to back.
-"""
+pages, through flash_attn_varlen_func over the pages, with batch_invariant=True, over the same
+cache quantised to float8_e4m3fn (contiguous and paged), and torch SDPA with GQA) is checked
+against flashtriton.reference (float32) first, the fp8 ones over the dequantised values; then
+GB/s of K and V read (one byte an element in fp8) and % of the copy bandwidth measured in the
+same run, for eager calls (their kernels) and for the step replayed from a CUDA graph (as
+serving engines run it): GPU time after an L2 flush that leaves no dirty lines
+(common.cold_ms), the copy too; and the host's time a step, back to back."""
 
 import torch
 
-from . import DECODE_PROVIDERS, DECODE_SHAPE, DecodeInputs, decode_bytes
+from . import DECODE_PROVIDERS, DECODE_SHAPE, FP8_DECODE_PROVIDERS, DecodeInputs, decode_bytes
 from .common import (TOLERANCE, cold_ms, cuda_graph, expected, per_call_us, rel_err,
                      tiles_mark, tiles_since)
 
 
-def decode_inputs(B, N, H=32, HKV=8, D=128, page=16, device="cuda") -> DecodeInputs:
+def decode_inputs(B, N, H=32, HKV=8, D=128, page=16, device="cuda",
+                  fp8: bool = False) -> DecodeInputs:
     """One decoding step's bf16 inputs: q (B, 1, H, D); a full contiguous cache (B, N, HKV,
     D); the same keys and values in shuffled pages of ``page`` tokens with their block table;
-    cache_seqlens (all N)."""
+    cache_seqlens (all N); with ``fp8``, the same caches quantised (``quantized``)."""
     q = torch.randn(B, 1, H, D, device=device, dtype=torch.bfloat16)
     kc = torch.randn(B, N, HKV, D, device=device, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -30,7 +31,28 @@ def decode_inputs(B, N, H=32, HKV=8, D=128, page=16, device="cuda") -> DecodeInp
     kp[table.view(-1).long()] = kc.view(-1, page, HKV, D)
     vp[table.view(-1).long()] = vc.view(-1, page, HKV, D)
     lens = torch.full((B,), N, dtype=torch.int32, device=device)
-    return DecodeInputs(q, kc, vc, kp, vp, table, lens)
+    x = DecodeInputs(q, kc, vc, kp, vp, table, lens)
+    return x._replace(fp8=quantized(x)) if fp8 else x
+
+
+def quantized(x: DecodeInputs, dtype=torch.float8_e4m3fn) -> DecodeInputs:
+    """x's caches in fp8 as a serving engine stores them: one descale a (sequence, KV head),
+    its largest magnitude over the fp8 range (FlashAttention-3's (B, HKV) factors)."""
+    top = torch.finfo(dtype).max
+    kd, vd = (c.abs().amax(dim=(1, 3)).float().clamp_min(1e-12) / top for c in (x.k, x.v))
+    k8, v8 = ((c.float() / d[:, None, :, None]).to(dtype) for c, d in ((x.k, kd), (x.v, vd)))
+    pages = x.table.view(-1).long()  # the same shuffled pages, in fp8
+    kp8, vp8 = (torch.empty(x.k_pages.shape, dtype=dtype, device=c.device) for c in (k8, v8))
+    page = x.k_pages.shape[1]
+    kp8[pages] = k8.view(-1, page, *k8.shape[2:])
+    vp8[pages] = v8.view(-1, page, *v8.shape[2:])
+    return DecodeInputs(x.q, k8, v8, kp8, vp8, x.table, x.lens, k_descale=kd, v_descale=vd)
+
+
+def dequantized(x: DecodeInputs):
+    """An fp8 DecodeInputs' keys and values as the values they stand for (float32)."""
+    return tuple(c.float() * d[:, None, :, None]
+                 for c, d in ((x.k, x.k_descale), (x.v, x.v_descale)))
 
 
 def copy_bandwidth_gbps(nbytes=2**31):
@@ -41,13 +63,16 @@ def copy_bandwidth_gbps(nbytes=2**31):
 
 
 def check_decode(providers, x: DecodeInputs) -> dict:
-    """{provider: (its step, relative error of its output against the reference)}."""
+    """{provider: (its step, relative error of its output against the reference)}; the fp8
+    providers against the reference over x.fp8's dequantised values."""
     ref = expected(x.q, x.k, x.v)
+    ref8 = (expected(x.q, *dequantized(x.fp8))
+            if any(p in FP8_DECODE_PROVIDERS for p in providers) else None)
     out = {}
     for prov in providers:
         make, output = DECODE_PROVIDERS[prov]
         fn = make(x)
-        err = rel_err(output(fn()), ref)
+        err = rel_err(output(fn()), ref8 if prov in FP8_DECODE_PROVIDERS else ref)
         out[prov] = (fn, err if err == err else float("inf"))
     return out
 
@@ -62,7 +87,8 @@ def run_decode(batches, lens, meta, copy_gbps, providers=tuple(DECODE_PROVIDERS)
             base = dict(meta, suite="decode", B=B, H=H, HKV=HKV, N=N, D=D, causal=False)
             try:
                 torch.manual_seed(0)
-                x = decode_inputs(B, N, H, HKV, D, page)
+                x = decode_inputs(B, N, H, HKV, D, page,
+                                  fp8=any(p in FP8_DECODE_PROVIDERS for p in providers))
                 mark = tiles_mark()  # flashtriton tunes in its check call
                 checked = check_decode(providers, x)
                 for prov, (fn, err) in checked.items():
@@ -71,7 +97,8 @@ def run_decode(batches, lens, meta, copy_gbps, providers=tuple(DECODE_PROVIDERS)
                         row["status"] = (f"FAILED check (rel err {err:.2e} vs reference); speed "
                                          "not reported")
                     else:
-                        nbytes = decode_bytes(B, N, HKV, D)
+                        nbytes = decode_bytes(B, N, HKV, D,
+                                              1 if prov in FP8_DECODE_PROVIDERS else 2)
                         ms = cold_ms(fn)
                         graph = cuda_graph(fn)
                         graph_ms = cold_ms(graph.replay)

@@ -196,13 +196,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            learnable_sink=None):
+                            learnable_sink=None, q_descale=None, k_descale=None,
+                            v_descale=None):
     """flash-attn's decoding entry point: appends k, v to the cache in place (also into
     pages with block_table), then attends q over it. See
     ``flashtriton.decode.attention_with_kvcache`` for shapes. Page sizes: any power of two
     >= 8 (flash-attn needs multiples of 256). Rotary embeddings are applied to q and the
-    new k as flash-attn does; learnable_sink as in ``flash_attn_func``. Returns out, or
-    (out, softmax_lse) with ``return_softmax_lse=True``.
+    new k as flash-attn does; learnable_sink as in ``flash_attn_func``. FP8 caches as
+    FlashAttention-3's: float8_e4m3fn (or e5m2) k_cache / v_cache with float32 k_descale /
+    v_descale (batch, nheads_k), q in bf16 / fp16 or in fp8 with q_descale (out bf16).
+    Returns out, or (out, softmax_lse) with ``return_softmax_lse=True``.
     """
     from ..decode import attention_with_kvcache
     out, lse = attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
@@ -214,7 +217,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       rotary_sin=rotary_sin,
                                       rotary_interleaved=rotary_interleaved,
                                       num_splits=num_splits, return_lse=return_softmax_lse,
-                                      sinks=_sink(learnable_sink, q, 2))
+                                      sinks=_sink(learnable_sink, q, 2), k_descale=k_descale,
+                                      v_descale=v_descale, q_descale=q_descale)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -5,9 +5,9 @@ _attn_decode_kernel   one program per (KV split, batch * kv head, row block). Th
                       heads sharing the kv head and the SQ query tokens are packed into rows
                       (row r: head r // SQ, token r % SQ), BLOCK_M of them a program (one row
                       block reads each K/V byte once; more query rows than the tile's cap
-                      take several row blocks). Writes the split's normalised partial output and its LSE (with
-                      one split, O_PART and LSE_PART are the output and LSE themselves; LSE_PART
-                      None: no LSE wanted).
+                      take several row blocks). Writes the split's normalised partial
+                      output and its LSE (with one split, O_PART and LSE_PART are the output
+                      and LSE themselves; LSE_PART None: no LSE wanted).
                       MERGE (eager steps over small caches with one row block: decode.py's
                       rule): each split
                       counts itself done in COUNTERS (one per program column, zero before the
@@ -20,8 +20,9 @@ _attn_decode_kernel   one program per (KV split, batch * kv head, row block). Th
                       launch overlaps the split kernel's stores.
 _kv_append_kernel     one program per (new token, batch * kv head): writes the token's K and
                       V rows into the cache at position CACHE_SEQLENS[b] + i (into its page
-                      with BLOCK_TABLE); a position outside the cache, a page outside the
-                      pool or a cache row outside the cache writes nothing.
+                      with BLOCK_TABLE), quantised into an fp8 cache; a position outside the
+                      cache, a page outside the pool or a cache row outside the cache writes
+                      nothing.
 _attn_merge_kernel    one program per (batch * head * query token): out = sum_s w_s o_s with
                       w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s) (merge_splits, which
                       the split kernel's MERGE runs too).
@@ -32,6 +33,10 @@ Attention sinks (SINK: one logit a query head): HAS_SINK 1, the split kernel tha
 output itself (one split) adds the sink to its rows before the store; 2, the merge adds it
 (merge_splits starts from the sink as a split with no value), in the split kernel's MERGE or
 in the merge kernel.
+
+FP8 caches (float8_e4m3fn / e5m2) hold value / descale with one float32 factor a (sequence,
+KV head) for K and one for V: the split kernel reads the fp8 bytes, converts them to q's dtype
+in registers, folds K's factor into the scores' scale and multiplies the output sums by V's.
 
 Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
 position SK - SQ + t: causal and window masks are aligned to the end of the cache. Both kernels
@@ -48,7 +53,9 @@ from .mask import visible
 
 @triton.jit(do_not_specialize=["WAVES", "ROWS", "CAPACITY"])
 def _attn_decode_kernel(
-    Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, SINK, O_PART, LSE_PART,
+    Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, SINK,
+    K_DESCALE, V_DESCALE,  # FP8 only: float32 factors at b * stride_kdb + kv head * stride_kdh
+    O_PART, LSE_PART,
     OUT, LSE, COUNTERS,  # MERGE only: the output (B, SQ, H, D), its LSE (B, H, SQ), the counts
     TL,  # None, or a timeline (common.mark): start, loop end, stores, end (after MERGE), SM
     stride_qb, stride_qt, stride_qh,
@@ -58,6 +65,7 @@ def _attn_decode_kernel(
     stride_os, stride_ob, stride_oh, stride_ot,
     stride_ls, stride_lb, stride_lh,
     stride_Ob, stride_Ot, stride_Oh,
+    stride_kdb, stride_kdh, stride_vdb, stride_vdh,
     HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE,
     ROWS,  # the cache's rows (contiguous: k_cache.shape[0]) or pages (paged)
     CAPACITY,  # positions a sequence can hold: k_cache.shape[1], or block_table's pages x size
@@ -69,7 +77,7 @@ def _attn_decode_kernel(
     HAS_ALIBI: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     DOT_PREC: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,  # MERGE: pow2 >= GROUP * SQ; splits a load
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     program = ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
                + tl.program_id(0))
@@ -104,6 +112,8 @@ def _attn_decode_kernel(
     q = load_tile(q_ptrs, g, GROUP, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
+    if FP8:  # the cache holds value / descale: K's factor joins the scores' scale
+        qk_scale = qk_scale * tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = (tl.load(ALIBI + off_b * stride_ab + heads * stride_ah, mask=row_ok, other=0.0)
@@ -149,9 +159,9 @@ def _attn_decode_kernel(
                       HEAD_DIM, True, not EVEN_D)                    # [BLOCK_N, BLOCK_D]
         v = load_tile(V + off_hk * stride_vh + v_rows[:, None] + offs_d[None, :], cols, hi, offs_d,
                       HEAD_DIM, True, not EVEN_D)                    # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        if UPCAST or FP8:  # fp8 bytes dequantised in registers: products in q's dtype
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         s, _ = scores(qk, t, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
         if PAGED:  # a key of a page outside the pool: past hi for the mask
@@ -170,6 +180,8 @@ def _attn_decode_kernel(
         m_i = m_new
 
     mark(TL, program, 1)
+    if FP8:  # V's factor, once on the sums
+        acc = acc * tl.load(V_DESCALE + off_b * stride_vdb + off_hk * stride_vdh)
     if PDL:  # the merge kernel may launch now (it waits for this grid before its loads)
         gdc_launch_dependents()
     if HAS_SINK == 1:  # this split is the output: its rows' sinks join here
@@ -287,17 +299,22 @@ def _attn_merge_kernel(
 
 @triton.jit
 def _kv_append_kernel(
-    K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX,
+    K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, K_DESCALE, V_DESCALE,
     stride_knb, stride_knt, stride_knh,
     stride_vnb, stride_vnt, stride_vnh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_bt, S_NEW, HKV, HEAD_DIM, ROWS, CAPACITY,
+    stride_bt, stride_kdb, stride_kdh, stride_vdb, stride_vdh, S_NEW, HKV, HEAD_DIM, ROWS,
+    CAPACITY, FP8_MAX,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    QUANTIZE: tl.constexpr, ROUND_FIRST: tl.constexpr, MANTISSA: tl.constexpr,
+    MIN_EXP: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """K_NEW / V_NEW (B, S_NEW, HKV, D) into K_CACHE / V_CACHE (ROWS rows or pages, CAPACITY
-    positions a sequence) at positions CACHE_SEQLENS[b] + i, in place."""
+    positions a sequence) at positions CACHE_SEQLENS[b] + i, in place. QUANTIZE (an fp8 cache,
+    new rows in q's dtype): each value / its descale (K_DESCALE, V_DESCALE float32 at
+    b * stride_kdb + kv head * stride_kdh, V's alike), saturated to +-FP8_MAX, rounded to the
+    cache's fp8."""
     off_b = tl.program_id(0) // S_NEW
     i = tl.program_id(0) % S_NEW
     off_h = tl.program_id(1).to(tl.int64)
@@ -319,9 +336,34 @@ def _kv_append_kernel(
     d = tl.arange(0, BLOCK_D)
     m = (d < HEAD_DIM) & ok
     src = off_b.to(tl.int64) * stride_knb + i.to(tl.int64) * stride_knt + off_h * stride_knh
-    tl.store(K_CACHE + k_row + off_h * stride_kh + d, tl.load(K_NEW + src + d, mask=m), mask=m)
+    k = tl.load(K_NEW + src + d, mask=m)
     src = off_b.to(tl.int64) * stride_vnb + i.to(tl.int64) * stride_vnt + off_h * stride_vnh
-    tl.store(V_CACHE + v_row + off_h * stride_vh + d, tl.load(V_NEW + src + d, mask=m), mask=m)
+    v = tl.load(V_NEW + src + d, mask=m)
+    if QUANTIZE:
+        k = _quantize(k, tl.load(K_DESCALE + off_b * stride_kdb + off_h * stride_kdh), FP8_MAX,
+                      K_CACHE.dtype.element_ty, ROUND_FIRST, MANTISSA, MIN_EXP)
+        v = _quantize(v, tl.load(V_DESCALE + off_b * stride_vdb + off_h * stride_vdh), FP8_MAX,
+                      V_CACHE.dtype.element_ty, ROUND_FIRST, MANTISSA, MIN_EXP)
+    tl.store(K_CACHE + k_row + off_h * stride_kh + d, k, mask=m)
+    tl.store(V_CACHE + v_row + off_h * stride_vh + d, v, mask=m)
+
+
+@triton.jit
+def _quantize(x, descale, fp8_max, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr,
+              MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """x / descale saturated to +-fp8_max and rounded to the nearest fp8 of ``dtype`` (ties to
+    even, as torch's cast). ROUND_FIRST (the interpreter, whose cast loses the carry when a
+    mantissa rounds up into the next power of two): rounded in fp32 on the fp8 grid of
+    MANTISSA bits and smallest normal exponent MIN_EXP first, then cast exactly."""
+    x = tl.clamp(x.to(tl.float32) / descale, -fp8_max, fp8_max)
+    if ROUND_FIRST:
+        ulp = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30))), MIN_EXP)
+                      - MANTISSA)
+        y = x / ulp
+        r = tl.floor(y + 0.5)
+        r = tl.where((r - y == 0.5) & (r % 2 != 0), r - 1, r)  # ties to even
+        x = tl.where(r == 0, x * 0.0, r * ulp)  # zeros keep x's sign
+    return x.to(dtype)
 
 
 @triton.jit(do_not_specialize=["B", "SQ", "S", "ROWS", "SEG"])

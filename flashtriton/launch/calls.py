@@ -17,7 +17,7 @@ _KEY = ["SQ_BUCKET", "SK_BUCKET", "HEAD_DIM", "HEAD_DIM_V", "IS_VARLEN", "HAS_LO
 
 
 _DECODE_KEY = ["SPLIT_BUCKET", "WAVES", "BLOCK_M", "BLOCK_D", "PAGED", "HAS_LOWER", "HAS_UPPER",
-               "HAS_SOFTCAP", "HAS_ALIBI", "HAS_BATCH_IDX", "HAS_LEFTPAD"]
+               "HAS_SOFTCAP", "HAS_ALIBI", "HAS_BATCH_IDX", "HAS_LEFTPAD", "FP8"]
 
 
 class AttentionOutput(NamedTuple):

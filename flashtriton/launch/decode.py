@@ -93,8 +93,9 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
 
 # A remembered call: one record per way its splits are merged. ``tensors`` are the call's
 # leading tensors (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
-# alibi, sinks), out and lse its new outputs; replay returns False where one is not 16-byte aligned
-# (nothing launched). lse_always: the record writes an LSE even without return_lse.
+# alibi, sinks, k_descale, v_descale), out and lse its new outputs; replay returns False
+# where one is not 16-byte aligned (nothing launched). lse_always: the record writes an LSE
+# even without return_lse.
 
 class OneSplit(NamedTuple):
     """One split: the split kernel writes the output and its LSE (or None) itself."""
@@ -162,7 +163,7 @@ class PrefillRoute(NamedTuple):
     lse_always = True
 
     def replay(self, tensors, out, lse) -> bool:
-        q, k_cache, v_cache, seqlens, _, cache_batch_idx, cache_leftpad, _, sinks = tensors
+        q, k_cache, v_cache, seqlens, _, cache_batch_idx, cache_leftpad, _, sinks = tensors[:9]
         seg = self.seg
         spans = torch.empty(3 * seg, dtype=torch.int32, device=out.device)
         ptrs = runtime.pointers(q, k_cache, v_cache, out, lse, seqlens, cache_batch_idx,
@@ -194,14 +195,14 @@ def remembered(signature):
 def step_signature(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_batch_idx=None,
                    cache_leftpad=None, alibi_slopes=None, softmax_scale=None, causal=False,
                    window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=True,
-                   sinks=None, batch_invariant=False):
+                   sinks=None, batch_invariant=False, k_descale=None, v_descale=None):
     """What a plain step of attention_with_kvcache with these arguments is remembered under
     (``remembered`` of it: the step's record; the tools in tools/ read them)."""
     return runtime.call_signature(
         "decode-step", (softmax_scale, causal, window_size, softcap, num_splits, return_lse,
                         configs.DECODE_MERGE_IN_KERNEL and _eager(q), batch_invariant), q,
         k_cache, v_cache, cache_seqlens,
-        block_table, cache_batch_idx, cache_leftpad, alibi_slopes, sinks)
+        block_table, cache_batch_idx, cache_leftpad, alibi_slopes, sinks, k_descale, v_descale)
 
 
 def replay_step(signature, tensors, return_lse) -> Optional[AttentionOutput]:
@@ -222,43 +223,65 @@ def replay_step(signature, tensors, return_lse) -> Optional[AttentionOutput]:
 
 
 def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
-              cache_batch_idx=None) -> None:
+              cache_batch_idx=None, descales=(None, None)) -> None:
     """Write k, v (B, S_new, HKV, D) into the caches at positions cache_seqlens[b] + i, in
     place (into pages with block_table; rows cache_batch_idx[b]); no host sync. Positions
     past the cache's end, pages outside the pool and rows outside the cache are not written
-    (kernels.decode._kv_append_kernel)."""
+    (kernels.decode._kv_append_kernel). An fp8 cache takes k, v in its dtype as they are, or
+    quantises them by ``descales`` (k's and v's factors, (B, HKV) float32 views)."""
     B, S_new, HKV, D = k.shape
     if B * S_new == 0:
         return
     paged = block_table is not None
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    quantize = k.dtype != k_cache.dtype
+    kd, vd = descales if quantize else (None, None)
+    fp8_max, mantissa, min_exp = _fp8_format(k_cache.dtype) if quantize else (0.0, 0, 0)
     runtime.launch_jit(
         _kv_append_kernel, (B * S_new, HKV), k, v, k_cache, v_cache, cache_seqlens,
-        block_table, cache_batch_idx, *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3],
-        *v_cache.stride()[:3], block_table.stride(0) if paged else 0, S_new, HKV, D,
-        k_cache.shape[0], capacity, PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
-        HAS_BATCH_IDX=cache_batch_idx is not None, BLOCK_D=configs.block_d(D), num_warps=1)
+        block_table, cache_batch_idx, kd, vd, *k.stride()[:3], *v.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0) if paged else 0,
+        *_strides(kd), *_strides(vd), S_new, HKV, D, k_cache.shape[0], capacity, fp8_max,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
+        HAS_BATCH_IDX=cache_batch_idx is not None, QUANTIZE=quantize,
+        ROUND_FIRST=quantize and _env.INTERPRET, MANTISSA=mantissa, MIN_EXP=min_exp,
+        BLOCK_D=configs.block_d(D), num_warps=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_format(dtype) -> Tuple[float, int, int]:
+    """An fp8 dtype's largest finite value, mantissa bits and smallest normal exponent."""
+    fp8 = torch.finfo(dtype)
+    return fp8.max, -round(math.log2(fp8.eps)), round(math.log2(fp8.smallest_normal))
+
+
+def _strides(descale) -> Tuple[int, int]:
+    """A (B, HKV) descale view's strides (0, 0 for None)."""
+    return (0, 0) if descale is None else descale.stride()
 
 
 def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
            cache_leftpad, alibi, scale, causal, left, right, softcap, num_splits, return_lse,
-           signature, step, sinks=None, batch_invariant=False) -> AttentionOutput:
-    """attention_with_kvcache over checked arguments (q and k rotated): append k, v, then the
-    forward kernel over the cache (many query tokens, configs.kvcache_prefill, or every call
-    under batch_invariant: the prefill route over a contiguous cache, _paged_prefill over
-    pages without left padding) or the split kernel; a plain step (``step``) is remembered
+           signature, step, sinks=None, batch_invariant=False,
+           descales=(None, None)) -> AttentionOutput:
+    """attention_with_kvcache over checked arguments (q and k rotated; an fp8 cache's
+    ``descales`` as (B, HKV) views): append k, v, then the forward kernel over the cache
+    (many query tokens, configs.kvcache_prefill, or every call under batch_invariant: the
+    prefill route over a contiguous cache, _paged_prefill over pages without left padding)
+    or the split kernel (always over an fp8 cache); a plain step (``step``) is remembered
     under ``signature``."""
     s_new = 0
     if k is not None:
         s_new = k.shape[1]
-        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx)
+        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, descales)
     seqlens = cache_seqlens if s_new == 0 else (cache_seqlens + s_new).to(torch.int32)
     if q.stride(-1) != 1:
         q = q.contiguous()
     variant = Variant(scale, causal, left, right, softcap, alibi, sinks=sinks,
                       batch_invariant=batch_invariant)
-    prefill = configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1])
+    prefill = (configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1])
+               and descales[0] is None)
     if block_table is not None and (batch_invariant or prefill and cache_leftpad is None):
         return _paged_prefill(q, k_cache, v_cache, seqlens, block_table, variant, return_lse)
     if batch_invariant or (prefill and block_table is None):
@@ -273,7 +296,7 @@ def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
                              f"with strides {k_cache.stride()}")
     return _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
                    alibi, scale, left, right, softcap, num_splits, return_lse, signature, step,
-                   sinks)
+                   sinks, descales)
 
 
 def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, variant, return_lse,
@@ -298,7 +321,7 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
     out = runtime._empty(q.shape, q.dtype, q.device)
     lse = runtime._empty((B, H, SQ), torch.float32, q.device)
     tensors = (q, k_cache, v_cache, seqlens, None, cache_batch_idx, cache_leftpad, None,
-               variant.sinks)
+               variant.sinks, None, None)
     known = remembered(signature)
     if known is not None and known.replay(tensors, out, lse):
         return AttentionOutput(out, lse if return_lse else None)
@@ -345,9 +368,10 @@ def _query_offsets(B: int, SQ: int, device) -> torch.Tensor:
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
             scale, left, right, softcap, num_splits, return_lse, signature, step,
-            sinks=None) -> AttentionOutput:
+            sinks=None, descales=(None, None)) -> AttentionOutput:
     """The split kernel (and the merge kernel, or its in-kernel merge) over checked
-    arguments; a plain step's launches are remembered under ``signature``."""
+    arguments (an fp8 cache's ``descales``: (B, HKV) views); a plain step's launches are
+    remembered under ``signature``."""
     B, SQ, H, D = q.shape
     HKV = k_cache.shape[2]
     paged = block_table is not None
@@ -357,7 +381,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
     if out.numel() == 0:
         return AttentionOutput(out, lse)
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
-               sinks)
+               sinks, *descales)
     block_m, row_blocks = configs.decode_rows(H // HKV, SQ, D)
     merge_ok = configs.DECODE_MERGE_IN_KERNEL and _eager(q) and row_blocks == 1  # may merge in the split kernel
     if not step and TIMELINE is None:  # appends, rotary: the same call but for the data replays
@@ -378,7 +402,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
                  HAS_UPPER=right >= 0, HAS_SOFTCAP=has_softcap, HAS_ALIBI=alibi is not None,
                  HAS_BATCH_IDX=cache_batch_idx is not None,
                  HAS_LEFTPAD=cache_leftpad is not None, PDL=runtime.use_pdl(q.device),
-                 BLOCK_M=block_m)
+                 FP8=descales[0] is not None, BLOCK_M=block_m)
     # One tile for both merges, per split length and grid: a tile tuned for B=1 128K's one
     # wave of 16 splits of 8K keys read B=64 8K's four waves (one split of 8K keys) at 0.995x
     # SDPA; tuned there, 1.009x.
@@ -401,8 +425,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
             block_table.stride(0) if paged else 0,
             (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
             alibi.stride(-1) if alibi is not None else 0,
-            *o_strides, *lse_strides, *merge_args[3:],
-            HKV, H // HKV, SQ, D, left, right,
+            *o_strides, *lse_strides, *merge_args[3:], *_strides(descales[0]),
+            *_strides(descales[1]), HKV, H // HKV, SQ, D, left, right,
             scale * (1.0 / softcap if has_softcap else math.log2(math.e)),
             softcap * math.log2(math.e),
             split_size, k_cache.shape[0], capacity, k_cache.shape[1] if paged else 1,
@@ -418,7 +442,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
         return AttentionOutput(out, lse)
     size, lse_at = _partials_layout(splits, B, H, SQ, D)
     in_kernel = (merge_ok and splits <= block_c and B * HKV <= _COUNTS
-                 and 2 * B * capacity * HKV * D * q.element_size() <= configs.DECODE_MERGE_MAX_BYTES)
+                 and 2 * B * capacity * HKV * D * k_cache.element_size()
+                 <= configs.DECODE_MERGE_MAX_BYTES)
     if not in_kernel or signature is not None:
         # The merge kernel's way; into spare outputs before a merge in the kernel whose step
         # will replay: a capture of the same step takes this way, and finds its kernels
