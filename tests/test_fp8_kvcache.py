@@ -98,6 +98,23 @@ def test_fp8_cache_with_variants_sinks_and_many_query_rows(monkeypatch):
     _check(out, lse, q, k_deq, v_deq, lens, True, **opts)
 
 
+def test_bf16_q_beyond_fp16_range():
+    """The split kernel multiplies fp8 K and V in fp16 with q's rows rescaled: rows of q far
+    above fp16's range (and far below it) keep their values."""
+    gen = torch.Generator().manual_seed(8)
+    B, H, HKV, D = 2, 4, 2, 32
+    kc, vc, kd, vd, k_deq, v_deq = _cache(B, HKV, D, E4M3, "heads", gen)
+    q = torch.randn(B, 1, H, D, generator=gen)
+    q[:, :, 0] *= 1e6   # |q| past 65504
+    q[:, :, 1] *= 1e-9  # under fp16's subnormals
+    q = q.to(DEVICE, DT)
+    lens = torch.tensor([CAP, 21], dtype=torch.int32)
+    for scale in (1e-7, None):
+        out, lse = attention_with_kvcache(q, kc, vc, cache_seqlens=lens.to(DEVICE), k_descale=kd,
+                                          v_descale=vd, softmax_scale=scale, num_splits=2)
+        _check(out, lse, q, k_deq, v_deq, lens, False, softmax_scale=scale)
+
+
 @pytest.mark.parametrize("paged", [0, 8], ids=["contiguous", "page8"])
 def test_appends_quantise_into_the_cache_in_place(paged):
     gen = torch.Generator().manual_seed(2)

@@ -36,7 +36,8 @@ in the merge kernel.
 
 FP8 caches (float8_e4m3fn / e5m2) hold value / descale with one float32 factor a (sequence,
 KV head) for K and one for V: the split kernel reads the fp8 bytes, converts them to q's dtype
-in registers, folds K's factor into the scores' scale and multiplies the output sums by V's.
+in registers (to fp16 under a bf16 q, whose rows it scales into fp16 exactly), folds K's factor
+into the scores' scale and multiplies the output sums by V's.
 
 Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
 position SK - SQ + t: causal and window masks are aligned to the end of the cache. Both kernels
@@ -114,6 +115,15 @@ def _attn_decode_kernel(
         q = q.to(tl.float32)
     if FP8:  # the cache holds value / descale: K's factor joins the scores' scale
         qk_scale = qk_scale * tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
+        if q.dtype == tl.bfloat16:
+            # Products in fp16, which fp8 converts to in one instruction a pair (to bf16: three,
+            # which bound the loop). Each row of q at the power of two that puts its largest
+            # |value| in [2^14, 2^15): exact for bf16's 8 significant bits.
+            q32 = q.to(tl.float32)
+            top = tl.maximum(tl.max(tl.abs(q32), 1), 1e-30)
+            shift = tl.minimum(14.0 - tl.floor(tl.log2(top)), 126.0)
+            q = (q32 * tl.exp2(shift)[:, None]).to(tl.float16)
+            qk_scale = qk_scale * tl.exp2(-shift)[:, None]
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = (tl.load(ALIBI + off_b * stride_ab + heads * stride_ah, mask=row_ok, other=0.0)
@@ -159,7 +169,7 @@ def _attn_decode_kernel(
                       HEAD_DIM, True, not EVEN_D)                    # [BLOCK_N, BLOCK_D]
         v = load_tile(V + off_hk * stride_vh + v_rows[:, None] + offs_d[None, :], cols, hi, offs_d,
                       HEAD_DIM, True, not EVEN_D)                    # [BLOCK_N, BLOCK_D]
-        if UPCAST or FP8:  # fp8 bytes dequantised in registers: products in q's dtype
+        if UPCAST or FP8:  # fp8 bytes converted in registers (exactly): products in q's dtype
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]

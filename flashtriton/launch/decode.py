@@ -432,7 +432,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
             split_size, k_cache.shape[0], capacity, k_cache.shape[1] if paged else 1,
             configs.bucket(split_size), waves,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16, **flags, MERGE=merge,
+            UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16 and not flags["FP8"], **flags,
+            MERGE=merge,
             HAS_SINK=0 if sinks is None else 1 if o_part is out else 2,
             BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,
             **runtime.pdl_option(flags["PDL"]))
