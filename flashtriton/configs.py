@@ -53,6 +53,10 @@ _GPU = {
 _FP32 = [(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)]
 _FP32_WIDE = [(32, 32, 4, 2)]
 _FP32_DECODE = [(0, 32, 4, 2)]
+# Decoding over fp8 caches at head dims 65-128 (a tile holds half the bytes): H200, B=1 / 8 /
+# 64, 128K / 128K / 8K keys, the tile forced, 11 tried: (0, 128, 4, 3) read 55% / 83% / 84%
+# of the copy bandwidth, the bf16 default (0, 64, 4, 3) 46% / 71% / 69% (docs/perf.md).
+_FP8_DECODE = [(0, 128, 4, 3), (0, 64, 4, 4), (0, 128, 4, 2), (0, 64, 4, 3)]
 # The interpreter runs one config (Triton's autotuner cannot run several there);
 # 16x16 tiles make even tiny test shapes span several blocks.
 _INTERPRET = (16, 16, 4, 1)
@@ -94,16 +98,17 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
     if interpret:
         return [_INTERPRET_DECODE if kind == "decode" else _INTERPRET]
     fp32 = _FP32_DECODE if kind == "decode" else _FP32
+    lists = list(_GPU[kind].values()) + ([_FP8_DECODE] if kind == "decode" else [])
     seen, out = set(), []
-    for cfgs in _GPU[kind].values():
+    for cfgs in lists:
         for c in cfgs + fp32:
             if c not in seen:
                 seen.add(c)
                 out.append(c)
     if not _env.AUTOTUNE:
-        # One default per head-dim class and the fp32 tiles (also the fallback for block
-        # masks of 32); prune() picks.
-        out = [cfgs[0] for cfgs in _GPU[kind].values()] + fp32
+        # One default per head-dim class (and fp8 decoding) and the fp32 tiles (also the
+        # fallback for block masks of 32); prune() picks.
+        out = list(dict.fromkeys([cfgs[0] for cfgs in lists] + fp32))
     return out
 
 
@@ -142,13 +147,16 @@ def decode_split_granule(interpret: bool = None) -> int:
 
 
 def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: int,
-          elem_bytes: int, max_block: int = 1 << 30) -> List[Tuple[int, int, int, int]]:
-    """The candidates that suit a call: its head-dim class, small tiles for fp32, and
-    tiles no larger than a block mask's blocks (``max_block``)."""
+          elem_bytes: int, max_block: int = 1 << 30,
+          fp8: bool = False) -> List[Tuple[int, int, int, int]]:
+    """The candidates that suit a call: its head-dim class, small tiles for fp32, fp8
+    decoding's own, and tiles no larger than a block mask's blocks (``max_block``)."""
     if len(configs) <= 1:
         return configs[:1]
     if elem_bytes >= 4 and kind == "decode":
         wanted = _FP32_DECODE
+    elif fp8 and kind == "decode" and _dim_class(head_dim_padded) == 128:
+        wanted = _FP8_DECODE
     elif elem_bytes >= 4:
         wanted = _FP32_WIDE if head_dim_padded >= 128 else _FP32
     else:

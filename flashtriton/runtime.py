@@ -63,7 +63,8 @@ def autotuned(kind: str, kernel, key):
         max_block = kwargs["SPARSE"] if kwargs.get("HAS_BLOCK_MASK") else 1 << 30
         widest = max(kwargs["BLOCK_D"], kwargs.get("BLOCK_DV", 0))  # (MLA: v's head dim)
         keep = configs.prune(kind, [_cfg_tuple(c) for c in cfgs], widest,
-                             named_args["Q"].element_size(), max_block)
+                             named_args["Q"].element_size(), max_block,
+                             bool(kwargs.get("FP8")))
         return [c for c in cfgs if _cfg_tuple(c) in keep]
 
     return triton.autotune(

@@ -39,6 +39,20 @@ def test_autotune_off_keeps_one_default(monkeypatch):
     assert configs.prune("fwd", cands, 128, 4) == [configs._FP32_WIDE[0]]
 
 
+@pytest.mark.parametrize("autotune", [True, False], ids=["autotune", "defaults"])
+def test_fp8_decoding_takes_its_own_tiles_at_head_dim_128(monkeypatch, autotune):
+    monkeypatch.setattr(configs._env, "AUTOTUNE", autotune)
+    cands = configs.candidates("decode", interpret=False)
+    assert len(cands) == len(set(cands))
+    want = configs._FP8_DECODE if autotune else configs._FP8_DECODE[:1]
+    assert configs.prune("decode", cands, 128, 2, fp8=True) == want
+    for bd in (64, 256):  # measured at 128 only: the bf16 tiles elsewhere
+        assert (configs.prune("decode", cands, bd, 2, fp8=True)
+                == configs.prune("decode", cands, bd, 2))
+    assert configs.prune("decode", cands, 128, 2)[0] == configs._GPU["decode"][128][0]
+    assert configs.prune("decode", cands, 128, 4, fp8=True) == configs._FP32_DECODE
+
+
 def test_interpreter_runs_one_config():
     for kind in configs.KINDS:
         assert len(configs.candidates(kind, interpret=True)) == 1
