@@ -431,8 +431,9 @@ def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want)
     else:
         assert splits in (1, N // 128) or 132 < programs <= 2 * 132
     assert decode_launch._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit
-    paged = decode_launch._splits(0, B, HKV, N, 128, torch.device("cuda", 0), paged=True)
-    assert paged in (1, N // 128) or 132 < paged * B * HKV <= 2 * 132  # paged: two per SM
+    for two_per_sm in (dict(paged=True), dict(fp8=True)):  # paged or fp8 caches: two per SM
+        n = decode_launch._splits(0, B, HKV, N, 128, torch.device("cuda", 0), **two_per_sm)
+        assert n in (1, N // 128) or 132 < n * B * HKV <= 2 * 132
 
 
 def test_decode_tile_is_tuned_per_grid_waves(monkeypatch):

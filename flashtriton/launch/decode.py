@@ -61,7 +61,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device,
-            paged: bool = False) -> int:
+            paged: bool = False, fp8: bool = False) -> int:
     """KV splits per sequence: ``num_splits`` where given; else one program per SM (one wave)
     where that makes >= 8 splits of >= 256 keys each of a contiguous cache, else at most two
     programs per SM (the decode tiles fit two per SM); at most 128 splits, and at least one
@@ -77,7 +77,8 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
     kernel (an eager step: one launch). With fewer, longer splits the tuner's tile was not
     stable (B=8 64K, 2 splits: 4422-4457 GB/s, then 3301 in a run where it picked another
     tile), hence at least 8 splits for one wave. Paged caches ran 12-19% behind contiguous
-    ones with one wave: they keep two programs per SM. Rounding up past two programs per SM
+    ones with one wave: they keep two programs per SM, as fp8 caches do (B=1 128K: 32 splits
+    94 us, one wave of 16 115 us; 64K: 54 / 63 us). Rounding up past two programs per SM
     left a nearly empty second wave (B=4 64K: 9 splits 3353 GB/s, 8 splits 4219). Short caches
     split too: one program per (sequence, KV head) over 1K keys ran B=1 at 207 GB/s, split
     383."""
@@ -86,7 +87,7 @@ def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, devi
         return min(num_splits, max_splits)
     sms = _num_sms(device)
     one_wave = sms // (B * HKV)
-    if not paged and one_wave >= 8 and capacity >= 256 * one_wave:
+    if not (paged or fp8) and one_wave >= 8 and capacity >= 256 * one_wave:
         return min(max_splits, one_wave, 128)
     return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 
@@ -391,7 +392,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
         if known is not None and known.replay(tensors, out, lse):
             return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
-    splits = _splits(num_splits, B * row_blocks, HKV, capacity, granule, q.device, paged)
+    splits = _splits(num_splits, B * row_blocks, HKV, capacity, granule, q.device, paged,
+                     descales[0] is not None)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
     block_r = configs.next_pow2((H // HKV) * SQ)
     bd = configs.block_d(D)
