@@ -194,16 +194,27 @@ extra = [
     ("cache-spans", _cache_spans_kernel, dict(HAS_BATCH_IDX=True, HAS_LEFTPAD=True, BLOCK_B=4),
      dict(CACHE_SEQLENS="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", SPANS="*i32")),
 ]
+for _, fn, consts, _ in extra:  # bf16 caches: no fp8 descales
+    if fn is _attn_decode_kernel:
+        consts.update(FP8=False, K_DESCALE=None, V_DESCALE=None)
+# fp8 caches (float8_e4m3fn / e5m2 bytes, float32 descales) under a bf16 q: products in fp16
+for fp8 in ("*fp8e4nv", "*fp8e5"):
+    extra.append((f"decode-{fp8[1:]}", _attn_decode_kernel,
+                  {k: v for k, v in extra[0][2].items() if k not in ("K_DESCALE", "V_DESCALE")}
+                  | dict(FP8=True),
+                  dict(extra[0][3], K=fp8, V=fp8, K_DESCALE="*fp32", V_DESCALE="*fp32")))
 extra.append(("decode-timeline", _attn_decode_kernel,  # the merging split kernel, timed
               {k: v for k, v in extra[0][2].items() if k != "TL"}, dict(extra[0][3], TL="*i64")))
 # every decoding tile the autotuner may try, at each head-dim class
 # at one row block of 16 rows and at the most rows a program packs (configs.decode_rows)
-for bd, cfgs in configs._GPU["decode"].items():
+fp8_at = [name for name, *_ in extra].index("decode-fp8e4nv")
+for (bd, cfgs), at, tag in [(x, 0, "") for x in configs._GPU["decode"].items()] + [
+        ((128, configs._FP8_DECODE), fp8_at, " fp8")]:
     for (_, bn, warps, stages), bm in [(c, m) for c in cfgs
                                        for m in (16, configs.decode_rows(1, 1 << 20, bd)[0])]:
-        src = source_for(_attn_decode_kernel, dict(extra[0][2], BLOCK_D=bd, BLOCK_N=bn,
-                                                   BLOCK_M=bm), extra[0][3])
-        check(f"decode D{bd} BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages}",
+        src = source_for(_attn_decode_kernel, dict(extra[at][2], BLOCK_D=bd, BLOCK_N=bn,
+                                                   BLOCK_M=bm), extra[at][3])
+        check(f"decode{tag} D{bd} BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages}",
               lambda: triton.compile(src, target=TARGET, options={"num_warps": warps,
                                                                   "num_stages": stages}),
               lambda k: (k.metadata.shared <= 227 * 1024 and ".local" not in k.asm["ptx"],
