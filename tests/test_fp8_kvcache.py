@@ -156,6 +156,24 @@ def test_fp8_new_rows_are_copied_as_they_are():
     assert torch.equal(vc[:, 7:9].view(torch.uint8), v_new.view(torch.uint8))
 
 
+def test_append_kv_into_fp8_takes_descales():
+    """The public append_kv quantises with (nheads_k,) factors as the API does, and refuses
+    an fp8 cache without them."""
+    from flashtriton.decode import append_kv
+    gen = torch.Generator().manual_seed(9)
+    B, HKV, D = 2, 2, 16
+    kc, vc, kd, vd, _, _ = _cache(B, HKV, D, E4M3, "heads", gen)
+    k_new = (3 * torch.randn(B, 3, HKV, D, generator=gen)).to(DEVICE, DT)
+    lens = torch.tensor([5, 40], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="descales"):
+        append_kv(kc, vc, k_new, k_new, lens)
+    append_kv(kc, vc, k_new, k_new, lens, descales=(kd, vd))
+    assert torch.equal(kc[0, 5:8].view(torch.uint8),
+                       _quantize(k_new[:1], kd, E4M3)[0].view(torch.uint8))
+    assert torch.equal(vc[1, 40:43].view(torch.uint8),
+                       _quantize(k_new[1:], vd, E4M3)[0].view(torch.uint8))
+
+
 def test_fa3_fp8_q_with_q_descale():
     """FlashAttention-3's fp8 call: q in fp8 with q_descale, out in bfloat16, equal to the call
     with q dequantised."""

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import _env, configs, launch, runtime
+from .. import _env, configs, launch, runtime, validation
 from ..kernels.decode import _attn_merge_kernel, _cache_spans_kernel, _kv_append_kernel
 from . import triton_attn
 from .calls import AttentionOutput, Variant, Varlen
@@ -237,7 +237,13 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     quantize = k.dtype != k_cache.dtype
-    kd, vd = descales if quantize else (None, None)
+    kd = vd = None
+    if quantize:  # (a public function: its descales checked here, as the API's are)
+        if k_cache.dtype not in validation.FP8_DTYPES or None in descales:
+            raise ValueError(f"append_kv: k {k.dtype} into a {k_cache.dtype} cache takes an fp8 "
+                             f"cache and descales=(k_descale, v_descale); got {descales!r:.80}")
+        kd, vd = (validation.check_descale(name, d, B, HKV, k.device)
+                  for name, d in zip(("k_descale", "v_descale"), descales))
     fp8_max, mantissa, min_exp = _fp8_format(k_cache.dtype) if quantize else (0.0, 0, 0)
     runtime.launch_jit(
         _kv_append_kernel, (B * S_new, HKV), k, v, k_cache, v_cache, cache_seqlens,
