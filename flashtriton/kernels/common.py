@@ -85,7 +85,11 @@ def load_kv(src, pages, chunk_lo, start, offs, stride, stride_page, n_rows, n_pa
         x = src.load([tl.where(ok, page, n_pages) * PAGE_SIZE + start % PAGE_SIZE, 0])
     else:
         rows = start + offs
-        page = tl.gather(pages, (rows - chunk_lo) // PAGE_SIZE, 0)
+        # the index wrapped into the chunk's entries: the pipeliner computes the gather of a
+        # tile past the chunk's end too (its loads masked off), and an index past the register
+        # tensor read outside the gather's shared-memory scratch (an illegal address)
+        n_entries: tl.constexpr = pages.shape[0]
+        page = tl.gather(pages, ((rows - chunk_lo) // PAGE_SIZE) & (n_entries - 1), 0)
         ok = page.to(tl.uint32) < n_pages
         ptrs = (src + (tl.where(ok, page, 0).to(tl.int64) * stride_page
                        + (rows % PAGE_SIZE).to(tl.int64) * stride)[:, None] + cols[None, :])
