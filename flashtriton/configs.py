@@ -141,6 +141,17 @@ def kvcache_prefill(group: int, sq: int) -> bool:
     return group * sq >= KVCACHE_PREFILL_MIN_ROWS
 
 
+def paged_singles(batch: int, total_q: int, max_seqlen_q: int) -> bool:
+    """Whether a paged varlen call computes its one-query sequences (decoding rows beside
+    prefill ones: vLLM's mixed batches) on the split-KV kernel, the rest on the forward: where
+    some of several sequences hold fewer than max_seqlen_q queries (known without reading the
+    offsets). The forward reads a sequence's keys once per query head and the split kernel
+    once per KV head: H200, 32 / 8 heads, D=128, decode 64 x 4K on the forward 1143 us, on the
+    split kernel 256 (docs/perf.md's decisions). Each kernel's programs for the other's
+    sequences exit at once."""
+    return batch >= 2 and max_seqlen_q > 1 and total_q < batch * max_seqlen_q
+
+
 def decode_split_granule(interpret: bool = None) -> int:
     """Decoding splits are multiples of every candidate BLOCK_N."""
     return max(c[1] for c in candidates("decode", interpret))

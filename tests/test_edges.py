@@ -429,12 +429,17 @@ def _case_decode_out_of_range(paged, prefill=False):
     assert torch.equal(changed, expect), changed
 
 
-def _case_paged_varlen_out_of_range():
-    gen = torch.Generator().manual_seed(13)
-    H, HKV, D, page, n_pages = 2, 1, 16, 8, 6
-    _, q = _guarded((24, H, D), DT, float("nan"), gen)
+def _guarded_paged(seed, total_q, H, HKV, D=16, page=8, n_pages=6):
+    """Random q (total_q, H, D) and a pool of pages k, v, each inside NaN guard bands."""
+    gen = torch.Generator().manual_seed(seed)
+    _, q = _guarded((total_q, H, D), DT, float("nan"), gen)
     _, k = _guarded((n_pages, page, HKV, D), DT, float("nan"), gen)
     _, v = _guarded((n_pages, page, HKV, D), DT, float("nan"), gen)
+    return q, k, v
+
+
+def _case_paged_varlen_out_of_range():
+    q, k, v = _guarded_paged(13, 24, 2, 1)
     # 0: valid (pages 2, 0); 1: a length past its pages; 2: a page outside the pool and a
     # negative one; 3: a negative length; 4: queries past q
     cu_q = torch.tensor([0, 6, 12, 18, 24, 10**6], dtype=torch.int32, device=DEVICE)
@@ -451,6 +456,31 @@ def _case_paged_varlen_out_of_range():
         assert (out[rows] == 0).all() and (lse[:, rows] == float("-inf")).all()
     # sequence 2 reads its one page in the pool; nothing read a NaN guard band
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+
+
+def _case_paged_varlen_singles_out_of_range():
+    """A mixed batch (configs.paged_singles): the one-query sequences on the split-KV kernel."""
+    q, k, v = _guarded_paged(14, 12, 4, 2)
+    # 0: six queries (pages 2, 0); 1: one query (pages 1, 3); 2: one, a length past its pages;
+    # 3: one, a page outside the pool; 4: queries past q; 5: one query past q; 6: an end
+    # before its start; 7: one query from a negative row
+    cu_q = torch.tensor([0, 6, 7, 8, 9, 10**6, 10**6 + 1, -1, 0], dtype=torch.int32,
+                        device=DEVICE)
+    used = torch.tensor([13, 9, 10**6, 8, 5, 5, 5, 5], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[2, 0, 10**5], [1, 3, 4], [1, 1, 1], [10**5, -7, 1], [0, 1, 2],
+                          [0, 1, 2], [0, 1, 2], [0, 1, 2]], dtype=torch.int32, device=DEVICE)
+    varlen = launch.Varlen(cu_q, None, 6, 64, seqused_k=used, block_table=table)
+    variant = launch.Variant(0.25, causal=True)
+    assert launch._paged_singles(q, v, variant, varlen)
+    out, lse = launch.attention_forward(q, k, v, variant, varlen)
+    for rows, pages, n in ((slice(0, 6), (2, 0), 13), (slice(6, 7), (1, 3), 9)):
+        kk, vv = (torch.cat([x[p] for p in pages])[None, :n] for x in (k, v))
+        ref = attention_reference(q[None, rows], kk, vv, causal=True, softmax_scale=0.25)
+        torch.testing.assert_close(out[rows].double(), ref.out[0], atol=2e-2, rtol=0)
+    for row in (7, 8):  # no keys
+        assert (out[row] == 0).all() and (lse[:, row] == float("-inf")).all()
+    # rows 9-11 belong to no sequence (left as allocated); nothing read a NaN guard band
+    assert torch.isfinite(out[:9]).all() and not torch.isnan(lse[:, :9]).any()
 
 
 def _run_case(name, *args):
@@ -475,6 +505,10 @@ def test_varlen_kernels_stay_inside_their_tensors():
 
 def test_paged_varlen_kernel_stays_inside_its_tensors():
     _run_case("paged_varlen_out_of_range")
+
+
+def test_paged_varlen_singles_stay_inside_their_tensors():
+    _run_case("paged_varlen_singles_out_of_range")
 
 
 @pytest.mark.parametrize("paged,prefill", [(False, False), (True, False), (False, True)],

@@ -136,6 +136,32 @@ def test_decode_batch_takes_the_split_kernel(monkeypatch):
         torch.testing.assert_close(lse[:, b].double(), ref.lse[0, :, 0], atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("kernel", ["forward", "split"])
+def test_mixed_batch_splits_the_work(monkeypatch, kernel):
+    """A mixed batch: the forward computes the sequences of several queries and leaves the
+    one-query ones (IS_VARLEN 4), which the split-KV kernel computes (and nothing else): with
+    the other kernel's launch dropped, its rows keep what out held."""
+    from flashtriton.launch import decode as decode_launch
+    lens_q, lens_k = LENS[0]
+    q = torch.randn(sum(lens_q), H, D, device=DEVICE, dtype=torch.float16)
+    k, v, table, _ = paged_case(lens_k, 16)
+    cu_q, used = _cu(lens_q), torch.tensor(lens_k, dtype=torch.int32, device=DEVICE)
+    want = flash_attention_varlen(q, k, v, cu_q, None, max(lens_q), max(lens_k), causal=True,
+                                  seqused_k=used, block_table=table)
+    if kernel == "forward":
+        monkeypatch.setattr(decode_launch, "paged_singles", lambda *a: None)
+    else:
+        monkeypatch.setattr(launch, "triton_forward", lambda *a: None)
+    out = torch.full_like(q, 7.0)
+    fa.flash_attn_varlen_func(q, k, v, cu_q, None, max(lens_q), max(lens_k), causal=True,
+                              block_table=table, seqused_k=used, out=out)
+    single = torch.tensor([n == 1 for n in lens_q]).repeat_interleave(torch.tensor(lens_q))
+    mine = single if kernel == "split" else ~single
+    assert mine.any() and (~mine).any()
+    torch.testing.assert_close(out[mine], want[mine], atol=0, rtol=0)
+    assert (out[~mine] == 7).all()
+
+
 def test_out_is_written_in_place():
     lens_q, lens_k = LENS[0]
     q = torch.randn(sum(lens_q), H, D, device=DEVICE, dtype=torch.float16)

@@ -67,6 +67,9 @@ variants = {
                      SEQUSED_K="*i32", BLOCK_TABLE="*i32"),
     "paged-256-tma": dict(IS_VARLEN=3, PAGE_SIZE=256, HAS_UPPER=True, SEQUSED_K="*i32",
                           BLOCK_TABLE="*i32"),
+    # mixed batches: the one-query sequences left to the split-KV kernel
+    "paged-16-singles": dict(IS_VARLEN=4, PAGE_SIZE=16, USE_TMA=False, HAS_UPPER=True,
+                             SEQUSED_K="*i32", BLOCK_TABLE="*i32"),
     "invariant": dict(INVARIANT=True, HAS_UPPER=True),  # batch_invariant's masked whole tiles
 }
 FORWARD_ONLY = ("HAS_SINK", "PAGE_SIZE", "INVARIANT")  # (the backward kernels take none)
@@ -194,9 +197,14 @@ extra = [
     ("cache-spans", _cache_spans_kernel, dict(HAS_BATCH_IDX=True, HAS_LEFTPAD=True, BLOCK_B=4),
      dict(CACHE_SEQLENS="*i32", BATCH_IDX="*i32", LEFTPAD="*i32", SPANS="*i32")),
 ]
-for _, fn, consts, _ in extra:  # bf16 caches: no fp8 descales
+for _, fn, consts, _ in extra:  # bf16 caches: no fp8 descales; batch-major queries
     if fn is _attn_decode_kernel:
         consts.update(FP8=False, K_DESCALE=None, V_DESCALE=None)
+    if fn in (_attn_decode_kernel, _attn_merge_kernel):
+        consts.update(CU_Q=None)
+# paged varlen's one-query sequences (launch.decode.paged_singles): packed query rows
+extra += [(f"{name}-packed", fn, {k: v for k, v in consts.items() if k != "CU_Q"},
+           dict(ptrs, CU_Q="*i32")) for name, fn, consts, ptrs in extra[:1] + extra[3:4]]
 # fp8 caches (float8_e4m3fn / e5m2 bytes, float32 descales) under a bf16 q: products in fp16
 for fp8 in ("*fp8e4nv", "*fp8e5"):
     extra.append((f"decode-{fp8[1:]}", _attn_decode_kernel,

@@ -9,7 +9,8 @@ natural-log LSE of each row. Rows that see no key get O = 0 and LSE = -inf.
 
 Variants (constexpr): IS_VARLEN (packed sequences delimited by CU_Q / CU_K, SEQUSED_K
 not None: per-sequence key counts; 3: keys in pages of PAGE_SIZE rows, sequence b's in the
-pages BLOCK_TABLE[b], as flash-attn's paged varlen and vLLM lay them out),
+pages BLOCK_TABLE[b], as flash-attn's paged varlen and vLLM lay them out; 4: 3 without the
+sequences of one query, which the split-KV decoding kernel computes in the same call),
 HAS_LOWER / HAS_UPPER (window bounds; causal is HAS_UPPER with WIN_RIGHT = 0),
 HAS_SOFTCAP, HAS_ALIBI, EVEN_D / EVEN_DV (the head dims HEAD_DIM of q and k, HEAD_DIM_V of v
 and O, which differ for MLA, are their powers of two BLOCK_D / BLOCK_DV), USE_TMA (K and V by
@@ -231,6 +232,9 @@ def _attn_fwd_kernel(
     if IS_VARLEN:
         if start_m >= SQ:
             return
+        if IS_VARLEN == 4:  # one-query sequences: the split-KV decoding kernel's
+            if SQ == 1:
+                return
 
     # two halves while q and the accumulator fit: D=256 split ran 0.70x of unsplit (docs/perf.md)
     SPLIT: tl.constexpr = BLOCK_D + BLOCK_DV <= 256

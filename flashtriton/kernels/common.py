@@ -134,7 +134,8 @@ def seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK, TOTAL_Q, TOTAL_K, WIN_LEFT,
     the device beforehand (the backward's way: its kernels then run the unchecked code).
     IS_VARLEN 3: packed queries over paged keys: sequence b's SEQUSED_K[b] keys (or
     CU_K[b + 1] - CU_K[b]; CU_K may be None beside SEQUSED_K) start at position 0 of its pages
-    (k_off 0), TOTAL_K the positions its block-table row holds: a longer sequence sees none.
+    (k_off 0), TOTAL_K the positions its block-table row holds: a longer sequence sees none
+    (IS_VARLEN 4: the same bounds).
     Returns (q_off, k_off, SQ, SK, LOWER, UPPER, DIAG): query i sees key j iff
     i + LOWER <= j <= i + UPPER, with DIAG = SK - SQ (bottom-right alignment).
     """
@@ -145,7 +146,7 @@ def seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK, TOTAL_Q, TOTAL_K, WIN_LEFT,
         SK = tl.load(CU_K + 2 * off_b + 1) - k_start
         q_off = q_start.to(tl.int64)
         k_off = k_start.to(tl.int64)
-    elif IS_VARLEN == 3:
+    elif IS_VARLEN >= 3:
         q_start = tl.load(CU_Q + off_b)
         q_end = tl.load(CU_Q + off_b + 1)
         if SEQUSED_K is not None:

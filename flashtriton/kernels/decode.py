@@ -39,6 +39,12 @@ KV head) for K and one for V: the split kernel reads the fp8 bytes, converts the
 in registers (to fp16 under a bf16 q, whose rows it scales into fp16 exactly), folds K's factor
 into the scores' scale and multiplies the output sums by V's.
 
+Packed queries (CU_Q not None, both kernels): q (TOTAL_Q, H, D) holds the sequences' queries
+one after another, sequence b's from row CU_Q[b] (int32, B + 1) to CU_Q[b + 1]; a sequence of SQ
+queries is computed from those rows into OUT (TOTAL_Q, H, D) and LSE (H, TOTAL_Q) by way of the
+partials (never one split into the output), one of another count (paged varlen's prefill rows,
+which the forward computes) or outside q is not touched.
+
 Query token t of a sequence whose cache holds SK keys (the new ones included) sits at
 position SK - SQ + t: causal and window masks are aligned to the end of the cache. Both kernels
 take TL: None, or a timeline (timing only: common.mark, tools/timeline.py decode).
@@ -52,13 +58,14 @@ from .common import LN2, LOG2E, NEG_BIG, add_sink, load_tile, mark, scores
 from .mask import visible
 
 
-@triton.jit(do_not_specialize=["WAVES", "ROWS", "CAPACITY"])
+@triton.jit(do_not_specialize=["WAVES", "ROWS", "CAPACITY", "TOTAL_Q"])
 def _attn_decode_kernel(
     Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, BATCH_IDX, LEFTPAD, ALIBI, SINK,
     K_DESCALE, V_DESCALE,  # FP8 only: float32 factors at b * stride_kdb + kv head * stride_kdh
     O_PART, LSE_PART,
     OUT, LSE, COUNTERS,  # MERGE only: the output (B, SQ, H, D), its LSE (B, H, SQ), the counts
     TL,  # None, or a timeline (common.mark): start, loop end, stores, end (after MERGE), SM
+    CU_Q,  # None, or packed queries (see below)
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -67,7 +74,7 @@ def _attn_decode_kernel(
     stride_ls, stride_lb, stride_lh,
     stride_Ob, stride_Ot, stride_Oh,
     stride_kdb, stride_kdh, stride_vdb, stride_vdh,
-    HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE,
+    HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE, TOTAL_Q,
     ROWS,  # the cache's rows (contiguous: k_cache.shape[0]) or pages (paged)
     CAPACITY,  # positions a sequence can hold: k_cache.shape[1], or block_table's pages x size
     PAGE_SIZE: tl.constexpr,  # a power of two: the page arithmetic is shifts and masks
@@ -89,6 +96,11 @@ def _attn_decode_kernel(
     split = tl.program_id(0)
     off_b = tl.program_id(1) // HKV
     off_hk = (tl.program_id(1) % HKV).to(tl.int64)
+    q_at = off_b.to(tl.int64) * stride_qb  # the sequence's first query row
+    if CU_Q is not None:
+        q_start, q_at = packed_rows(CU_Q, off_b, SQ, TOTAL_Q, stride_qt)
+        if q_start < 0:  # not a sequence of SQ queries: the forward's (or nobody's)
+            return
     SK = tl.load(CACHE_SEQLENS + off_b)
     in_cache = (SK >= 0) & (SK <= CAPACITY)
     cache_b = off_b.to(tl.int64)
@@ -108,7 +120,7 @@ def _attn_decode_kernel(
     heads = (off_hk * GROUP + g).to(tl.int64)                        # [BLOCK_M] query heads
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = (Q + off_b.to(tl.int64) * stride_qb + t.to(tl.int64)[:, None] * stride_qt
+    q_ptrs = (Q + q_at + t.to(tl.int64)[:, None] * stride_qt
               + heads[:, None] * stride_qh + offs_d[None, :])
     q = load_tile(q_ptrs, g, GROUP, offs_d, HEAD_DIM, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
     if UPCAST:
@@ -225,12 +237,29 @@ def _attn_decode_kernel(
                 LSE_PART + off_b * stride_lb + heads2 * stride_lh + t2, stride_os, stride_ls,
                 g2 < GROUP, d_ok, tl.num_programs(0), SINK, heads2, HAS_SINK == 2, BLOCK_R,
                 BLOCK_D, BLOCK_C)
-            tl.store(OUT + off_b * stride_Ob + (t2 * stride_Ot + heads2 * stride_Oh)[:, None]
+            out_at = off_b * stride_Ob
+            lse_at = (off_b * HKV * GROUP + heads2) * SQ + t2
+            if CU_Q is not None:  # packed rows: OUT (TOTAL_Q, H, D), LSE (H, TOTAL_Q)
+                out_at = q_start.to(tl.int64) * stride_Ot
+                lse_at = heads2 * TOTAL_Q + q_start + t2
+            tl.store(OUT + out_at + (t2 * stride_Ot + heads2 * stride_Oh)[:, None]
                      + offs_d[None, :], o_row.to(OUT.dtype.element_ty),
                      mask=(g2 < GROUP)[:, None] & d_ok[None, :])
             if LSE is not None:  # None: no LSE wanted
-                tl.store(LSE + (off_b * HKV * GROUP + heads2) * SQ + t2, lse_row, mask=g2 < GROUP)
+                tl.store(LSE + lse_at, lse_row, mask=g2 < GROUP)
     mark(TL, program, 3)
+
+
+@triton.jit
+def packed_rows(CU_Q, b, SQ, TOTAL_Q, stride_t):
+    """Sequence b of packed queries (CU_Q: B + 1 int32 offsets into TOTAL_Q rows): its first row
+    and that row's offset (x stride_t, int64) if it holds SQ queries inside the rows, else
+    (-1, 0): no row outside them is addressed, whatever CU_Q holds."""
+    start = tl.load(CU_Q + b)
+    end = tl.load(CU_Q + b + 1)
+    ok = ((start.to(tl.uint32) <= end.to(tl.uint32)) & (end.to(tl.uint32) <= TOTAL_Q)
+          & (end - start == SQ))
+    return tl.where(ok, start, -1), tl.where(ok, start, 0).to(tl.int64) * stride_t
 
 
 @triton.jit
@@ -276,8 +305,9 @@ def merge_splits(o_ptrs, lse_ptrs, stride_os, stride_ls, row_ok, d_ok, n_splits,
 def _attn_merge_kernel(
     O_PART, LSE_PART, OUT, LSE, SINK,
     TL,  # None, or a timeline (common.mark): start, after the wait, stores, end, SM
+    CU_Q,  # None, or packed queries: OUT (TOTAL_Q, H, D), LSE (H, TOTAL_Q) (_attn_decode_kernel)
     stride_os, stride_ls, stride_ob, stride_ot, stride_oh,
-    H, SQ, N_SPLITS, HEAD_DIM, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    H, SQ, N_SPLITS, HEAD_DIM, TOTAL_Q, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Partials O_PART (S, B, H, SQ, D) fp32 and LSE_PART (S, B, H, SQ), contiguous; OUT
@@ -295,14 +325,22 @@ def _attn_merge_kernel(
     d_ok = offs_d < HEAD_DIM
     if PDL:  # launched while the split kernel runs: wait until its partials are written
         gdc_wait()
+    out_at = b * stride_ob + t * stride_ot
+    lse_at = pid
+    if CU_Q is not None:
+        q_start, out_at = packed_rows(CU_Q, b, SQ, TOTAL_Q, stride_ot)
+        if q_start < 0:  # not a sequence of SQ queries: the split kernel wrote no partials
+            return
+        out_at += t * stride_ot
+        lse_at = h * TOTAL_Q + q_start + t
     mark(TL, pid, 1)
     out, lse = merge_splits(O_PART + (pid + row)[:, None] * HEAD_DIM + offs_d[None, :],
                             LSE_PART + pid + row, stride_os, stride_ls, row == 0, d_ok,
                             N_SPLITS, SINK, h + row, HAS_SINK, 1, BLOCK_D, BLOCK_C)
-    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(OUT.dtype.element_ty), mask=d_ok[None, :])
+    tl.store(OUT + out_at + h * stride_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=d_ok[None, :])
     if LSE is not None:
-        tl.store(LSE + pid + row, lse)
+        tl.store(LSE + lse_at + row, lse)
     mark(TL, pid, 2)
     mark(TL, pid, 3)
 

@@ -72,6 +72,19 @@ def backward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
     return "gluon", []
 
 
+def _paged_singles(q, v, variant: Variant, varlen: Optional[Varlen]) -> bool:
+    """Whether a call is paged varlen whose one-query sequences go to the split-KV kernel
+    (configs.paged_singles), which computes this variant: no score mask, mods, block mask,
+    dropout or batch invariance, v's head dim q's."""
+    return (varlen is not None and varlen.block_table is not None
+            and configs.paged_singles(varlen.cu_seqlens_q.numel() - 1, q.shape[0],
+                                      varlen.max_seqlen_q)
+            and variant.attn_mask is None and variant.score_mod is None
+            and variant.mask_mod is None and variant.kv_blocks is None and not variant.dropout_p
+            and not variant.batch_invariant and variant.diag_offset == 0
+            and v.shape[-1] == q.shape[-1])
+
+
 @on_device_of
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                       varlen: Optional[Varlen] = None, out: Optional[torch.Tensor] = None
@@ -105,6 +118,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
         return out, lse
     if signature is not None and signature[0] == "gluon_fwd":
         signature = None  # (the Triton forward's replays take other leading tensors)
+    if _paged_singles(q, v, variant, varlen):
+        from .decode import paged_singles
+        triton_forward(q, k, v, out, lse, stride_lb, stride_lh, variant,
+                       varlen._replace(singles_elsewhere=True))
+        paged_singles(q, k, v, out, lse, variant, varlen)
+        return out, lse
     remember(signature, triton_forward(q, k, v, out, lse, stride_lb, stride_lh, variant, varlen))
     return out, lse
 

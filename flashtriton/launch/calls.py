@@ -76,13 +76,15 @@ class Varlen(NamedTuple):
     cu_seqlens_k[b] on (the forward only). block_table (B, max_pages) int32 or None: k/v are
     pages (num_pages, page_size, HKV, D) and sequence b's keys (seqused_k[b], or
     cu_seqlens_k[b + 1] - cu_seqlens_k[b]; cu_seqlens_k may then be None) fill its pages
-    block_table[b] from position 0 (the forward only)."""
+    block_table[b] from position 0 (the forward only). singles_elsewhere (paged): the forward
+    leaves the sequences of one query to the split-KV kernel (IS_VARLEN 4)."""
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: Optional[torch.Tensor]
     max_seqlen_q: int
     max_seqlen_k: int
     seqused_k: Optional[torch.Tensor] = None
     block_table: Optional[torch.Tensor] = None
+    singles_elsewhere: bool = False
 
 
 def _alibi_args(variant: Variant):

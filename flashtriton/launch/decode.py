@@ -373,18 +373,40 @@ def _query_offsets(B: int, SQ: int, device) -> torch.Tensor:
     return torch.arange(0, (B + 1) * SQ, SQ, dtype=torch.int32, device=device)
 
 
+def paged_singles(q, k, v, out, lse, variant: Variant, varlen: Varlen) -> None:
+    """The one-query sequences of a paged varlen call (q, out (total_q, H, D), lse (H, total_q))
+    on the split-KV kernel, whose tiles hold a KV head's query heads (each key read once a KV
+    head, as a decoding step's); the forward (IS_VARLEN 4) computes the other sequences."""
+    cu_k = varlen.cu_seqlens_k
+    lengths = (varlen.seqused_k if varlen.seqused_k is not None
+               else (cu_k[1:] - cu_k[:-1]).to(torch.int32))
+    _decode(q, k, v, lengths, varlen.block_table, None, None, variant.alibi_slopes,
+            variant.softmax_scale, variant.window_left,
+            0 if variant.causal else variant.window_right, variant.softcap, 0, True, None, False,
+            variant.sinks, packed=(varlen.cu_seqlens_q, out, lse))
+
+
 def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
             scale, left, right, softcap, num_splits, return_lse, signature, step,
-            sinks=None, descales=(None, None)) -> AttentionOutput:
+            sinks=None, descales=(None, None), packed=None) -> AttentionOutput:
     """The split kernel (and the merge kernel, or its in-kernel merge) over checked
     arguments (an fp8 cache's ``descales``: (B, HKV) views); a plain step's launches are
-    remembered under ``signature``."""
-    B, SQ, H, D = q.shape
+    remembered under ``signature``. ``packed``: (cu_q, out, lse): q, out (total_q, H, D) and
+    lse (H, total_q) hold packed sequences, of which the kernels compute those of one query
+    (by way of the partials and a merge; not remembered)."""
+    if packed is None:
+        B, SQ, H, D = q.shape
+        out = runtime._empty(q.shape, q.dtype, q.device)
+        lse = runtime._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
+        cu_q, q_strides, out_strides = None, q.stride()[:3], out.stride()[:3]
+    else:
+        (cu_q, out, lse), (_, H, D), SQ = packed, q.shape, 1
+        B = cu_q.numel() - 1
+        q_strides, out_strides = (0, *q.stride()[:2]), (0, *out.stride()[:2])
+        signature, step = None, True
     HKV = k_cache.shape[2]
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    out = runtime._empty(q.shape, q.dtype, q.device)
-    lse = runtime._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
     if out.numel() == 0:
         return AttentionOutput(out, lse)
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
@@ -422,14 +444,14 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
         """Launch the split kernel; merge_args: MERGE's OUT, LSE, COUNTERS, OUT's strides."""
         merge = merge_args[0] is not None
         if o_part is out:  # one split: (split, b, h, t) of the output and its LSE (or None)
-            o_strides = (0, out.stride(0), out.stride(2), out.stride(1))
+            o_strides = (0, out_strides[0], out_strides[2], out_strides[1])
             lse_strides = (0, 0, 0) if lse is None else (0, lse.stride(0), lse.stride(1))
         else:
             o_strides, lse_strides = o_part.stride()[:4], lse_part.stride()[:3]
         return runtime._launch(
             triton_attn._decode, (splits, B * HKV, row_blocks), key, *tensors, o_part, lse_part,
-            *merge_args[:3], None if TIMELINE is None else TIMELINE[0],
-            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            *merge_args[:3], None if TIMELINE is None else TIMELINE[0], cu_q,
+            *q_strides, *k_cache.stride()[:3], *v_cache.stride()[:3],
             block_table.stride(0) if paged else 0,
             (alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
             alibi.stride(-1) if alibi is not None else 0,
@@ -437,7 +459,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
             *_strides(descales[1]), HKV, H // HKV, SQ, D, left, right,
             scale * (1.0 / softcap if has_softcap else math.log2(math.e)),
             softcap * math.log2(math.e),
-            split_size, k_cache.shape[0], capacity, k_cache.shape[1] if paged else 1,
+            split_size, q.shape[0], k_cache.shape[0], capacity, k_cache.shape[1] if paged else 1,
             configs.bucket(split_size), waves,
             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=_env.INTERPRET and q.dtype == torch.bfloat16 and not flags["FP8"], **flags,
@@ -446,7 +468,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
             BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,
             **runtime.pdl_option(flags["PDL"]))
 
-    if splits == 1:  # the split's normalised result and LSE are the output
+    if splits == 1 and cu_q is None:  # the split's normalised result and LSE are the output
         _remember(signature, OneSplit(split_kernel(out, lse)))
         return AttentionOutput(out, lse)
     size, lse_at = _partials_layout(splits, B, H, SQ, D)
@@ -462,12 +484,12 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
         run_decode = split_kernel(o_part, lse_part)
         run_merge = merge_partials(o_part, lse_part, *(
             (torch.empty_like(out), lse if lse is None else torch.empty_like(lse)) if in_kernel
-            else (out, lse)), sinks)
+            else (out, lse)), sinks, cu_q)
     if in_kernel:
         ws = _workspace(q, size)[0]
         o_part, lse_part = _partials(splits, B, H, SQ, D, ws[_COUNTS:])
         run_decode = split_kernel(o_part, lse_part,
-                                  (out, lse, ws[:_COUNTS].view(torch.int32), *out.stride()[:3]))
+                                  (out, lse, ws[:_COUNTS].view(torch.int32), *out_strides))
         _remember(signature, MergedInKernel(run_decode, size, lse_at))
     else:
         _remember(signature, MergeKernel(run_decode, run_merge, size, lse_at))
@@ -492,19 +514,22 @@ def _partials(splits, B, H, SQ, D, buf):
 
 @runtime.on_device_of
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-                   lse: Optional[torch.Tensor],
-                   sinks: Optional[torch.Tensor] = None) -> Optional[runtime.Replay]:
+                   lse: Optional[torch.Tensor], sinks: Optional[torch.Tensor] = None,
+                   cu_q: Optional[torch.Tensor] = None) -> Optional[runtime.Replay]:
     """out (B, SQ, H, D), lse (B, H, SQ) or None <- S partial results o_part (S, B, H, SQ, D)
     fp32 and lse_part (S, B, H, SQ), weighted by exp(lse_s - lse). Empty partials (lse -inf)
     weigh 0; all empty gives out 0, lse -inf; sinks (H,): one more partial a head with no
-    value. Returns the launch's Replay, if any."""
+    value. cu_q (B + 1 int32): out (total_q, H, D) and lse (H, total_q) hold packed sequences,
+    sequence b's from row cu_q[b]; only those of SQ queries are written. Returns the launch's
+    Replay, if any."""
     S, B, H, SQ, D = o_part.shape
     pdl = runtime.use_pdl(out.device)
+    strides = out.stride()[:3] if cu_q is None else (0, *out.stride()[:2])
     return runtime.launch_jit(
         _attn_merge_kernel, (B * H * SQ,),
-        o_part, lse_part, out, lse, sinks, None if TIMELINE is None else TIMELINE[1],
-        o_part.stride(0), lse_part.stride(0),
-        out.stride(0), out.stride(1), out.stride(2), H, SQ, S, D,
+        o_part, lse_part, out, lse, sinks, None if TIMELINE is None else TIMELINE[1], cu_q,
+        o_part.stride(0), lse_part.stride(0), *strides, H, SQ, S, D,
+        out.shape[0] if cu_q is not None else 0,
         BLOCK_C=min(configs.next_pow2(S), 8192 // configs.block_d(D)), BLOCK_D=configs.block_d(D),
         PDL=pdl, HAS_SINK=sinks is not None,
         **runtime.pdl_option(pdl))

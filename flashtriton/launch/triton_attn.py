@@ -55,7 +55,7 @@ def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: V
     page_size = 0 if table is None else k.shape[1]
     use_tma = runtime._use_tma(k, v)
     if table is not None:
-        common = dict(common, IS_VARLEN=3)
+        common = dict(common, IS_VARLEN=4 if varlen.singles_elsewhere else 3)
         use_tma = use_tma and k.shape[0] * page_size < 2**31 and all(
             x.stride(0) == page_size * x.stride(1) for x in (k, v))
     args = (q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
