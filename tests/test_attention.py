@@ -202,7 +202,6 @@ def tma(monkeypatch):
     loads too (with TMA's zero fill past the tensor's end). Returns the list of what each
     forward and backward call chose."""
     import flashtriton._env as env
-    import flashtriton.launch as launch
     chosen, real = [], runtime._use_tma
     monkeypatch.setattr(env, "TMA", True)
     monkeypatch.setattr(runtime, "_tma_capable", lambda device: True)
@@ -263,7 +262,6 @@ def test_tma_declines_unaligned_views(tma):
 
 
 def test_tma_rules(tma):
-    import flashtriton.launch as launch
     x = torch.empty(2, 8, 2, 32, dtype=torch.float16, device=DEVICE)
     assert runtime._use_tma(x)
     # The token stride is the descriptor's row stride: a 16-byte multiple even for one token.
