@@ -9,6 +9,7 @@ import torch
 
 from .autograd import AttentionOutput, attention, register_mods
 from .block_mask import BlockMask, create_block_mask
+from .launch.calls import key_counts
 from .validation import (_contents as validation_contents, check_alibi, check_block_table,
                          check_cache_indices, check_cu_seqlens, check_deterministic,
                          check_dropout, check_flag, check_index_tensor, check_max_seqlen, check_out,
@@ -158,8 +159,8 @@ def _paged_decode(q, k, v, cu_k, seqused_k, block_table, scale, causal, window, 
     ``attention_with_kvcache``: lse (nheads, batch) as the varlen kernel's."""
     from .decode import attention_with_kvcache
     B, H, D = q.shape
-    lengths = seqused_k if seqused_k is not None else (cu_k[1:] - cu_k[:-1]).to(torch.int32)
-    res, lse = attention_with_kvcache(q.view(B, 1, H, D), k, v, cache_seqlens=lengths,
+    res, lse = attention_with_kvcache(q.view(B, 1, H, D), k, v,
+                                      cache_seqlens=key_counts(cu_k, seqused_k),
                                       block_table=block_table, softmax_scale=scale,
                                       causal=causal, window_size=window, softcap=softcap,
                                       alibi_slopes=alibi_slopes, sinks=sinks)

@@ -87,6 +87,15 @@ class Varlen(NamedTuple):
     singles_elsewhere: bool = False
 
 
+def key_counts(cu_seqlens_k: Optional[torch.Tensor],
+               seqused_k: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each packed sequence's key count (int32 (B,)): seqused_k, or the differences of
+    cu_seqlens_k."""
+    if seqused_k is not None:
+        return seqused_k
+    return (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+
+
 def _alibi_args(variant: Variant):
     a = variant.alibi_slopes
     if a is None:

@@ -17,7 +17,7 @@ import torch
 from .. import _env, configs, launch, runtime, validation
 from ..kernels.decode import _attn_merge_kernel, _cache_spans_kernel, _kv_append_kernel
 from . import triton_attn
-from .calls import AttentionOutput, Variant, Varlen
+from .calls import AttentionOutput, Variant, Varlen, key_counts
 
 
 # Eager steps that read at most configs.DECODE_MERGE_MAX_BYTES of cache, with splits that the
@@ -377,10 +377,7 @@ def paged_singles(q, k, v, out, lse, variant: Variant, varlen: Varlen) -> None:
     """The one-query sequences of a paged varlen call (q, out (total_q, H, D), lse (H, total_q))
     on the split-KV kernel, whose tiles hold a KV head's query heads (each key read once a KV
     head, as a decoding step's); the forward (IS_VARLEN 4) computes the other sequences."""
-    cu_k = varlen.cu_seqlens_k
-    lengths = (varlen.seqused_k if varlen.seqused_k is not None
-               else (cu_k[1:] - cu_k[:-1]).to(torch.int32))
-    _decode(q, k, v, lengths, varlen.block_table, None, None, variant.alibi_slopes,
+    _decode(q, k, v, key_counts(varlen.cu_seqlens_k, varlen.seqused_k), varlen.block_table, None, None, variant.alibi_slopes,
             variant.softmax_scale, variant.window_left,
             0 if variant.causal else variant.window_right, variant.softcap, 0, True, None, False,
             variant.sinks, packed=(varlen.cu_seqlens_q, out, lse))
