@@ -3,7 +3,10 @@
 | variable                    | values                       | effect                                                      |
 |-----------------------------|------------------------------|-------------------------------------------------------------|
 | ``TRITON_INTERPRET``        | ``1`` / unset                | run the kernels on the CPU through Triton's interpreter     |
-| ``FLASHTRITON_AUTOTUNE``    | ``1`` (default) / ``0``      | ``0``: each kernel's default config instead of a search     |
+| ``FLASHTRITON_AUTOTUNE``    | ``0`` (default) / ``1``      | ``1``: autotune each kernel's tile per tuning key instead   |
+|                             |                              | of taking it from the tuning tables (flashtriton.tuning)    |
+| ``FLASHTRITON_TUNING_FILE`` | paths, ``os.pathsep``-joined | tuning tables to load (``flashtriton.tuning.save`` wrote    |
+|                             |                              | them) above the shipped one; the last named wins            |
 | ``FLASHTRITON_TMA``         | ``1`` (default) / ``0``      | ``0``: no tensor-descriptor (TMA) loads on Hopper and newer |
 | ``FLASHTRITON_FAST_LAUNCH`` | ``1`` (default) / ``0``      | ``0``: every launch through Triton's ``JITFunction.run``    |
 | ``FLASHTRITON_PDL``         | ``1`` (default) / ``0``      | ``0``: no programmatic dependent launch of the decoding     |
@@ -33,7 +36,8 @@ def _flag(name: str, default: bool) -> bool:
 
 
 INTERPRET: bool = _flag("TRITON_INTERPRET", False)
-AUTOTUNE: bool = _flag("FLASHTRITON_AUTOTUNE", True) and not INTERPRET
+AUTOTUNE: bool = _flag("FLASHTRITON_AUTOTUNE", False) and not INTERPRET
+TUNING_FILES: list = [p for p in os.environ.get("FLASHTRITON_TUNING_FILE", "").split(os.pathsep) if p]
 TMA: bool = _flag("FLASHTRITON_TMA", True)
 FAST_LAUNCH: bool = _flag("FLASHTRITON_FAST_LAUNCH", True)
 PDL: bool = _flag("FLASHTRITON_PDL", True)

@@ -1,10 +1,11 @@
 """Block sizes, warps and stages: pure functions of shape, dtype and mode.
 
 Nothing here touches a GPU, so every function is unit-testable on the CPU.
-The kernels are autotuned over ``candidates(kind)``; ``prune`` narrows the list
-to what fits the head dim and dtype of the call, and ``bucket`` turns sequence
-lengths into the autotuning key (one search per power-of-two bucket, not one per
-length).
+Each Triton kernel's tiles are ``candidates(kind)``; ``prune`` narrows the list to what
+fits the head dim and dtype of the call, best first, and ``bucket`` turns sequence lengths
+into the tuning key (one entry per power-of-two bucket, not one per length). The tuning
+tables (flashtriton.tuning) choose among the pruned tiles, or the autotuner searches them
+(FLASHTRITON_AUTOTUNE=1).
 
 Tile names (used everywhere): BLOCK_M query rows, BLOCK_N key rows, BLOCK_D the
 head dim padded to a power of two (at least 16, the smallest ``tl.dot`` K).
@@ -17,7 +18,9 @@ from typing import Dict, List, Tuple
 from . import _env
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the
-# default used when autotuning is off. The forward splits BLOCK_M into two halves that
+# default where no tuning table holds an entry for the call: the autotuner's most frequent
+# choice on the H200 over the shapes of flashtriton/tuned/sm90.json (at D=128 only short
+# sequences and generation run these kernels there; the Gluon kernels run the rest). The forward splits BLOCK_M into two halves that
 # overlap each other's softmax with the tensor cores: its halves want >= 64 rows per
 # warpgroup (256 rows at 8 warps, 128 at 4) for Hopper's wgmma without cross-warpgroup
 # row reductions. Block masks cap tiles at their block size (128): there (128, 64, 4, 2)
@@ -28,17 +31,17 @@ _GPU = {
              (64, 64, 4, 3)],
         128: [(256, 64, 8, 3), (256, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
               (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 4, 2)],
-        256: [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
+        256: [(64, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2)],
     },
     "dkdv": {
-        64: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+        64: [(32, 128, 4, 3), (64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
         128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2)],
-        256: [(64, 32, 4, 2), (32, 32, 4, 2), (32, 64, 8, 2), (16, 64, 4, 2)],
+        256: [(32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2), (16, 64, 4, 2)],
     },
     "dq": {
-        64: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 2)],
+        64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)],
         128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 32, 4, 2), (128, 32, 4, 3)],
-        256: [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 32, 4, 2)],
+        256: [(128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
     },
     # Decoding tiles: BLOCK_M is 0 here, it follows from the packed query rows of the call.
     "decode": {
@@ -105,10 +108,6 @@ def candidates(kind: str, interpret: bool = None) -> List[Tuple[int, int, int, i
             if c not in seen:
                 seen.add(c)
                 out.append(c)
-    if not _env.AUTOTUNE:
-        # One default per head-dim class (and fp8 decoding) and the fp32 tiles (also the
-        # fallback for block masks of 32); prune() picks.
-        out = list(dict.fromkeys([cfgs[0] for cfgs in lists] + fp32))
     return out
 
 
@@ -174,8 +173,6 @@ def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: 
         wanted = _GPU[kind][_dim_class(head_dim_padded)]
     wanted = [c for c in wanted if max(c[0], c[1]) <= max_block]
     kept = [c for c in wanted if c in configs]  # in order of preference
-    if not _env.AUTOTUNE:
-        kept = kept[:1]
     return kept or [c for c in configs if max(c[0], c[1]) <= max_block][:1] or configs[:1]
 
 

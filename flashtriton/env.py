@@ -24,7 +24,7 @@ def report() -> str:
     import triton
 
     import flashtriton
-    from flashtriton import _env, configs
+    from flashtriton import _env, configs, tuning
 
     lines = [f"flashtriton {flashtriton.__version__}", f"python {platform.python_version()}",
              f"torch {torch.__version__}", f"triton {triton.__version__}"]
@@ -45,12 +45,19 @@ def report() -> str:
     compiled = gpu and not _env.INTERPRET  # compiled kernels launched on this machine's GPU
     runs = gpu or _env.INTERPRET  # any kernel runs here
     if not runs:
-        tuning = "not used here (no kernel runs)"
+        how = "not used here (no kernel runs)"
     elif _env.INTERPRET:
-        tuning = "off (the interpreter runs each kernel's default config)"
+        how = "off (the interpreter runs each kernel's default config)"
+    elif _env.AUTOTUNE:
+        how = "on (FLASHTRITON_AUTOTUNE=1: each new tuning key searches its tiles)"
     else:
-        tuning = "on" if _env.AUTOTUNE else "off (FLASHTRITON_AUTOTUNE=0: one config per kernel)"
-    lines.append(f"autotuning: {tuning}; forward candidates: {len(configs.candidates('fwd'))}")
+        shipped = tuning.SHIPPED_DIR / f"sm{major}{minor}.json"
+        tables = [str(p) for p in reversed(_env.TUNING_FILES)]
+        tables += [f"{shipped.name} (shipped)"] if shipped.exists() else []
+        named = ", then ".join(tables) if tables else (
+            f"none for sm_{major}{minor}: each head-dim class's default tile")
+        how = f"off (FLASHTRITON_AUTOTUNE=0); tiles from the tuning tables: {named}"
+    lines.append(f"autotuning: {how}; forward candidates: {len(configs.candidates('fwd'))}")
 
     # Why each Hopper path is not used here whatever its switch (None: its switch decides),
     # as flashtriton.launch decides: TMA for sm_90+ (runtime._tma_capable, the interpreter

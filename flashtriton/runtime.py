@@ -11,8 +11,9 @@ import torch
 import triton
 from triton import knobs
 from triton.runtime import _allocation, driver
+from triton.runtime.errors import OutOfResources
 
-from . import _env, configs
+from . import _env, configs, tuning
 
 
 def flush_l2(cache: torch.Tensor) -> None:
@@ -56,18 +57,23 @@ def gpu_time_ms(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 40):
 
 
 def autotuned(kind: str, kernel, key):
-    """``kernel`` autotuned over configs.candidates(kind), pruned by configs.prune, on ``key``."""
+    """``kernel`` autotuned over configs.candidates(kind), pruned by configs.prune, on ``key``
+    (where FLASHTRITON_AUTOTUNE=1; else _launch takes its tiles from the tuning tables). Its
+    ``kind``, ``allowed(named_args, kwargs)`` (the tiles that suit a call, best first) and
+    ``by_tile`` (tile -> triton.Config) serve both ways."""
     cands = configs.candidates(kind)
 
-    def early_prune(cfgs, named_args, **kwargs):
+    def allowed(named_args, kwargs):
         max_block = kwargs["SPARSE"] if kwargs.get("HAS_BLOCK_MASK") else 1 << 30
         widest = max(kwargs["BLOCK_D"], kwargs.get("BLOCK_DV", 0))  # (MLA: v's head dim)
-        keep = configs.prune(kind, [_cfg_tuple(c) for c in cfgs], widest,
-                             named_args["Q"].element_size(), max_block,
+        return configs.prune(kind, cands, widest, named_args["Q"].element_size(), max_block,
                              bool(kwargs.get("FP8")))
+
+    def early_prune(cfgs, named_args, **kwargs):
+        keep = allowed(named_args, kwargs)
         return [c for c in cfgs if _cfg_tuple(c) in keep]
 
-    return triton.autotune(
+    tuner = triton.autotune(
         configs=[triton.Config(configs.as_kwargs(c), num_warps=c[2], num_stages=c[3])
                  for c in cands],
         key=key,
@@ -75,6 +81,43 @@ def autotuned(kind: str, kernel, key):
         cache_results=True,
         do_bench=gpu_time_ms if kind == "decode" else None,
     )(kernel)
+    tuner.kind, tuner.allowed = kind, allowed
+    tuner.by_tile = {_cfg_tuple(c): c for c in tuner.configs}
+    return tuner
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> Tuple[int, int]:
+    """The compute capability of a tensor's device ((0, 0) for the CPU: the interpreter)."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else (0, 0)
+
+
+def _tuning_key(kernel, args, kwargs):
+    """The table key of a launch of an autotuned kernel: its query tensor's dtype name, its
+    tuning key as ((name, value), ...), its device's compute capability, its named args."""
+    named = dict(zip(kernel.fn.arg_names, args))
+    named.update(kwargs)
+    q = named["Q"]
+    key = tuple((n, named[n]) for n in kernel.keys if n in named)
+    return str(q.dtype).rsplit(".", 1)[-1], key, _capability(q.device), named
+
+
+def _from_tables(kernel, grid, args, kwargs):
+    """Launch with the tile the tuning tables choose for this call; where it does not fit
+    the GPU (Triton's OutOfResources: a GPU with less shared memory than the one the table
+    was tuned on), the next tile that suits the call. Returns (its Config, the Replay)."""
+    dtype, key, cap, named = _tuning_key(kernel, args, kwargs)
+    allowed = kernel.allowed(named, kwargs)
+    first = tuning.choose(kernel.kind, dtype, key, allowed, cap)
+    for tile in [first] + [t for t in allowed if t != first]:
+        cfg = kernel.by_tile[tile]
+        try:
+            return cfg, launch_jit(kernel.fn, grid, *args, _cfg=cfg, **kwargs)
+        except OutOfResources as e:
+            _env.logger.info("%s: tile %s does not fit this GPU (%s); trying the next",
+                             kernel.fn.__name__, tile, e)
+            error = e
+    raise error
 
 
 # (id(kernel), tuning key) -> (kernel name, its tuned triton.Config). Triton's Autotuner.run
@@ -193,11 +236,14 @@ def launch_jit(fn, grid, *args, _cfg=None, **kwargs) -> Optional[Replay]:
 
 
 def _launch(kernel, grid, tuning_key, *args, **kwargs) -> Optional[Replay]:
-    """Launch an autotuned kernel; at debug level, log its config, grid and new tunings.
-    Returns the launch's Replay, if it has one (not on the call that tunes)."""
+    """Launch an autotuned kernel (runtime.autotuned) with its tile for ``tuning_key``: on the
+    key's first call the tuning tables' (_from_tables), or the autotuner's under
+    FLASHTRITON_AUTOTUNE=1 (recorded for tuning.save); later calls launch the JIT function
+    with it directly. At debug level, log its config, grid and new tunings. Returns the
+    launch's Replay, if it has one (not on the call that autotunes)."""
     tuned = _TUNED.get((id(kernel), tuning_key))
     replay = None
-    if tuned is None:
+    if tuned is None and _env.AUTOTUNE:
         known = len(kernel.cache)
         kernel[grid](*args, **kwargs)
         cfg = kernel.best_config
@@ -205,6 +251,13 @@ def _launch(kernel, grid, tuning_key, *args, **kwargs) -> Optional[Replay]:
         if len(kernel.cache) > known:
             _env.logger.debug("autotuned %s for key %s: %s", kernel.fn.__name__,
                               list(kernel.cache)[-1], cfg)
+        dtype, key, cap, _ = _tuning_key(kernel, args, kwargs)
+        tuning.record(kernel.kind, dtype, key, _cfg_tuple(cfg), cap)
+    elif tuned is None:
+        cfg, replay = _from_tables(kernel, grid, args, kwargs)
+        _TUNED[(id(kernel), tuning_key)] = (kernel.fn.__name__, cfg)
+        _env.logger.debug("tile of %s for key %s from the tuning tables: %s",
+                          kernel.fn.__name__, tuning_key, cfg)
     else:
         cfg = tuned[1]
         replay = launch_jit(kernel.fn, grid, *args, _cfg=cfg, **kwargs)

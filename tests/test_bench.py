@@ -92,10 +92,15 @@ def test_decode_bytes_and_table():
 
 def test_coldstart_line_in_table():
     meta, rows = _rows()
-    rows.append(dict(meta, suite="coldstart", provider="flashtriton", status="ok",
-                     empty_cache_s=41.26, second_process_s=2.04))
+    rows.append(dict(meta, suite="coldstart", provider="flashtriton", status="ok", D=64,
+                     autotune=False, empty_cache_s=4.26, second_process_s=1.04,
+                     new_bucket_s=0.213, second_new_bucket_s=0.018, generate_max_step_s=0.5,
+                     second_generate_max_step_s=0.0021))
+    rows.append(dict(meta, suite="coldstart", provider="flashtriton", D=256, autotune=True,
+                     status="error: RuntimeError: boom"))
     md = report.markdown(rows, ["flashtriton"], meta)
-    assert "41.3 s with an empty Triton cache" in md and "2.0 s in a second process" in md
+    assert "| 64 | 0 | 4.3 / 1.0 | 0.21 / 0.02 | 0.500 / 0.002 |" in md
+    assert "| 256 | 1 | error: RuntimeError: boom | | |" in md
 
 
 def test_variant_pair_counts(monkeypatch):
@@ -365,3 +370,58 @@ def test_paged_bench_checks_before_timing(monkeypatch):
         for name, fn in fns.items():
             assert bench_paged.check(fn, inputs) < 1e-2, name
     assert bench_paged.check(lambda: fns["paged 16"]() * 0 + 1, inputs) > common.TOLERANCE
+
+
+def _e2e_args(**kw):
+    from flashtriton.bench import e2e
+    args = e2e.parse(["--dims", "16", "--layers", "1", "--hidden", "64", "--vocab", "97",
+                      "--train-shapes", "2x24", "--gen-batches", "2", "--prompt", "12",
+                      "--new-tokens", "3"])
+    for name, value in kw.items():
+        setattr(args, name, value)
+    return args
+
+
+def test_e2e_bench_checks_the_models_before_timing(monkeypatch):
+    """bench.e2e: a tiny Llama through flashtriton's transformers integration gives the sdpa
+    model's logits (the check before any timing, run through the interpreter), and a model
+    whose attention is wrong fails it; the diffusion rows check each provider."""
+    pytest.importorskip("transformers")
+    from flashtriton.bench import e2e
+    from flashtriton.integrations import transformers as integration
+    meta = {"gpu": "test"}
+    args = _e2e_args()
+    rows = (e2e.train_rows(args, meta, DEVICE, torch.float32, timed=False)
+            + e2e.generate_rows(args, meta, DEVICE, torch.float32, timed=False))
+    assert [(r["part"], r["impl"], r["status"]) for r in rows] == [
+        ("train", "sdpa", "checked"), ("train", "triton_fa", "checked"),
+        ("generate", "sdpa", "checked"), ("generate", "triton_fa", "checked")]
+    assert rows[0]["rel_err_vs_sdpa"] == 0 and 0 < rows[1]["rel_err_vs_sdpa"] < 1e-3
+    real = integration.flash_attention  # an attention whose rows come out reversed
+    monkeypatch.setattr(integration, "flash_attention",
+                        lambda q, k, v, **kw: real(q, k, v, **kw).flip(1))
+    bad = e2e.train_rows(args, meta, DEVICE, torch.float32, timed=False)
+    assert bad[1]["status"].startswith("FAILED check"), bad[1]
+    shapes = [("cross", 1, 2, 40, 7, 16), ("self", 1, 2, 24, 24, 16)]
+    diff = e2e.diffusion_rows(meta, DEVICE, torch.float32, shapes, ("flashtriton", "naive"),
+                              timed=False)
+    assert [r["status"] for r in diff] == ["checked"] * 4 and all(r["rel_err"] < 1e-3
+                                                                  for r in diff)
+
+
+def test_e2e_table():
+    from flashtriton.bench import e2e
+    base = dict(part="train", D=64, B=2, N=4096, status="ok")
+    rows = [dict(base, impl="sdpa", tokens_per_s=1000.0, peak_step_MiB=900.0,
+                 sdpa_backend="flash"),
+            dict(base, impl="triton_fa", tokens_per_s=1100.0, peak_step_MiB=800.0),
+            dict(part="generate", D=64, B=1, prompt=512, impl="sdpa", status="ok",
+                 tokens_per_s=20.0, ms_per_token=50.0, gpu_busy=0.1, sdpa_backend="math"),
+            dict(part="generate", D=64, B=1, prompt=512, impl="triton_fa",
+                 status="out of memory"),
+            dict(part="diffusion", shape="SDXL cross-attention", provider="flashtriton",
+                 status="ok", fwd_tflops=84.4)]
+    md = e2e.table(rows)
+    assert "| train | 64 | 2 | 4096 | 1000 (flash) | 1100 | 1.10x | 900 / 800 |" in md
+    assert "| generate | 64 | 1 | 512 | 20 | out of memory | | |" in md
+    assert "| SDXL cross-attention | 84 |" in md

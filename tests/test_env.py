@@ -115,3 +115,21 @@ def test_report_on_a_gpu_follows_the_switches_and_the_interpreter(monkeypatch, s
     assert _line(text, "kernels:").startswith("kernels: Triton interpreter")
     for path in HOPPER_PATHS[1:]:  # Gluon, PDL and cached launches are compiled-only
         assert "not used here (the interpreter runs the kernels" in _line(text, path)
+
+
+@pytest.mark.parametrize("major, minor", [(9, 0), (8, 0)])
+def test_report_names_the_tuning_tables(monkeypatch, tmp_path, major, minor):
+    # Without autotuning the report names the tables in use, the user's first, or says that
+    # none is shipped for this GPU; with FLASHTRITON_AUTOTUNE=1, that the search runs.
+    _fake_gpu(monkeypatch, major, minor)
+    monkeypatch.setattr(_env, "AUTOTUNE", False)
+    monkeypatch.setattr(_env, "TUNING_FILES", [str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    line = _line(report(), "autotuning:")
+    shipped = ", then sm90.json (shipped)" if major == 9 else ""
+    assert f"tuning tables: {tmp_path / 'b.json'}, then {tmp_path / 'a.json'}{shipped};" in line
+    monkeypatch.setattr(_env, "TUNING_FILES", [])
+    line = _line(report(), "autotuning:")
+    assert ("sm90.json (shipped)" in line) == (major == 9)
+    assert ("none for sm_80" in line) == (major == 8)
+    monkeypatch.setattr(_env, "AUTOTUNE", True)
+    assert _line(report(), "autotuning:").startswith("autotuning: on (FLASHTRITON_AUTOTUNE=1")

@@ -51,15 +51,25 @@ class FakeJIT:
 
 class FakeAutotuner:
     def __init__(self, real=None):
-        """A stand-in for launch.triton_attn._fwd / _dq / _dkdv (``real``: its argument names and tiles)."""
+        """A stand-in for launch.triton_attn._fwd / _dq / _dkdv (``real``: its argument names,
+        tuning key and kind). Its one tile is best_config (set it before the first call)."""
         self.fn = FakeJIT()
         self.cache = {}
-        self.best_config = triton.Config({"BLOCK_M": 16}, num_warps=4, num_stages=1)
+        self.kind, self.keys = "fwd", ["stride"]
+        self.best_config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4,
+                                         num_stages=1)
         if real is not None:
-            self.fn.arg_names = real.fn.arg_names
+            self.fn.arg_names, self.keys, self.kind = real.fn.arg_names, real.keys, real.kind
             self.best_config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4,
                                              num_stages=1)
         self.tuned = 0
+
+    def allowed(self, named_args, kwargs):
+        return [runtime._cfg_tuple(self.best_config)]
+
+    @property
+    def by_tile(self):
+        return {runtime._cfg_tuple(self.best_config): self.best_config}
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
@@ -82,6 +92,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(runtime, "_COMPILED", {})
     monkeypatch.setattr(runtime, "_PLANS", {})  # keyed by id(): a dead fake's id comes back
     monkeypatch.setattr(runtime, "driver", types.SimpleNamespace(active=FakeDriver()))
+    monkeypatch.setattr(_env, "AUTOTUNE", True)  # the tuning call, then the cached paths
     kernel = FakeAutotuner()
     yield kernel
     runtime._TUNED.pop((id(kernel), ("key",)), None)
@@ -108,6 +119,17 @@ def test_third_call_runs_the_compiled_kernel(fake):
     (grid, stream, args), = fake.fn.compiled[0].runs
     assert grid == (3, 5, 1) and stream == 1234
     assert args == (q.data_ptr(), k.data_ptr(), 64, 0.5, 77, True, 16)
+
+
+def test_tiles_from_the_tables_launch_through_the_cached_path(fake, monkeypatch):
+    # Without autotuning the first call compiles the tables' tile (no search), the second
+    # runs the compiled kernel.
+    monkeypatch.setattr(_env, "AUTOTUNE", False)
+    for _ in range(2):
+        _call(fake, *_pair())
+    assert fake.tuned == 0 and len(fake.fn.slow) == 1 and len(fake.fn.compiled[0].runs) == 1
+    assert fake.fn.slow[0][0] == (3, 2)  # the tile's BLOCK_M 16 in the grid
+    assert fake.fn.slow[0][2]["BLOCK_M"] == 16
 
 
 def test_launch_hooks_only_where_set(fake, monkeypatch):

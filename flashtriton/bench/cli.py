@@ -10,8 +10,10 @@ Suites (flashtriton.bench.SUITES):
   train     batch * seqlen = --tokens (16K), nheads * headdim = --dmodel (2048), --dims x --seqlens x --causal
   gqa       Llama-3 70B attention: batch 1, 64 query heads, 8 KV heads, headdim 128, causal, --gqa-seqlens
   overhead  host time per call at a tiny shape (no CUDA graphs), each provider
-  coldstart seconds of the first forward + backward of a new shape in a fresh process with an
-            empty Triton cache, and in a second process sharing that cache
+  coldstart seconds of a new shape family's first calls at each of --dims in a fresh process
+            with an empty Triton cache, and in a second process sharing that cache: the
+            first forward + backward, the first at another length bucket, the slowest
+            one-token step of a generation crossing a bucket
   decode    one query token over a KV cache (32 query heads, 8 KV heads, headdim 128, bf16):
             --decode-batches x --decode-lens; GB/s of K and V read and % of the copy
             bandwidth measured in the same run, for eager calls (their kernels) and for the
@@ -38,11 +40,12 @@ import sys
 
 import torch
 
+from .. import _env
 from . import DECODE_PROVIDERS, PROVIDERS, SUITES, available, shapes
 from .common import meta as run_meta
 from .decode import copy_bandwidth_gbps, run_decode
 from .report import merge, report
-from .train import cold_start_s, host_overhead_us, run_shape
+from .train import COLD_SHAPE_TOKENS, cold_start_s, host_overhead_us, run_shape
 
 
 def _progress(items):
@@ -109,15 +112,19 @@ def main(argv=None):
                 rows.append(row)
                 jsonl.write(json.dumps(row) + "\n")
         if "coldstart" in args.suites:
-            row = dict(meta, provider="flashtriton", suite="coldstart")
-            try:
-                first, second = cold_start_s()
-                row.update(status="ok", empty_cache_s=first, second_process_s=second)
-            except Exception as e:
-                row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
-            rows.append(row)
-            jsonl.write(json.dumps(row) + "\n")
-            print(f"coldstart {row}", flush=True)
+            for D in args.dims:
+                row = dict(meta, provider="flashtriton", suite="coldstart", D=D,
+                           N=COLD_SHAPE_TOKENS, autotune=_env.AUTOTUNE)
+                try:
+                    (first, bucket, gen), (first2, bucket2, gen2) = cold_start_s(D)
+                    row.update(status="ok", empty_cache_s=first, new_bucket_s=bucket,
+                               generate_max_step_s=gen, second_process_s=first2,
+                               second_new_bucket_s=bucket2, second_generate_max_step_s=gen2)
+                except Exception as e:
+                    row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+                rows.append(row)
+                jsonl.write(json.dumps(row) + "\n")
+                print(f"coldstart {row}", flush=True)
         if "decode" in args.suites:
             copy = copy_bandwidth_gbps()
             for row in run_decode(args.decode_batches, args.decode_lens, meta, copy,

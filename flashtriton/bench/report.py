@@ -77,12 +77,25 @@ def markdown(rows, providers, meta):
                              f"{r['graph_GBps']:.0f} ({r['graph_pct_of_copy']:.0f}%)"
                              if r.get("status") == "ok" else r["status"][:30])
             lines.append(f"| {B} | {N} | " + " | ".join(cells) + " |")
-    for r in rows:
-        if r.get("suite") == "coldstart" and r.get("status") == "ok":
-            lines += ["", f"First forward + backward of a new shape (causal, bf16, D=128) in a new "
-                      f"process: {r['empty_cache_s']:.1f} s with an empty Triton cache (compile and "
-                      f"autotune), {r['second_process_s']:.1f} s in a second process sharing the "
-                      f"cache."]
+    cold = [r for r in rows if r.get("suite") == "coldstart"]
+    if cold:
+        lines += ["", "Seconds of a new shape family's first calls in a new process (causal, "
+                  "bf16, batch 2, 2048 / D heads; tiles from the tuning tables, or autotuned "
+                  "where said): the first forward + backward at 4K tokens, the first at another "
+                  "length bucket, the slowest one-token step of a generation crossing 4K keys; "
+                  "with an empty Triton cache / in a second process sharing it.", "",
+                  "| D | autotune | first forward + backward | another bucket | slowest "
+                  "generation step |", "|---|---|---|---|---|"]
+        for r in cold:
+            if r.get("status") != "ok":
+                lines.append(f"| {r.get('D')} | {int(bool(r.get('autotune')))} | "
+                             f"{r['status'][:40]} | | |")
+                continue
+            lines.append(
+                f"| {r['D']} | {int(bool(r.get('autotune')))} | {r['empty_cache_s']:.1f} / "
+                f"{r['second_process_s']:.1f} | {r['new_bucket_s']:.2f} / "
+                f"{r['second_new_bucket_s']:.2f} | {r['generate_max_step_s']:.3f} / "
+                f"{r['second_generate_max_step_s']:.3f} |")
     over = [r for r in rows if r.get("suite") == "overhead"]
     if over:
         lines += ["", "| host overhead per call (us) | " + " | ".join(r["provider"] for r in over)

@@ -77,25 +77,46 @@ def run_shape(shape: Shape, providers, dtype, meta, device="cuda", timed=True):
 _COLD = """
 import sys, time, torch
 from flashtriton import flash_attention
-q, k, v = (torch.randn(2, 3000, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-           for _ in range(3))
-torch.cuda.synchronize()
-t = time.perf_counter()
-flash_attention(q, k, v, causal=True).sum().backward()
-torch.cuda.synchronize()
-print(time.perf_counter() - t)
+D, N = int(sys.argv[1]), int(sys.argv[2])
+H = 2048 // D
+
+def step(n, B=2):
+    q, k, v = (torch.randn(B, n, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    flash_attention(q, k, v, causal=True).sum().backward()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+first = step(N)
+bucket = step(2 * N + 100)  # another length bucket of the same shape family
+k, v = (torch.randn(1, N + 64, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+slowest = 0.0
+for n in range(N - 64, N + 64):  # one-token steps over a cache that crosses a bucket
+    q = torch.randn(1, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    flash_attention(q, k[:, :n], v[:, :n], causal=True)
+    torch.cuda.synchronize()
+    slowest = max(slowest, time.perf_counter() - t)
+print(first, bucket, slowest)
 """
+COLD_SHAPE_TOKENS = 4096  # the cold start's first length, a bucket's last
 
 
-def cold_start_s():
-    """Seconds of the first forward + backward of a shape in a new process: with an empty
-    Triton cache (compiling and autotuning every kernel), then in a second process that shares
-    the cache (binaries and autotuning results come from disk)."""
+def cold_start_s(head_dim: int = 128, seqlen: int = COLD_SHAPE_TOKENS) -> list:
+    """Seconds of a new shape family's first calls in a new process, with an empty Triton
+    cache (compiling every kernel), then in a second process that shares the cache: for each,
+    [the first causal forward + backward (batch 2, ``seqlen``, 2048 / head_dim heads), the
+    first at another length bucket, the slowest of 128 one-token forwards over a cache of
+    seqlen -/+ 64 keys (a generation that crosses a bucket)]."""
     import tempfile
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
-        return [float(subprocess.check_output([sys.executable, "-c", _COLD], env=env,
-                                              text=True).split()[-1]) for _ in range(2)]
+        return [[float(x) for x in subprocess.check_output(
+                    [sys.executable, "-c", _COLD, str(head_dim), str(seqlen)], env=env,
+                    text=True).split()[-3:]] for _ in range(2)]
 
 
 def host_overhead_us(fn, calls=300):
