@@ -397,6 +397,7 @@ def test_e2e_bench_checks_the_models_before_timing(monkeypatch):
         ("train", "sdpa", "checked"), ("train", "triton_fa", "checked"),
         ("generate", "sdpa", "checked"), ("generate", "triton_fa", "checked")]
     assert rows[0]["rel_err_vs_sdpa"] == 0 and 0 < rows[1]["rel_err_vs_sdpa"] < 1e-3
+    assert rows[3]["same_tokens_as_sdpa"] == 1.0 and 0 < rows[3]["rel_err_vs_sdpa"] < 1e-3
     real = integration.flash_attention  # an attention whose rows come out reversed
     monkeypatch.setattr(integration, "flash_attention",
                         lambda q, k, v, **kw: real(q, k, v, **kw).flip(1))
@@ -425,3 +426,21 @@ def test_e2e_table():
     assert "| train | 64 | 2 | 4096 | 1000 (flash) | 1100 | 1.10x | 900 / 800 |" in md
     assert "| generate | 64 | 1 | 512 | 20 | out of memory | | |" in md
     assert "| SDXL cross-attention | 84 |" in md
+
+
+def test_tune_grid_lists_each_suites_shapes():
+    from flashtriton.bench import tune
+    args = type("Args", (), dict(dims=[64, 256], seqlens=[512, 4096], tokens=16384, dmodel=2048,
+                                 suites=list(tune.SUITES), decode_batches=[1, 64],
+                                 decode_lens=[1024, 65536], decode_max_tokens=1 << 20))
+    labels = [label for label, _ in tune.shapes(args)]
+    assert len(labels) == len(set(labels))
+    assert sum(x.startswith("train ") for x in labels) == 2 * 2 * 2  # dims x lens x causal
+    assert sum(x.startswith("varlen ") for x in labels) == 2 * 2      # causal only
+    assert sum(x.startswith("generate ") for x in labels) == 2 * 2 * 2  # batches 1 and 8
+    # cross-attention from 1024 queries, over each text-key count
+    assert [x for x in labels if x.startswith("cross D=64")] == [
+        f"cross D=64 queries=4096 keys={n}" for n in tune.CROSS_KEYS]
+    # decoding: B x N within decode_max_tokens (64 x 65536 is not), paged or not, fp8 or not
+    assert sum(x.startswith("decode ") for x in labels) == 2 * 3 * 4
+    assert "decode D=64 B=64 N=65536 paged=0 fp8=0" not in labels

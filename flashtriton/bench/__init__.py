@@ -4,6 +4,8 @@ and naive attention. Not imported by the library.
     python -m flashtriton.bench [--suites train gqa overhead coldstart decode] ...   # __main__
     python -m flashtriton.bench.variants ...    # masks and score mods against FlexAttention
     python -m flashtriton.bench.ring ...        # ring attention over the GPUs of one machine
+    python -m flashtriton.bench.e2e ...         # transformers Llama training / generate, diffusion
+    python -m flashtriton.bench.tune --out F    # the autotuner over a grid, as a tuning table
     python -m flashtriton.bench.demo            # the demo (CPU: Triton's interpreter)
 
 This module is the registry: the providers (PROVIDERS, DECODE_PROVIDERS) and the suites and

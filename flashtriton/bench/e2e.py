@@ -14,9 +14,9 @@ step above the model and optimizer state, and which SDPA backend the sdpa model'
 (its kernels' names under the profiler). generate: greedy ``generate()`` of --new-tokens after
 a --prompt-token prompt at each of --gen-batches: tokens/s, ms a token, and the share of the
 wall time the GPU was busy (profiler: the kernels' time over the wall time), which tells a
-host-bound loop from a GPU-bound one. Each model's logits on the first batch are checked
-against the sdpa model's (same weights; MODEL_TOLERANCE) before any timing; a failed check
-reports no speed.
+host-bound loop from a GPU-bound one, and how many of its first 4 tokens equal the sdpa
+model's. Each model's logits on the first batch are checked against the sdpa model's (same
+weights; MODEL_TOLERANCE) before any timing; a failed check reports no speed.
 diffusion: forward attention of SDXL's self- and cross-attention (2 x 10 heads of 64, 4096
 queries over 4096 or 77 keys) and FLUX's joint attention (24 heads of 128, 4608 tokens),
 each provider checked against flashtriton.reference first: TFLOP/s (4 * B * H * SQ * SK * D).
@@ -167,7 +167,7 @@ def generate_rows(args, meta, device="cuda", dtype=torch.bfloat16, timed=True):
         for B in args.gen_batches:
             ids = torch.randint(0, args.vocab, (B, args.prompt), device=device,
                                 generator=torch.Generator(device).manual_seed(2))
-            ref = None
+            ref = ref_tokens = None
             for impl in IMPLS:
                 row = dict(meta, part="generate", impl=impl, D=D, B=B, prompt=args.prompt,
                            new_tokens=args.new_tokens, layers=args.layers, hidden=args.hidden)
@@ -180,15 +180,18 @@ def generate_rows(args, meta, device="cuda", dtype=torch.bfloat16, timed=True):
                         def gen(n=args.new_tokens):
                             return model.generate(ids, max_new_tokens=n, min_new_tokens=n,
                                                   do_sample=False, pad_token_id=0)
+                        # the first calls (compilation) outside the timing; the tokens
+                        # against the sdpa model's (bf16 greedy decoding may part on near ties)
+                        tokens = gen(4)[:, args.prompt:]
                         if ref is None:
-                            ref = logits
+                            ref, ref_tokens = logits, tokens
                         row["rel_err_vs_sdpa"] = err = rel_err(logits, ref)
+                        row["same_tokens_as_sdpa"] = float((tokens == ref_tokens).float().mean())
                         row["status"] = failed(err, MODEL_TOLERANCE)
                         if row["status"] or not timed:
                             row["status"] = row["status"] or "checked"
                             rows.append(row)
                             continue
-                        gen(4)  # first calls (compilation) outside the timing
                         _sync(device)
                         t = time.perf_counter()
                         gen()

@@ -10,9 +10,10 @@ the Gluon kernels, whose tiles are fixed, are not): ``train`` forward and backwa
 ``flash_attention`` (bf16, batch x seqlen = --tokens, heads x head dim = --dmodel, causal and
 not); ``varlen`` the same packed (sequences of seqlen, causal); ``generate`` one query token
 over --seqlens keys (``flash_attention``, what transformers' generate() calls with a
-static-size cache), batch 1 and 8; ``decode`` ``attention_with_kvcache`` steps (32 query heads
-over 8 KV heads, contiguous and 16-token pages, bf16 and fp8 caches) at --decode-batches x
---decode-lens. The table is written after each shape (a run cut short keeps what it tuned);
+static-size cache), batch 1 and 8; ``cross`` diffusion cross-attention, --seqlens from
+1024 queries over 77, 256 and 512 keys (batch 2, forward and backward); ``decode``
+``attention_with_kvcache`` steps (32 query heads over 8 KV heads, contiguous and 16-token
+pages, bf16 and fp8 caches) at --decode-batches x --decode-lens. The table is written after each shape (a run cut short keeps what it tuned);
 --merge keeps the entries of an existing --out that this run does not tune again.
 """
 
@@ -25,7 +26,8 @@ from .. import _env, tuning
 from ..api import flash_attention, flash_attention_varlen
 from ..decode import attention_with_kvcache
 
-SUITES = ("train", "varlen", "generate", "decode")
+SUITES = ("train", "varlen", "generate", "cross", "decode")
+CROSS_KEYS = (77, 256, 512)  # text-encoder key lists of diffusion cross-attention
 
 
 def _train(D, N, causal, tokens, dmodel, varlen=False):
@@ -38,6 +40,17 @@ def _train(D, N, causal, tokens, dmodel, varlen=False):
                                      causal=causal)
     else:
         out = flash_attention(q, k, v, causal=causal)
+    out.backward(torch.randn_like(out))
+
+
+def _cross(D, SQ, SK, dmodel):
+    """Diffusion cross-attention: SQ image queries over SK text keys, batch 2, forward and
+    backward."""
+    H = max(1, dmodel // D)
+    q = torch.randn(2, SQ, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, SK, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    out = flash_attention(q, k, v)
     out.backward(torch.randn_like(out))
 
 
@@ -80,6 +93,10 @@ def shapes(args):
                     out.append((f"varlen D={D} N={N} causal=1",
                                 lambda D=D, N=N: _train(D, N, True, args.tokens, args.dmodel,
                                                         varlen=True)))
+            if "cross" in args.suites and N >= 1024:
+                for SK in CROSS_KEYS:
+                    out.append((f"cross D={D} queries={N} keys={SK}",
+                                lambda D=D, N=N, SK=SK: _cross(D, N, SK, args.dmodel)))
             if "generate" in args.suites:
                 for B in (1, 8):
                     out.append((f"generate D={D} B={B} keys={N}",
