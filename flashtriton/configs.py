@@ -212,6 +212,9 @@ GLUON_VARIANTS = True
 # diagonal, instead of the general |i - j| form (causal 8K: forward 447 -> 462 TFLOP/s, the
 # Gluon backward 320 -> 332).
 GLUON_ALIBI_ONE_SIDED = True
+# The head dims of the Gluon backward in attention_backward (the kernel also takes 64:
+# GLUON_BWD_KERNEL_HEAD_DIMS; not yet measured there against the Triton backward).
+GLUON_BWD_HEAD_DIMS = (128,)
 # The shortest sequence that runs the Gluon backward (B x N = 16K: 1.18x / 1.05x the Triton
 # backward at 1K plain / causal, 1.24x / 1.10x at 2K), and whether windows, softcap and ALiBi
 # take it too (causal 8K: window 315, softcap 387, ALiBi 382 TFLOP/s against 304, 297, 393).
@@ -232,7 +235,7 @@ GLUON_FWD_STAGES = 2
 GLUON_FWD_KERNEL_HEAD_DIMS = (64, 128)
 GLUON_BWD_BLOCK_M = 64
 GLUON_BWD_BLOCK_N = 128
-GLUON_BWD_KERNEL_HEAD_DIMS = (128,)
+GLUON_BWD_KERNEL_HEAD_DIMS = (64, 128)
 
 
 class OptionTable(dict):
@@ -370,7 +373,7 @@ def snapshot() -> tuple:
     if _SNAPSHOT is None:
         globals()["_SNAPSHOT"] = _Snapshot((
             GLUON_TRITONS, GLUON_FWD_HEAD_DIMS, GLUON_FWD_CAUSAL_MAX_TRITON, GLUON_VARIANTS,
-            GLUON_ALIBI_ONE_SIDED, GLUON_BWD_MIN_SEQLEN, GLUON_BWD_VARIANTS,
+            GLUON_ALIBI_ONE_SIDED, GLUON_BWD_HEAD_DIMS, GLUON_BWD_MIN_SEQLEN, GLUON_BWD_VARIANTS,
             GLUON_FWD_BLOCK_M, GLUON_FWD_BLOCK_N, GLUON_FWD_STAGES, GLUON_FWD_KERNEL_HEAD_DIMS,
             GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N, GLUON_BWD_KERNEL_HEAD_DIMS,
             tuple(GLUON_FWD_OPTIONS.items()), tuple(GLUON_BWD_OPTIONS.items()),

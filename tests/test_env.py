@@ -133,3 +133,10 @@ def test_report_names_the_tuning_tables(monkeypatch, tmp_path, major, minor):
     assert ("none for sm_80" in line) == (major == 8)
     monkeypatch.setattr(_env, "AUTOTUNE", True)
     assert _line(report(), "autotuning:").startswith("autotuning: on (FLASHTRITON_AUTOTUNE=1")
+
+
+def test_tuning_files_are_read_from_the_environment():
+    run = _python("from flashtriton import _env; print(_env.TUNING_FILES, _env.AUTOTUNE)",
+                  FLASHTRITON_TUNING_FILE=os.pathsep.join(["a.json", "", "dir/b.json"]))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "['a.json', 'dir/b.json'] False"  # the interpreter: no search

@@ -21,11 +21,14 @@ def test_explain_names_the_triton_family_and_the_reasons_here():
 
 def test_explain_reports_the_policy_thresholds(monkeypatch):
     """Below configs.GLUON_BWD_MIN_SEQLEN the backward's reason names the threshold; a head dim
-    outside configs.GLUON_FWD_HEAD_DIMS names the forward's."""
+    outside configs.GLUON_FWD_HEAD_DIMS / GLUON_BWD_HEAD_DIMS names the forward's and the
+    backward's."""
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 4096)
-    e = flashtriton.explain(*_qkv(N=64, D=64, dtype=torch.bfloat16))
+    e = flashtriton.explain(*_qkv(N=64, D=128, dtype=torch.bfloat16))
     assert any("GLUON_BWD_MIN_SEQLEN" in r and "got 64" in r for r in e.reasons)
+    e = flashtriton.explain(*_qkv(N=4096, D=64, dtype=torch.bfloat16))
     assert any("head dims (128,)" in r and "head dim 64" in r for r in e.reasons)
+    assert any("GLUON_BWD_HEAD_DIMS" in r and "got 64" in r for r in e.reasons)
 
 
 def test_explain_checks_its_arguments():

@@ -346,7 +346,7 @@ def bwd_options(request, monkeypatch):
 
 
 @needs_hopper
-@pytest.mark.parametrize("B,N,H,HKV,D", [s for s in SHAPES if s[-1] == 128])
+@pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, bwd_options):
@@ -356,13 +356,14 @@ def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, bwd_op
 
 @needs_hopper
 @pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
-@pytest.mark.parametrize("B,N,H,HKV", [(2, 1000, 4, 2), (1, 333, 2, 2)])
-def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, softcap, alibi,
-                                                 bwd_options):
+@pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 128),
+                                         (2, 1000, 4, 2, 64)])
+def test_gluon_backward_variants_match_reference(B, N, H, HKV, D, causal, window, softcap,
+                                                 alibi, bwd_options):
     """The Gluon backward with windows (one- and two-sided, with causal, narrower than a block),
     softcap and ALiBi (per head and per batch and head), gradients against the float64
-    reference."""
-    q, k, v = make_qkv(B, N, N, H, HKV, 128, torch.bfloat16, "cuda", requires_grad=False)
+    reference, at both of its head dims."""
+    q, k, v = make_qkv(B, N, N, H, HKV, D, torch.bfloat16, "cuda", requires_grad=False)
     if softcap:
         q = q * 4  # large logits: the cap matters
     q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -377,13 +378,14 @@ def test_gluon_backward_variants_match_reference(B, N, H, HKV, causal, window, s
 
 @needs_hopper
 @pytest.mark.parametrize("mask_mod", [_doc_mod, _prefix_mod], ids=["document", "prefix-lm"])
-@pytest.mark.parametrize("N,H,HKV", [(1024, 4, 2), (1000, 2, 2), (700, 2, 2)])
-def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, bwd_options):
+@pytest.mark.parametrize("N,H,HKV,D", [(1024, 4, 2, 128), (1000, 2, 2, 128), (700, 2, 2, 128),
+                                       (700, 2, 2, 64)])
+def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, D, bwd_options):
     """The Gluon backward over a block mask's transposed lists (GQA with a shared mask, ragged
     ends; N = 700: the last 128-row query block's second half is all padding), gradients
     against the float64 reference of the same mask."""
     from flashtriton.block_mask import create_block_mask
-    q, k, v = make_qkv(2, N, N, H, HKV, 128, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(2, N, N, H, HKV, D, torch.bfloat16, "cuda")
     bm = create_block_mask(mask_mod, None, None, N, N, "cuda")
     i = torch.arange(N, device="cuda")
     keep = mask_mod.fn(0, 0, i[:, None], i[None, :])
@@ -413,7 +415,7 @@ def test_gluon_backward_rejects_what_it_does_not_take():
     with pytest.raises(ValueError, match="_dq_mode 2 or 1"):
         launch.attention_backward_gluon(out, q, k, v, out, lse, _dq_mode=0)
     with pytest.raises(ValueError, match="head dims"):
-        launch.attention_backward_gluon(out[..., :64], q[..., :64], k[..., :64], v[..., :64],
+        launch.attention_backward_gluon(out[..., :32], q[..., :32], k[..., :32], v[..., :32],
                                         out, lse)
 
 

@@ -306,4 +306,9 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # the timing-only marks (tools/timeline.py backward)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
+# At head dim 64 (the kernel takes it; attention_backward routes 128 only,
+# configs.GLUON_BWD_HEAD_DIMS): plain, causal, a window.
+for name, flags in (("plain", {}), ("causal", dict(causal=True)),
+                    ("window", dict(lower=True, upper=True))):
+    check(f"gluon-bwd D64 {name}", lambda: compile_gluon_bwd(64, **flags), gluon_bwd_judge)
 sys.exit(1 if fails else 0)

@@ -60,6 +60,9 @@ def backward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
         return "triton", ["gluon: its dQ sums vary in order from run to run (deterministic=True)"]
     if varlen is not None:
         return "triton", ["gluon: the Gluon backward takes dense batches"]
+    if q.shape[-1] not in configs.GLUON_BWD_HEAD_DIMS:
+        return "triton", [f"gluon: the backward takes head dims {configs.GLUON_BWD_HEAD_DIMS} "
+                          f"(configs.GLUON_BWD_HEAD_DIMS), got {q.shape[-1]}"]
     if q.shape[1] < configs.GLUON_BWD_MIN_SEQLEN:
         return "triton", [f"gluon: the backward takes it from {configs.GLUON_BWD_MIN_SEQLEN} "
                           f"tokens (configs.GLUON_BWD_MIN_SEQLEN), got {q.shape[1]}"]

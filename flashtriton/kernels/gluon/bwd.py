@@ -45,7 +45,8 @@ keys (no mask), then masked ones again (a window's far edge, the ragged end, par
 The mask is kernels.mask.visible_by_key (beside the Triton kernels' visible); the slots of
 its scalar tuple are kernels/gluon/common.py's, the forward's.
 
-Scope: bf16 / fp16, head dim 128, SQ == SK, GQA, q / k / v / dO in the 2-D token-row views of
+Scope: bf16 / fp16, head dims 64 and 128 (attention_backward runs it at
+configs.GLUON_BWD_HEAD_DIMS), SQ == SK, GQA, q / k / v / dO in the 2-D token-row views of
 launch._token_rows; the kernel static_asserts its tiles (64-row query blocks, 128-key
 programs, 4-warp partitions; configs.GLUON_BWD_BLOCK_M / _N hold them for the launcher).
 The prep kernel (kernels.attn_bwd) computes the log2 LSE and delta of padded rows and zeroes
@@ -567,7 +568,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      "of a block mask's 128)")
     gl.static_assert(BLOCK_N == LIST_BLOCK, "the Gluon backward: 128 keys a program (two "
                      "consumers of 64)")
-    gl.static_assert(HEAD_DIM == 128, "the Gluon backward: head dim 128")
+    gl.static_assert(HEAD_DIM == 64 or HEAD_DIM == 128, "the Gluon backward: head dim 64 or 128")
     gl.static_assert(do_desc.block_type.shape[0] == BLOCK_M
                      and do_desc.block_type.shape[1] == HEAD_DIM
                      and k_desc.block_type.shape[1] == HEAD_DIM
