@@ -134,6 +134,23 @@ def decode_rows(group: int, sq: int, head_dim: int) -> Tuple[int, int]:
     return block_m, cdiv(group * sq, block_m)
 
 
+# Dense calls (no packed sequences) of few query rows over at least DENSE_SPLIT_MIN_KEYS keys
+# run the split-KV kernel over k and v as a full cache (what a KV-cache call with as many
+# query rows runs, kvcache_prefill): transformers' and SDPA users' decoding steps, which hand
+# flash_attention one query token and the whole cache. The forward reads every key once a
+# query head in B x H programs of BLOCK_M rows (one of them a query's); the split kernel reads
+# it once a KV head, split over the SMs. The keys' floor: the range of the KV-cache
+# measurement (4K-16K keys; docs/perf.md's decisions), where the split kernel took 0.2-0.7x
+# flash_attention's time.
+DENSE_SPLIT_MIN_KEYS = 4096
+
+
+def dense_split(group: int, sq: int, sk: int) -> bool:
+    """Whether a dense call with sq query tokens over sk keys, group query heads a KV head,
+    runs the split-KV kernel."""
+    return sq < sk and sk >= DENSE_SPLIT_MIN_KEYS and not kvcache_prefill(group, sq)
+
+
 def kvcache_prefill(group: int, sq: int) -> bool:
     """Whether a KV-cache call with sq query tokens and group query heads a KV head runs the
     prefill forward kernel."""
@@ -378,7 +395,7 @@ def snapshot() -> tuple:
             GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N, GLUON_BWD_KERNEL_HEAD_DIMS,
             tuple(GLUON_FWD_OPTIONS.items()), tuple(GLUON_BWD_OPTIONS.items()),
             DECODE_MERGE_IN_KERNEL, DECODE_MERGE_MAX_BYTES, DECODE_MAX_ROWS,
-            KVCACHE_PREFILL_MIN_ROWS))
+            KVCACHE_PREFILL_MIN_ROWS, DENSE_SPLIT_MIN_KEYS))
     return _SNAPSHOT
 
 

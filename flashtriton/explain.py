@@ -11,7 +11,7 @@ from .validation import (check_alibi, check_dropout, check_flag, check_qkv, chec
 
 
 class Explanation(NamedTuple):
-    forward: str          # "gluon" or "triton"
+    forward: str          # "gluon", "triton" or "split" (the split-KV kernel: few queries)
     backward: str         # "gluon" or "triton"
     reasons: List[str]    # why the families not taken do not run the call
 

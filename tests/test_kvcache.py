@@ -522,3 +522,58 @@ def test_kvcache_sinks_bad_input():
         attention_with_kvcache(q, kc, kc, sinks=torch.zeros(2, device=DEVICE))
     with pytest.raises(TypeError, match="sinks must be float16, bfloat16 or float32"):
         attention_with_kvcache(q, kc, kc, sinks=torch.zeros(4, device=DEVICE, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(), dict(causal=True, window_size=(40, 0)),
+                                  dict(softcap=3.0), dict(causal=True, alibi="head"),
+                                  dict(causal=True, sinks=True)],
+                         ids=["causal", "full", "window", "softcap", "alibi", "sinks"])
+@pytest.mark.parametrize("SQ", [1, 3])
+def test_dense_few_queries_run_the_split_kernel(monkeypatch, opts, SQ):
+    """flash_attention with few query rows a KV head over many keys (configs.dense_split: a
+    decoding step handed the whole cache, as transformers' generate() does) runs the split-KV
+    kernel: out, LSE and the gradients (the backward kernels over its out and LSE) against the
+    float64 reference; explain() names the route."""
+    import flashtriton
+    from accuracy import check_against_reference, make_qkv
+    from flashtriton.launch import decode as decode_launch
+    monkeypatch.setattr(configs, "DENSE_SPLIT_MIN_KEYS", 32)
+    calls = []
+    real = decode_launch.dense_split
+    monkeypatch.setattr(decode_launch, "dense_split", lambda *a: calls.append(1) or real(*a))
+    q, k, v = make_qkv(2, SQ, 3 * configs.decode_split_granule() + 5, 4, 2, 32, DT, DEVICE)
+    opts = dict(opts)
+    if opts.pop("alibi", None):
+        opts["alibi_slopes"] = torch.rand(4, device=DEVICE) * 0.3
+    sinks = (torch.randn(4, device=DEVICE) * 2) if opts.pop("sinks", False) else None
+    ref_opts = {n: x for n, x in opts.items() if n != "causal"}
+    if sinks is not None:
+        ref_opts["sinks"] = sinks
+    assert flashtriton.explain(q, k, v, **opts).forward == "split"
+    check_against_reference(
+        lambda q, k, v: tuple(flash_attention_with_lse(q, k, v, sinks=sinks, **opts)),
+        q, k, v, opts.get("causal", False), **ref_opts)
+    assert calls == [1]
+
+
+def test_dense_split_route_only_where_it_fits(monkeypatch):
+    """Not for as many queries as keys, fewer keys than DENSE_SPLIT_MIN_KEYS, 1024 query rows a
+    KV head or more (configs.kvcache_prefill), a score mask, dropout, batch_invariant or MLA's
+    value head dim."""
+    import flashtriton
+    from flashtriton import launch
+    monkeypatch.setattr(configs, "DENSE_SPLIT_MIN_KEYS", 64)
+    x = lambda B, N, H, D=32: torch.zeros(B, N, H, D, device=DEVICE, dtype=DT)  # noqa: E731
+    assert flashtriton.explain(x(1, 1, 4), x(1, 64, 2), x(1, 64, 2)).forward == "split"
+    assert flashtriton.explain(x(1, 64, 4), x(1, 64, 2), x(1, 64, 2)).forward != "split"
+    assert flashtriton.explain(x(1, 1, 4), x(1, 63, 2), x(1, 63, 2)).forward != "split"
+    assert flashtriton.explain(x(1, 512, 2), x(1, 4096, 1), x(1, 4096, 1)).forward != "split"
+    assert flashtriton.explain(x(1, 1, 4), x(1, 64, 2), x(1, 64, 2),
+                               batch_invariant=True).forward != "split"
+    assert flashtriton.explain(x(1, 1, 4), x(1, 64, 2), x(1, 64, 2),
+                               dropout_p=0.1).forward != "split"
+    variant = launch.Variant(0.1, attn_mask=torch.zeros(1, 1, 1, 64, dtype=torch.bool))
+    assert launch.forward_route(x(1, 1, 4), x(1, 64, 2), x(1, 64, 2), variant)[0] != "split"
+    variant = launch.Variant(0.1)
+    assert launch.forward_route(x(1, 1, 4), x(1, 64, 2), x(1, 64, 2, 16), variant)[0] != "split"
+    assert configs.dense_split(4, 1, 64) and not configs.dense_split(4, 1, 63)

@@ -36,6 +36,10 @@ def forward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Va
     """The forward's kernel family for this call, "gluon" or "triton", and why the ones not
     taken do not run it."""
     SQ, D = _dims(q, k, varlen)[1], q.shape[-1]
+    if _dense_split(q, k, v, variant, varlen):
+        return "split", [f"gluon, triton: {SQ} queries over {k.shape[1]} keys, "
+                         f"{q.shape[2] // k.shape[2]} query heads a KV head: the split-KV kernel "
+                         f"reads each key once a KV head (configs.dense_split)"]
     if not _env.GLUON:
         return "triton", ["gluon: FLASHTRITON_GLUON=0"]
     if variant.batch_invariant:
@@ -75,17 +79,30 @@ def backward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
     return "gluon", []
 
 
-def _paged_singles(q, v, variant: Variant, varlen: Optional[Varlen]) -> bool:
-    """Whether a call is paged varlen whose one-query sequences go to the split-KV kernel
-    (configs.paged_singles), which computes this variant: no score mask, mods, block mask,
-    dropout or batch invariance, v's head dim q's."""
-    return (varlen is not None and varlen.block_table is not None
-            and configs.paged_singles(varlen.cu_seqlens_q.numel() - 1, q.shape[0],
-                                      varlen.max_seqlen_q)
-            and variant.attn_mask is None and variant.score_mod is None
+def _split_computes(q, v, variant: Variant) -> bool:
+    """Whether the split-KV kernel computes this variant: no score mask, mods, block mask,
+    dropout, batch invariance or moved diagonal, v's head dim q's."""
+    return (variant.attn_mask is None and variant.score_mod is None
             and variant.mask_mod is None and variant.kv_blocks is None and not variant.dropout_p
             and not variant.batch_invariant and variant.diag_offset == 0
             and v.shape[-1] == q.shape[-1])
+
+
+def _paged_singles(q, v, variant: Variant, varlen: Optional[Varlen]) -> bool:
+    """Whether a call is paged varlen whose one-query sequences go to the split-KV kernel
+    (configs.paged_singles), which computes this variant."""
+    return (varlen is not None and varlen.block_table is not None
+            and configs.paged_singles(varlen.cu_seqlens_q.numel() - 1, q.shape[0],
+                                      varlen.max_seqlen_q)
+            and _split_computes(q, v, variant))
+
+
+def _dense_split(q, k, v, variant: Variant, varlen: Optional[Varlen]) -> bool:
+    """Whether a dense call runs the split-KV kernel (configs.dense_split), which computes
+    this variant."""
+    return (varlen is None and q.dim() == 4
+            and configs.dense_split(q.shape[2] // k.shape[2], q.shape[1], k.shape[1])
+            and _split_computes(q, v, variant))
 
 
 @on_device_of
@@ -116,8 +133,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     if ptrs is not None:
         replays[0](*ptrs)
         return out, lse
-    if forward_route(q, k, v, variant, varlen)[0] == "gluon":
+    route = forward_route(q, k, v, variant, varlen)[0]
+    if route == "gluon":
         remember(signature, _gluon_forward(q, k, v, out, lse, variant))
+        return out, lse
+    if route == "split":
+        from .decode import dense_split
+        dense_split(q, k, v, out, lse, variant)
         return out, lse
     if signature is not None and signature[0] == "gluon_fwd":
         signature = None  # (the Triton forward's replays take other leading tensors)

@@ -383,6 +383,20 @@ def paged_singles(q, k, v, out, lse, variant: Variant, varlen: Varlen) -> None:
             variant.sinks, packed=(varlen.cu_seqlens_q, out, lse))
 
 
+def dense_split(q, k, v, out, lse, variant: Variant) -> None:
+    """A dense call of few query rows over many keys (configs.dense_split: a decoding step
+    handed to flash_attention with its whole cache) on the split-KV kernel, k and v (B, SK,
+    HKV, D) a full cache: into out (B, SQ, H, D) and lse (B, H, SQ)."""
+    B, SK = q.shape[0], k.shape[1]
+    seqlens = torch.full((B,), SK, dtype=torch.int32, device=q.device)
+    res = _decode(q, k, v, seqlens, None, None, None, variant.alibi_slopes,
+                  variant.softmax_scale, variant.window_left,
+                  0 if variant.causal else variant.window_right, variant.softcap, 0, True, None,
+                  False, variant.sinks)
+    out.copy_(res.out)
+    lse.copy_(res.lse)
+
+
 def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
             scale, left, right, softcap, num_splits, return_lse, signature, step,
             sinks=None, descales=(None, None), packed=None) -> AttentionOutput:
