@@ -375,7 +375,7 @@ def test_paged_bench_checks_before_timing(monkeypatch):
 def _e2e_args(**kw):
     from flashtriton.bench import e2e
     args = e2e.parse(["--dims", "16", "--layers", "1", "--hidden", "64", "--vocab", "97",
-                      "--train-shapes", "2x24", "--gen-batches", "2", "--prompt", "12",
+                      "--train-shapes", "2x24", "--gen-batches", "2", "--prompts", "12",
                       "--new-tokens", "3"])
     for name, value in kw.items():
         setattr(args, name, value)
@@ -398,6 +398,17 @@ def test_e2e_bench_checks_the_models_before_timing(monkeypatch):
         ("generate", "sdpa", "checked"), ("generate", "triton_fa", "checked")]
     assert rows[0]["rel_err_vs_sdpa"] == 0 and 0 < rows[1]["rel_err_vs_sdpa"] < 1e-3
     assert rows[3]["same_tokens_as_sdpa"] == 1.0 and 0 < rows[3]["rel_err_vs_sdpa"] < 1e-3
+    # the decoding steps on the split-KV kernel (configs.dense_split, its floor lowered to
+    # the prompt's 12 keys): generate() gives the sdpa model's tokens
+    from flashtriton import configs
+    from flashtriton.launch import decode as decode_launch
+    monkeypatch.setattr(configs, "DENSE_SPLIT_MIN_KEYS", 12)
+    split = []
+    real_split = decode_launch.dense_split
+    monkeypatch.setattr(decode_launch, "dense_split", lambda *a: split.append(1) or real_split(*a))
+    again = e2e.generate_rows(args, meta, DEVICE, torch.float32, timed=False)
+    assert split and again[1]["same_tokens_as_sdpa"] == 1.0, again[1]
+    monkeypatch.undo()
     real = integration.flash_attention  # an attention whose rows come out reversed
     monkeypatch.setattr(integration, "flash_attention",
                         lambda q, k, v, **kw: real(q, k, v, **kw).flip(1))

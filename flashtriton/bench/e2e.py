@@ -5,14 +5,15 @@ shapes against torch SDPA's backends and FlexAttention.
 
     python -m flashtriton.bench.e2e [--out DIR] [--parts train generate diffusion]
         [--dims 64 128] [--layers 8] [--hidden 2048] [--train-shapes 2x4096 1x16384]
-        [--gen-batches 1 8] [--prompt 512] [--new-tokens 128]
+        [--gen-batches 1 8] [--prompts 512 8192] [--new-tokens 128]
 
 train: LlamaForCausalLM (--layers, --hidden, head dims --dims, a quarter as many KV heads as
 query heads, bf16, AdamW) training steps (forward, loss, backward, optimizer step) at each
 batch x seqlen of --train-shapes: tokens/s (median of 5 steps after 2), the peak memory of a
 step above the model and optimizer state, and which SDPA backend the sdpa model's steps ran
 (its kernels' names under the profiler). generate: greedy ``generate()`` of --new-tokens after
-a --prompt-token prompt at each of --gen-batches: tokens/s, ms a token, and the share of the
+prompts of each of --prompts tokens (from 4096 keys flashtriton's decoding steps run the
+split-KV kernel, configs.dense_split) at each of --gen-batches: tokens/s, ms a token, and the share of the
 wall time the GPU was busy (profiler: the kernels' time over the wall time), which tells a
 host-bound loop from a GPU-bound one, and how many of its first 4 tokens equal the sdpa
 model's. Each model's logits on the first batch are checked against the sdpa model's (same
@@ -24,6 +25,7 @@ Rows go to e2e.jsonl in --out, a table to stdout.
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -163,52 +165,51 @@ def train_rows(args, meta, device="cuda", dtype=torch.bfloat16, timed=True):
 def generate_rows(args, meta, device="cuda", dtype=torch.bfloat16, timed=True):
     """One row per head dim, batch and implementation."""
     rows = []
-    for D in args.dims:
-        for B in args.gen_batches:
-            ids = torch.randint(0, args.vocab, (B, args.prompt), device=device,
-                                generator=torch.Generator(device).manual_seed(2))
-            ref = ref_tokens = None
-            for impl in IMPLS:
-                row = dict(meta, part="generate", impl=impl, D=D, B=B, prompt=args.prompt,
-                           new_tokens=args.new_tokens, layers=args.layers, hidden=args.hidden)
-                model = llama(impl, D, args.layers, args.hidden, args.vocab, dtype,
-                              device).eval()
-                try:
-                    with torch.no_grad():
-                        logits = model(ids).logits[:, -1].float()
+    for D, B, prompt in itertools.product(args.dims, args.gen_batches, args.prompts):
+        ids = torch.randint(0, args.vocab, (B, prompt), device=device,
+                            generator=torch.Generator(device).manual_seed(2))
+        ref = ref_tokens = None
+        for impl in IMPLS:
+            row = dict(meta, part="generate", impl=impl, D=D, B=B, prompt=prompt,
+                       new_tokens=args.new_tokens, layers=args.layers, hidden=args.hidden)
+            model = llama(impl, D, args.layers, args.hidden, args.vocab, dtype,
+                          device).eval()
+            try:
+                with torch.no_grad():
+                    logits = model(ids, logits_to_keep=1).logits[:, -1].float()
 
-                        def gen(n=args.new_tokens):
-                            return model.generate(ids, max_new_tokens=n, min_new_tokens=n,
-                                                  do_sample=False, pad_token_id=0)
-                        # the first calls (compilation) outside the timing; the tokens
-                        # against the sdpa model's (bf16 greedy decoding may part on near ties)
-                        tokens = gen(4)[:, args.prompt:]
-                        if ref is None:
-                            ref, ref_tokens = logits, tokens
-                        row["rel_err_vs_sdpa"] = err = rel_err(logits, ref)
-                        row["same_tokens_as_sdpa"] = float((tokens == ref_tokens).float().mean())
-                        row["status"] = failed(err, MODEL_TOLERANCE)
-                        if row["status"] or not timed:
-                            row["status"] = row["status"] or "checked"
-                            rows.append(row)
-                            continue
-                        _sync(device)
-                        t = time.perf_counter()
-                        gen()
-                        _sync(device)
-                        s = time.perf_counter() - t
-                        row.update(status="ok", tokens_per_s=B * args.new_tokens / s,
-                                   ms_per_token=s / args.new_tokens * 1e3,
-                                   gpu_busy=gpu_busy(lambda: gen(16)))
-                        if impl == "sdpa":
-                            row["sdpa_backend"] = sdpa_backends(lambda: gen(2))
-                except torch.cuda.OutOfMemoryError:
-                    row["status"] = "out of memory"
-                rows.append(row)
-                print(_line(row), flush=True)
-                model = None  # free it before the next model
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+                    def gen(n=args.new_tokens):
+                        return model.generate(ids, max_new_tokens=n, min_new_tokens=n,
+                                              do_sample=False, pad_token_id=0)
+                    # the first calls (compilation) outside the timing; the tokens
+                    # against the sdpa model's (bf16 greedy decoding may part on near ties)
+                    tokens = gen(4)[:, prompt:]
+                    if ref is None:
+                        ref, ref_tokens = logits, tokens
+                    row["rel_err_vs_sdpa"] = err = rel_err(logits, ref)
+                    row["same_tokens_as_sdpa"] = float((tokens == ref_tokens).float().mean())
+                    row["status"] = failed(err, MODEL_TOLERANCE)
+                    if row["status"] or not timed:
+                        row["status"] = row["status"] or "checked"
+                        rows.append(row)
+                        continue
+                    _sync(device)
+                    t = time.perf_counter()
+                    gen()
+                    _sync(device)
+                    s = time.perf_counter() - t
+                    row.update(status="ok", tokens_per_s=B * args.new_tokens / s,
+                               ms_per_token=s / args.new_tokens * 1e3,
+                               gpu_busy=gpu_busy(lambda: gen(16)))
+                    if impl == "sdpa":
+                        row["sdpa_backend"] = sdpa_backends(lambda: gen(2))
+            except torch.cuda.OutOfMemoryError:
+                row["status"] = "out of memory"
+            rows.append(row)
+            print(_line(row), flush=True)
+            model = None  # free it before the next model
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -310,7 +311,7 @@ def parse(argv=None):
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--train-shapes", nargs="+", default=["2x4096", "1x16384"])
     p.add_argument("--gen-batches", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--prompts", nargs="+", type=int, default=[512, 8192])
     p.add_argument("--new-tokens", type=int, default=128)
     return p.parse_args(argv)
 
