@@ -249,7 +249,11 @@ GLUON_BWD_VARIANTS = True
 GLUON_FWD_BLOCK_M = 128
 GLUON_FWD_BLOCK_N = 128
 GLUON_FWD_STAGES = 2
-GLUON_FWD_KERNEL_HEAD_DIMS = (64, 128)
+GLUON_FWD_KERNEL_HEAD_DIMS = (64, 128, 256)
+# At head dim 256 the forward's key blocks are GLUON_FWD_WIDE_BLOCK_N: a consumer's S (64 x 64
+# fp32) beside its O (64 x 256) in its registers, and two slots of K and V (197 KB of shared
+# memory with Q, offline sm_90: no spills); no block masks there (their blocks are 128).
+GLUON_FWD_WIDE_BLOCK_N = 64
 GLUON_BWD_BLOCK_M = 64
 GLUON_BWD_BLOCK_N = 128
 GLUON_BWD_KERNEL_HEAD_DIMS = (64, 128)
@@ -319,6 +323,11 @@ GLUON_BWD_OPTIONS = OptionTable(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24
 # off: never.
 DECODE_MERGE_IN_KERNEL = True
 DECODE_MERGE_MAX_BYTES = 40 << 20
+
+
+def gluon_fwd_block_n(head_dim: int) -> int:
+    """The Gluon forward's key block at a head dim."""
+    return GLUON_FWD_WIDE_BLOCK_N if head_dim > 128 else GLUON_FWD_BLOCK_N
 
 
 def gluon_forward_first(head_dim: int, seqlen: int, causal: bool) -> bool:
@@ -392,6 +401,7 @@ def snapshot() -> tuple:
             GLUON_TRITONS, GLUON_FWD_HEAD_DIMS, GLUON_FWD_CAUSAL_MAX_TRITON, GLUON_VARIANTS,
             GLUON_ALIBI_ONE_SIDED, GLUON_BWD_HEAD_DIMS, GLUON_BWD_MIN_SEQLEN, GLUON_BWD_VARIANTS,
             GLUON_FWD_BLOCK_M, GLUON_FWD_BLOCK_N, GLUON_FWD_STAGES, GLUON_FWD_KERNEL_HEAD_DIMS,
+            GLUON_FWD_WIDE_BLOCK_N,
             GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N, GLUON_BWD_KERNEL_HEAD_DIMS,
             tuple(GLUON_FWD_OPTIONS.items()), tuple(GLUON_BWD_OPTIONS.items()),
             DECODE_MERGE_IN_KERNEL, DECODE_MERGE_MAX_BYTES, DECODE_MAX_ROWS,

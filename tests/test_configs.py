@@ -162,7 +162,7 @@ def test_gluon_options_reach_the_snapshot(monkeypatch):
             assert configs.snapshot() == base
     for name in ("GLUON_FWD_BLOCK_M", "GLUON_FWD_BLOCK_N", "GLUON_FWD_STAGES",
                  "GLUON_BWD_BLOCK_M", "GLUON_BWD_BLOCK_N", "GLUON_BWD_MIN_SEQLEN",
-                 "GLUON_BWD_HEAD_DIMS", "GLUON_BWD_KERNEL_HEAD_DIMS",
+                 "GLUON_BWD_HEAD_DIMS", "GLUON_BWD_KERNEL_HEAD_DIMS", "GLUON_FWD_WIDE_BLOCK_N",
                  "DECODE_MERGE_MAX_BYTES", "DECODE_MAX_ROWS", "KVCACHE_PREFILL_MIN_ROWS"):
         with monkeypatch.context() as m:
             m.setattr(configs, name, getattr(configs, name) * 2)

@@ -23,7 +23,7 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 # (B, N, H, HKV, D): ragged ends, one block, GQA, both head dims
 SHAPES = [(2, 1000, 3, 3, 128), (1, 2048, 2, 2, 128), (2, 777, 2, 2, 64), (1, 128, 1, 1, 128),
-          (1, 100, 2, 2, 64), (2, 600, 8, 2, 128)]
+          (1, 100, 2, 2, 64), (2, 600, 8, 2, 128), (2, 777, 4, 2, 256), (1, 100, 2, 2, 256)]
 
 
 def _heads_major(x):
@@ -81,6 +81,9 @@ def test_gluon_misfit_names_what_it_does_not_take():
                     listed._replace(block_size=64), listed._replace(causal=True),
                     listed._replace(kv_blocks=None)):
         assert "block masks of 128" in gluon_misfit(q, k, v, variant, variants=True), variant
+    wide = make_qkv(1, 64, 64, 2, 2, 256, torch.bfloat16, DEVICE, requires_grad=False)
+    assert gluon_misfit(*wide, plain) == reason  # head dim 256: key blocks of 64, no masks
+    assert "block masks of 128" in gluon_misfit(*wide, listed, variants=True)
     assert "tokens-major" in gluon_misfit(q, k, _heads_major(v), plain)  # k and v differ
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
 
@@ -139,7 +142,8 @@ VARIANTS = [(False, (100, -1), 0.0, None), (False, (-1, 37), 0.0, None),
 
 @needs_hopper
 @pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
-@pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 64)])
+@pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 64),
+                                         (1, 333, 2, 2, 256)])
 def test_gluon_forward_variants_match_reference(B, N, H, HKV, D, causal, window, softcap,
                                                 alibi):
     """The Gluon forward's windows, softcap and ALiBi (launch.attention_forward_gluon)
@@ -346,7 +350,8 @@ def bwd_options(request, monkeypatch):
 
 
 @needs_hopper
-@pytest.mark.parametrize("B,N,H,HKV,D", SHAPES)
+@pytest.mark.parametrize("B,N,H,HKV,D", [s for s in SHAPES
+                                         if s[-1] in configs.GLUON_BWD_KERNEL_HEAD_DIMS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, bwd_options):

@@ -250,13 +250,18 @@ def gluon_judge(dim):
 
 # The Gluon forward (kernels/gluon/fwd.py): it exists for the softmax running while the P V
 # product does, so at D=128 (where attention_forward runs it) each consumer's loop must keep
-# its exp2s (64 x 128 per 4-warp consumer: 64 a thread) between the two waits. At D=64
-# (tests and benchmarks only) ptxas waits for P V before the exp2s of the non-causal loop:
-# reported, not failed.
-for dim in (64, 128):
+# its exp2s (64 x 128 per 4-warp consumer: 64 a thread) between the two waits. At D=64 and
+# 256 (tests and benchmarks only) ptxas waits for P V before the exp2s: reported, not failed.
+for dim in (64, 128, 256):
     for causal in (False, True):
         check(f"gluon-fwd D{dim} causal={causal}", lambda: compile_gluon_fwd(dim, causal=causal),
               gluon_judge(dim))
+# At head dim 256 (key blocks of 64; attention_forward routes 128 only): its variants.
+for name, flags in (("window", dict(lower=True, upper=True)),
+                    ("softcap causal", dict(softcap=True, causal=True)),
+                    ("alibi causal", dict(alibi=True, causal=True)),
+                    ("sinks causal", dict(sinks=True, causal=True))):
+    check(f"gluon-fwd D256 {name}", lambda: compile_gluon_fwd(256, **flags), gluon_judge(256))
 # Its variants (launch.attention_forward_gluon): a two-sided window, softcap, ALiBi, a block
 # mask's lists with a mask_mod.
 for name, flags in (("window", dict(lower=True, upper=True)),

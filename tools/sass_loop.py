@@ -106,7 +106,7 @@ def _gluon_compile(fn, consts, types):
 def compile_gluon_fwd(dim=128, causal=False, stages=None, lower=False, upper=False,
                       softcap=False, alibi=False, mask_mod=None, sinks=False, **options):
     """The Gluon forward (kernels/gluon/fwd.py) for sm_90, bf16, its descriptors typed as the
-    launcher makes them (launch._gluon_forward: configs.GLUON_FWD_BLOCK_M / _N blocks, the
+    launcher makes them (launch._gluon_forward: GLUON_FWD_BLOCK_M and gluon_fwd_block_n blocks, the
     ring of configs.GLUON_FWD_STAGES unless stages); a variant by its flags (alibi 1 / True
     the general form, 2 one-sided; mask_mod: a block mask's lists, LISTED, with this
     @triton.jit mask_mod; sinks: HAS_SINK); options override configs.gluon_fwd_options's."""
@@ -115,7 +115,7 @@ def compile_gluon_fwd(dim=128, causal=False, stages=None, lower=False, upper=Fal
     from flashtriton import configs
     from flashtriton.kernels.gluon import fwd
     q_desc = _gluon_desc([configs.GLUON_FWD_BLOCK_M, dim], torch.bfloat16, 16 * dim)
-    kv_desc = _gluon_desc([configs.GLUON_FWD_BLOCK_N, dim], torch.bfloat16, 16 * dim)
+    kv_desc = _gluon_desc([configs.gluon_fwd_block_n(dim), dim], torch.bfloat16, 16 * dim)
     consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages or configs.GLUON_FWD_STAGES,
                   HAS_LOWER=lower, HAS_UPPER=upper, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
                   LISTED=mask_mod is not None, MASK_MOD=mask_mod, HAS_SINK=sinks,

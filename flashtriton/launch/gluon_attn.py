@@ -94,6 +94,7 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
     w = variant
     windowed = _windowed(w)
     listed = (w.kv_blocks is not None and w.block_size == configs.GLUON_FWD_BLOCK_N
+              == configs.gluon_fwd_block_n(q.shape[-1])
               and w.mask_mod is not None and not w.causal and not windowed)
     if (w.attn_mask is not None or w.dropout_p or w.score_mod is not None
             or (w.mask_mod is not None or w.kv_blocks is not None) and not listed
@@ -136,7 +137,7 @@ def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
     softcap and ALiBi arguments come from _common (the Triton kernels' definitions)."""
     from ..kernels.gluon import fwd
     B, N, H, D = q.shape
-    bm, bn = configs.GLUON_FWD_BLOCK_M, configs.GLUON_FWD_BLOCK_N
+    bm, bn = configs.GLUON_FWD_BLOCK_M, configs.gluon_fwd_block_n(D)
     descs, rows = zip(*(_gluon_descriptor(t, [b, D]) for t, b in ((q, bm), (k, bn), (v, bn))))
     views = tuple((list(d.shape), list(d.strides)) for d in descs)
     common, _ = _common(q, None, N, N, variant)
@@ -184,8 +185,9 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward alone (tests and benchmarks; attention_forward chooses it where it
     fits at D=128, its variants while GLUON_VARIANTS is on): O in q's layout and the
-    natural-log LSE (B, H, N); head dim 64 or 128; flash-attn's window_size, softcap and
-    alibi_slopes, or a block_mask of 128-blocks (flashtriton.block_mask). Raises ValueError
+    natural-log LSE (B, H, N); head dims configs.GLUON_FWD_KERNEL_HEAD_DIMS; flash-attn's
+    window_size, softcap and alibi_slopes, or a block_mask of 128-blocks
+    (flashtriton.block_mask; not at head dim 256). Raises ValueError
     where gluon_misfit names a reason."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"attention_forward_gluon takes (B, N, H, D) q, k, v, got "

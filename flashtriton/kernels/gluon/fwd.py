@@ -14,13 +14,14 @@ release a slot through its "empty" mbarrier, so while one consumer runs its soft
 can use the tensor cores. (A plain 8-warp kernel with the same body, each warp refilling the
 slots itself, ran 5-20% slower at D=128 on the H200: docs/journal/perf-journal.md.)
 
-Scope: bf16 / fp16, head dim 64 or 128, (B, N, H, D) tensors whose token rows form a 2-D
+Scope: bf16 / fp16, head dims 64, 128 and 256, (B, N, H, D) tensors whose token rows form a 2-D
 (B * N) x (heads * D) view with any row stride, GQA (K and V with H / GROUP heads), SQ == SK;
 plain or causal, and (launch.attention_forward_gluon, or attention_forward with
-launch.GLUON_VARIANTS) windows, softcap, ALiBi and block masks of 128-blocks.
-launch.attention_forward runs it where a call fits (Hopper, D=128: launch.gluon_misfit) and
-launch.attention_forward_gluon raises for anything else; the kernel static_asserts its tiles
-(128 x 128, 4-warp partitions; configs.GLUON_FWD_BLOCK_M / _N hold them for the launcher).
+launch.GLUON_VARIANTS) windows, softcap, ALiBi and block masks of 128-blocks (not at head dim
+256). launch.attention_forward runs it where a call fits (Hopper, D=128: launch.gluon_misfit)
+and launch.attention_forward_gluon raises for anything else; the kernel static_asserts its
+tiles (128 x 128, 128 x 64 at head dim 256, 4-warp partitions; configs.GLUON_FWD_BLOCK_M and
+configs.gluon_fwd_block_n hold them for the launcher).
 The mask is kernels.mask.visible_by_row (beside the Triton kernels' visible); the slots of
 its scalar tuple are kernels/gluon/common.py's. Gluon does not run in the interpreter:
 tools/compile_check.py compiles it for sm_90 on any machine, and tests/test_gluon.py runs it
@@ -323,9 +324,11 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
     gl.static_assert(num_warps == 4, "the Gluon forward: num_warps 4 (the first consumer)")
     gl.static_assert(BLOCK_M == 128, "the Gluon forward: 128 query rows a program (two "
                      "consumers of 64)")
-    gl.static_assert(BLOCK_N == LIST_BLOCK, "the Gluon forward: key blocks of 128 (a block "
-                     "mask's blocks)")
-    gl.static_assert(HEAD_DIM == 64 or HEAD_DIM == 128, "the Gluon forward: head dim 64 or 128")
+    gl.static_assert(BLOCK_N == LIST_BLOCK or (HEAD_DIM == 256 and BLOCK_N == 64 and not LISTED),
+                     "the Gluon forward: key blocks of 128 (a block mask's blocks), or of 64 "
+                     "at head dim 256 without a block mask")
+    gl.static_assert(HEAD_DIM == 64 or HEAD_DIM == 128 or HEAD_DIM == 256,
+                     "the Gluon forward: head dim 64, 128 or 256")
     gl.static_assert(k_desc.block_type.shape[1] == HEAD_DIM and v_desc.block_type.shape[0] ==
                      BLOCK_N and v_desc.block_type.shape[1] == HEAD_DIM,
                      "the Gluon forward: K and V blocks of BLOCK_N x HEAD_DIM")
