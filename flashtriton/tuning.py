@@ -109,23 +109,44 @@ def _forget_choices() -> None:
 
 def load(path) -> int:
     """Load a tuning table (a file ``save`` or ``python -m flashtriton.bench.tune`` wrote):
-    its entries take precedence over the tables loaded before it. Returns how many entries it
-    holds."""
+    its entries take precedence over the tables loaded before it (FLASHTRITON_TUNING_FILE's
+    load first). Returns how many entries it holds."""
+    _ensure_env_tables()
+    entries = _read(path)
+    _add(str(path), entries)
+    return len(entries)
+
+
+def _read(path) -> List[Entry]:
     path = Path(path)
     with open(path) as f:
         try:
             data = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON ({e})") from None
-    entries = parse(data, str(path))
-    _add(str(path), entries)
-    return len(entries)
+    return parse(data, str(path))
+
+
+def _ensure_env_tables() -> None:
+    """The files of FLASHTRITON_TUNING_FILE, once they all read: a missing or bad one raises
+    (FileNotFoundError / ValueError naming it) before any is loaded, on every call until
+    they all read."""
+    global _ENV_LOADED
+    if _ENV_LOADED:
+        return
+    for p in _env.TUNING_FILES:
+        if not Path(p).exists():
+            raise FileNotFoundError(f"FLASHTRITON_TUNING_FILE names {p!r}, which does not exist")
+    tables = [(p, _read(p)) for p in _env.TUNING_FILES]
+    _ENV_LOADED = True
+    for p, entries in tables:
+        _add(p, entries)
 
 
 def _ensure_tables(capability: Tuple[int, int]) -> None:
-    """The shipped table for ``capability`` (once), then the files of FLASHTRITON_TUNING_FILE
-    (once, after the first shipped table, so theirs win)."""
-    global _ENV_LOADED
+    """The shipped table for ``capability`` (once, below every other table), and the files
+    of FLASHTRITON_TUNING_FILE (once)."""
+    _ensure_env_tables()
     if capability not in _SHIPPED_SEEN:
         _SHIPPED_SEEN.add(capability)
         path = SHIPPED_DIR / f"sm{capability[0]}{capability[1]}.json"
@@ -136,13 +157,6 @@ def _ensure_tables(capability: Tuple[int, int]) -> None:
             _TABLES.append((str(path), entries))
             for e in entries:
                 _EXACT.setdefault(_entry_key(e.kernel, e.dtype, e.key, e.capability), e.config)
-    if not _ENV_LOADED:
-        _ENV_LOADED = True
-        for p in _env.TUNING_FILES:
-            if not Path(p).exists():
-                raise FileNotFoundError(f"FLASHTRITON_TUNING_FILE names {p!r}, which does not "
-                                        f"exist")
-            load(p)
 
 
 def tables() -> List[Tuple[str, int]]:

@@ -577,3 +577,24 @@ def test_dense_split_route_only_where_it_fits(monkeypatch):
     variant = launch.Variant(0.1)
     assert launch.forward_route(x(1, 1, 4), x(1, 64, 2), x(1, 64, 2, 16), variant)[0] != "split"
     assert configs.dense_split(4, 1, 64) and not configs.dense_split(4, 1, 63)
+
+
+def test_dense_split_merges_in_the_merge_kernel(monkeypatch):
+    """The dense split route never merges in the split kernel (whose stream workspace, made
+    during torch.compile's CUDA-graph warmup, would stay in the graph's pool); the KV-cache
+    call over the same keys does."""
+    from flashtriton.launch import decode as decode_launch
+    monkeypatch.setattr(configs, "DENSE_SPLIT_MIN_KEYS", 32)
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", True)
+    monkeypatch.setattr(decode_launch, "_WORKSPACES", {})
+    used = []
+    real = decode_launch._workspace
+    monkeypatch.setattr(decode_launch, "_workspace", lambda *a: used.append(1) or real(*a))
+    q = torch.randn(1, 1, 4, 32, device=DEVICE, dtype=DT)
+    k, v = (torch.randn(1, 3 * configs.decode_split_granule(), 2, 32, device=DEVICE, dtype=DT)
+            for _ in range(2))
+    dense = flash_attention_with_lse(q, k, v)
+    assert not used
+    cached = attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], num_splits=3)
+    assert used  # (the merge in the split kernel: this test can see it)
+    assert torch.allclose(dense.out.float(), cached.out.float(), atol=1e-2)

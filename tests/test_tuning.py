@@ -232,3 +232,25 @@ def test_shipped_tables_hold_tiles_the_kernels_take(arch):
                                 getattr(torch, e.dtype).itemsize, fp8=bool(key.get("FP8")))
         assert e.config in allowed, e
         assert set(key) == set(getattr(triton_attn, "_" + e.kernel).keys), e
+
+
+def test_an_explicit_load_wins_over_the_environments_files(tmp_path, monkeypatch):
+    env = _table(tmp_path, [("fwd", "bfloat16", _key(), FWD128[1])], "env.json")
+    mine = _table(tmp_path, [("fwd", "bfloat16", _key(), FWD128[2])], "mine.json")
+    monkeypatch.setattr(_env, "TUNING_FILES", [str(env)])
+    tuning.load(mine)  # before any call: the environment's file loads first, below it
+    assert tuning.choose("fwd", "bfloat16", _key(), FWD128, H200) == FWD128[2]
+    assert [s for s, _ in tuning.tables()] == [str(mine), str(env)]
+
+
+def test_a_bad_environment_file_raises_on_every_call_and_loads_nothing(tmp_path, monkeypatch):
+    good = _table(tmp_path, [("fwd", "bfloat16", _key(), FWD128[1])], "good.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    monkeypatch.setattr(_env, "TUNING_FILES", [str(good), str(bad)])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad.json"):
+            tuning.choose("fwd", "bfloat16", _key(), FWD128, H200)
+    assert tuning.tables() == []
+    bad.write_text(good.read_text())
+    assert tuning.choose("fwd", "bfloat16", _key(), FWD128, H200) == FWD128[1]

@@ -166,7 +166,8 @@ def generate_rows(args, meta, device="cuda", dtype=torch.bfloat16, timed=True):
     """One row per head dim, batch and implementation."""
     rows = []
     for D, B, prompt in itertools.product(args.dims, args.gen_batches, args.prompts):
-        ids = torch.randint(0, args.vocab, (B, prompt), device=device,
+        # no token 0: generate() takes pad_token_id=0 tokens for padding (a mask: another path)
+        ids = torch.randint(1, args.vocab, (B, prompt), device=device,
                             generator=torch.Generator(device).manual_seed(2))
         ref = ref_tokens = None
         for impl in IMPLS:
@@ -179,7 +180,8 @@ def generate_rows(args, meta, device="cuda", dtype=torch.bfloat16, timed=True):
                     logits = model(ids, logits_to_keep=1).logits[:, -1].float()
 
                     def gen(n=args.new_tokens):
-                        return model.generate(ids, max_new_tokens=n, min_new_tokens=n,
+                        return model.generate(ids, attention_mask=torch.ones_like(ids),
+                                              max_new_tokens=n, min_new_tokens=n,
                                               do_sample=False, pad_token_id=0)
                     # the first calls (compilation) outside the timing; the tokens
                     # against the sdpa model's (bf16 greedy decoding may part on near ties)

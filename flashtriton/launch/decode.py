@@ -386,25 +386,29 @@ def paged_singles(q, k, v, out, lse, variant: Variant, varlen: Varlen) -> None:
 def dense_split(q, k, v, out, lse, variant: Variant) -> None:
     """A dense call of few query rows over many keys (configs.dense_split: a decoding step
     handed to flash_attention with its whole cache) on the split-KV kernel, k and v (B, SK,
-    HKV, D) a full cache: into out (B, SQ, H, D) and lse (B, H, SQ)."""
+    HKV, D) a full cache: into out (B, SQ, H, D) and lse (B, H, SQ). The splits merge in the
+    merge kernel, never in the split kernel: its long-lived workspace, allocated during
+    torch.compile's CUDA-graph warmup of a model, would sit in the graph's pool untracked."""
     B, SK = q.shape[0], k.shape[1]
     seqlens = torch.full((B,), SK, dtype=torch.int32, device=q.device)
     res = _decode(q, k, v, seqlens, None, None, None, variant.alibi_slopes,
                   variant.softmax_scale, variant.window_left,
                   0 if variant.causal else variant.window_right, variant.softcap, 0, True, None,
-                  False, variant.sinks)
+                  False, variant.sinks, merge_in_kernel=False)
     out.copy_(res.out)
     lse.copy_(res.lse)
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
             scale, left, right, softcap, num_splits, return_lse, signature, step,
-            sinks=None, descales=(None, None), packed=None) -> AttentionOutput:
+            sinks=None, descales=(None, None), packed=None,
+            merge_in_kernel: bool = True) -> AttentionOutput:
     """The split kernel (and the merge kernel, or its in-kernel merge) over checked
     arguments (an fp8 cache's ``descales``: (B, HKV) views); a plain step's launches are
     remembered under ``signature``. ``packed``: (cu_q, out, lse): q, out (total_q, H, D) and
     lse (H, total_q) hold packed sequences, of which the kernels compute those of one query
-    (by way of the partials and a merge; not remembered)."""
+    (by way of the partials and a merge; not remembered). merge_in_kernel False: the merge
+    kernel merges the splits whatever configs.DECODE_MERGE_IN_KERNEL says."""
     if packed is None:
         B, SQ, H, D = q.shape
         out = runtime._empty(q.shape, q.dtype, q.device)
@@ -423,7 +427,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
     tensors = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
                sinks, *descales)
     block_m, row_blocks = configs.decode_rows(H // HKV, SQ, D)
-    merge_ok = configs.DECODE_MERGE_IN_KERNEL and _eager(q) and row_blocks == 1  # may merge in the split kernel
+    merge_ok = (merge_in_kernel and configs.DECODE_MERGE_IN_KERNEL and _eager(q)
+                and row_blocks == 1)  # may merge in the split kernel
     if not step and TIMELINE is None:  # appends, rotary: the same call but for the data replays
         signature = runtime.call_signature(
             "decode", (scale, left, right, softcap, num_splits, return_lse, merge_ok), *tensors)
