@@ -386,3 +386,29 @@ def test_kvcache_prefill_route_replays(append, return_lse):
             if return_lse:
                 assert_rule(f"call {call} lse[{b}]", lse[b:b + 1], ref.lse, pt.lse, 2,
                             torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_decoding_steps_on_the_split_route(mode):
+    """One-token steps over 8K keys (configs.dense_split: the split-KV kernel) under
+    torch.compile, CUDA graphs included (reduce-overhead: its warmup allocates in the graph's
+    pool), equal the eager call and the float64 reference; the KV-cache API's step too."""
+    import flashtriton
+    from accuracy import assert_rule
+    from flashtriton.decode import attention_with_kvcache
+    from flashtriton.reference import attention_reference
+    torch._dynamo.reset()
+    q, k, v = make_qkv(2, 1, 8192, 32, 8, 128, torch.bfloat16, "cuda", requires_grad=False)
+    assert flashtriton.explain(q, k, v, causal=True).forward == "split"
+    step = torch.compile(lambda q, k, v: flash_attention(q, k, v, causal=True), mode=mode)
+    ref = attention_reference(q.double(), k.double(), v.double(), causal=True).out
+    low = attention_reference(q, k, v, causal=True, dtype=torch.bfloat16).out
+    for _ in range(4):  # warmup, recording, replays
+        out = step(q, k, v)
+        assert_rule("compiled step", out.clone(), ref, low, 2, torch.bfloat16)
+    assert torch.equal(out, flash_attention(q, k, v, causal=True))
+    cached = torch.compile(lambda q, k, v: attention_with_kvcache(
+        q, k, v, cache_seqlens=8192, causal=True, return_lse=False).out, mode=mode)
+    for _ in range(4):
+        assert_rule("compiled KV-cache step", cached(q, k, v).clone(), ref, low, 2,
+                    torch.bfloat16)
