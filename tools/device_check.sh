@@ -6,8 +6,7 @@
 # Other parts: ring (NCCL ring tests and flashtriton.bench.ring; 2+ GPUs), host (host-overhead
 # profile and decode split sweep), sweep (tools/sweep_decode.py $SWEEP_ARGS: graph GB/s per split
 # count), decode (the decode bench), gluon (the Gluon kernels: smoke call, tests/test_gluon.py,
-# bench_gluon forward and backward), atomic (the atomic-dQ backward: its tests, and the bench
-# with the switch off and on), only (tests named by $ONLY), ab (the bench's flashtriton rows
+# bench_gluon forward and backward), only (tests named by $ONLY), ab (the bench's flashtriton rows
 # once more from an older tree, for A/B in one run: here `mkdir -p .ab/old && git archive OLD
 # flashtriton | tar -x -C .ab/old`, with /.ab/ in .git/info/exclude; then carry .ab and set
 # AB_TREE=.ab/old AB_NAME=OLD; a tree from before flashtriton/bench/ runs its own module names),
@@ -25,12 +24,12 @@ commit=${1:-unknown}; shift || true
 [ $# -gt 0 ] || set -- --dims 64 128 --seqlens 1024 4096 16384 --gqa-seqlens 8192 \
   --decode-batches 1 16 --decode-lens 8192 65536
 has() { [[ $PARTS == *" $1 "* ]]; }
-# Correctness runs use each kernel's default config (compiling every autotuning candidate
-# for every dtype and head dim would take most of the run); the benchmark autotunes and
-# checks the tuned kernels against SDPA before it reports their speed.
-has tests && FLASHTRITON_AUTOTUNE=0 timeout ${T_TESTS:-540} python3 -m pytest tests -n 16 -q \
+# Correctness runs and the benchmark take their tiles from the tuning tables (no autotuning:
+# FLASHTRITON_AUTOTUNE unset); the benchmark checks each kernel against the reference before
+# it reports its speed.
+has tests && timeout ${T_TESTS:-540} python3 -m pytest tests -n 16 -q \
   -p no:cacheprovider --ignore=tests/test_gpu.py -rf --tb=line --durations=5 > "$OUT/tests.log" 2>&1
-has gpu && FLASHTRITON_AUTOTUNE=0 timeout ${T_GPU:-120} python3 -m pytest tests/test_gpu.py -q \
+has gpu && timeout ${T_GPU:-120} python3 -m pytest tests/test_gpu.py -q \
   -p no:cacheprovider -rf --tb=line > "$OUT/gpu_tests.log" 2>&1
 has demo && timeout ${T_DEMO:-150} python3 -m flashtriton.bench.demo > "$OUT/demo.log" 2>&1
 has bench && timeout ${T_BENCH:-300} python3 -m flashtriton.bench --commit "$commit" \
@@ -48,27 +47,16 @@ has abvariants && (cd "${AB_TREE:?set AB_TREE}" && PYTHONPATH=$PWD timeout ${T_V
   python3 -m $(test -d flashtriton/bench && echo flashtriton.bench.variants || echo flashtriton.bench_variants) \
   --commit "${AB_NAME:-old}" --out "$OUT/ab_old" \
   ${VARIANTS:+--variants $VARIANTS}) > "$OUT/ab_variants.log" 2>&1
-has only && FLASHTRITON_AUTOTUNE=0 timeout ${T_ONLY:-120} python3 -m pytest $ONLY -q \
+has only && timeout ${T_ONLY:-120} python3 -m pytest $ONLY -q \
   -p no:cacheprovider -rf --tb=short > "$OUT/only.log" 2>&1
-has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_TESTS:-200} python3 -m pytest tests/test_ring.py \
+has ring && timeout ${T_RING_TESTS:-200} python3 -m pytest tests/test_ring.py \
   -k nccl -q -p no:cacheprovider -rf --tb=short > "$OUT/ring_tests.log" 2>&1
-has ring && FLASHTRITON_AUTOTUNE=0 timeout ${T_RING_BENCH:-200} python3 -m flashtriton.bench.ring \
+has ring && timeout ${T_RING_BENCH:-200} python3 -m flashtriton.bench.ring \
   --commit "$commit" --out "$OUT/bench" ${RING_ARGS:-} > "$OUT/bench_ring.log" 2>&1
 has decode && timeout ${T_DECODE_BENCH:-180} python3 -m flashtriton.bench --commit "$commit" \
   --suites decode --decode-batches 1 8 64 --decode-lens ${DECODE_LENS:-1024 8192 65536 131072} \
   --out "$OUT/decode" \
   > "$OUT/decode_bench.log" 2>&1
-# The atomic-dQ backward (FLASHTRITON_ATOMIC_DQ=1, where the tree has it) against the default,
-# flashtriton rows only, one call: tests with the switch on, then both benches.
-has atomic && FLASHTRITON_ATOMIC_DQ=1 FLASHTRITON_AUTOTUNE=0 timeout ${T_ATOMIC_TESTS:-200} \
-  python3 -m pytest tests/test_attention.py tests/test_variants.py tests/test_mods.py \
-  tests/test_varlen.py tests/test_dropout.py -n 16 -q -p no:cacheprovider -rf --tb=line \
-  > "$OUT/atomic_tests.log" 2>&1
-for flag in 0 1; do
-  has atomic && FLASHTRITON_ATOMIC_DQ=$flag timeout ${T_ATOMIC_BENCH:-150} python3 -m \
-    flashtriton.bench --commit "$commit-atomic$flag" --providers flashtriton --suites train \
-    --dims 64 128 --seqlens 1024 4096 16384 --out "$OUT/atomic$flag" > "$OUT/atomic$flag.log" 2>&1
-done
 has timeline && timeout ${T_TIMELINE:-120} python3 tools/timeline.py backward ${TIMELINE_ARGS:-} \
   2>&1 | grep -v Warn > "$OUT/timeline.log"
 has dtimeline && timeout ${T_DTIMELINE:-120} python3 tools/timeline.py decode ${DTIMELINE_ARGS:-} \
@@ -80,7 +68,7 @@ has sweep && timeout ${T_SWEEP:-240} python3 tools/sweep_decode.py ${SWEEP_ARGS:
 # backward) the backward bench.
 if has gluon; then
   if timeout ${T_GLUON_SMOKE:-200} python3 tools/bench_gluon.py --smoke > "$OUT/gluon_smoke.log" 2>&1; then
-    FLASHTRITON_AUTOTUNE=0 timeout ${T_GLUON_TESTS:-420} python3 -m pytest tests/test_gluon.py \
+    timeout ${T_GLUON_TESTS:-420} python3 -m pytest tests/test_gluon.py \
       -n 8 -q -p no:cacheprovider -rf --tb=short > "$OUT/gluon_tests.log" 2>&1
     timeout ${T_GLUON_BENCH:-200} python3 tools/bench_gluon.py --dims 128 \
       --seqlens 1024 4096 16384 > "$OUT/gluon_bench.log" 2>&1
@@ -96,7 +84,7 @@ fi
 # its parts says so in its log) and bench.variants --ab (A, B and FlexAttention in turn,
 # $VARIANT_ROUNDS rounds, 3; $VARIANTS, all five).
 has optab && : "${OPTION:?set OPTION for optab}"
-has optab && [ "${OPTAB_TESTS:-1}" != 0 ] && FLASHTRITON_AUTOTUNE=0 timeout ${T_OPTAB_TESTS:-240} \
+has optab && [ "${OPTAB_TESTS:-1}" != 0 ] && timeout ${T_OPTAB_TESTS:-240} \
   python3 -m pytest tests/test_gluon.py -n 16 -q -p no:cacheprovider -rf --tb=short \
   > "$OUT/optab_tests.log" 2>&1
 optab_one() {  # $1: an OPTION entry; its logs are named by its first NAME
@@ -133,10 +121,6 @@ has optab    && { echo "== gluon tests"; grep -E "^(FAILED|ERROR)" "$OUT/optab_t
                   2>/dev/null | tail -1; for o in $OPTION; do optab_report "$o"; done; }
 has sweep    && { echo "== decode splits (graph GB/s)"; cat "$OUT/sweep.log"; }
 has decode   && { echo "== decode"; cat "$OUT/decode/results.md" 2>/dev/null || tail -5 "$OUT/decode_bench.log"; }
-has atomic   && { echo "== atomic-dQ tests"; grep -E "^(FAILED|ERROR)" "$OUT/atomic_tests.log" | cut -c1-300 | head;
-                  grep -E "passed|failed" "$OUT/atomic_tests.log" | tail -1;
-                  for flag in 0 1; do echo "== FLASHTRITON_ATOMIC_DQ=$flag";
-                  cat "$OUT/atomic$flag/results.md" 2>/dev/null || tail -5 "$OUT/atomic$flag.log"; done; }
 has tests    && { echo "== tests"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -40;
                   grep -E "passed|failed" "$OUT/tests.log" | tail -1; }
 has gpu      && { echo "== gpu tests"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-300;
