@@ -37,7 +37,8 @@ def _flag(name: str, default: bool) -> bool:
 
 INTERPRET: bool = _flag("TRITON_INTERPRET", False)
 AUTOTUNE: bool = _flag("FLASHTRITON_AUTOTUNE", False) and not INTERPRET
-TUNING_FILES: list = [p for p in os.environ.get("FLASHTRITON_TUNING_FILE", "").split(os.pathsep) if p]
+TUNING_FILES: list = [p for p in os.environ.get("FLASHTRITON_TUNING_FILE", "").split(os.pathsep)
+                      if p]
 TMA: bool = _flag("FLASHTRITON_TMA", True)
 FAST_LAUNCH: bool = _flag("FLASHTRITON_FAST_LAUNCH", True)
 PDL: bool = _flag("FLASHTRITON_PDL", True)

@@ -20,11 +20,12 @@ from . import _env
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the
 # default where no tuning table holds an entry for the call: the autotuner's most frequent
 # choice on the H200 over the shapes of flashtriton/tuned/sm90.json (at D=128 only short
-# sequences and generation run these kernels there; the Gluon kernels run the rest). The forward splits BLOCK_M into two halves that
-# overlap each other's softmax with the tensor cores: its halves want >= 64 rows per
-# warpgroup (256 rows at 8 warps, 128 at 4) for Hopper's wgmma without cross-warpgroup
-# row reductions. Block masks cap tiles at their block size (128): there (128, 64, 4, 2)
-# leaves 96 KB of shared memory per program, two programs per SM.
+# sequences and generation run these kernels there; the Gluon kernels run the rest). The
+# forward splits BLOCK_M into two halves that overlap each other's softmax with the tensor
+# cores: its halves want >= 64 rows per warpgroup (256 rows at 8 warps, 128 at 4) for
+# Hopper's wgmma without cross-warpgroup row reductions. Block masks cap tiles at their block
+# size (128): there (128, 64, 4, 2) leaves 96 KB of shared memory per program, two programs
+# per SM.
 _GPU = {
     "fwd": {
         64: [(128, 64, 4, 3), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 8, 4),

@@ -10,11 +10,12 @@ the Gluon kernels, whose tiles are fixed, are not): ``train`` forward and backwa
 ``flash_attention`` (bf16, batch x seqlen = --tokens, heads x head dim = --dmodel, causal and
 not); ``varlen`` the same packed (sequences of seqlen, causal); ``generate`` one query token
 over --seqlens keys (``flash_attention``, what transformers' generate() calls with a
-static-size cache), batch 1 and 8; ``cross`` diffusion cross-attention, --seqlens from
-1024 queries over 77, 256 and 512 keys (batch 2, forward and backward); ``decode``
+static-size cache), batch 1 and 8; ``cross`` diffusion cross-attention, --seqlens from 1024
+queries over 77, 256 and 512 keys (batch 2, forward and backward); ``decode``
 ``attention_with_kvcache`` steps (32 query heads over 8 KV heads, contiguous and 16-token
-pages, bf16 and fp8 caches) at --decode-batches x --decode-lens. The table is written after each shape (a run cut short keeps what it tuned);
---merge keeps the entries of an existing --out that this run does not tune again.
+pages, bf16 and fp8 caches) at --decode-batches x --decode-lens. The table is written after
+each shape (a run cut short keeps what it tuned); --merge keeps the entries of an existing
+--out that this run does not tune again.
 """
 
 import argparse
@@ -111,7 +112,8 @@ def shapes(args):
                         for fp8 in (False, True):
                             out.append((f"decode D={D} B={B} N={N} paged={int(paged)} "
                                         f"fp8={int(fp8)}",
-                                        lambda D=D, N=N, B=B, p=paged, f=fp8: _decode(D, N, B, p, f)))
+                                        lambda D=D, N=N, B=B, p=paged, f=fp8:
+                                        _decode(D, N, B, p, f)))
     return out
 
 

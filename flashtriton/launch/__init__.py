@@ -33,8 +33,9 @@ __all__ = ["AttentionOutput", "Variant", "Varlen", "attention_forward", "attenti
 
 def forward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                   varlen: Optional[Varlen] = None) -> Tuple[str, List[str]]:
-    """The forward's kernel family for this call, "gluon" or "triton", and why the ones not
-    taken do not run it."""
+    """The forward's kernel family for this call, "gluon", "triton" or "split" (the KV-cache
+    launcher's split-KV kernel: configs.dense_split), and why the ones not taken do not run
+    it."""
     SQ, D = _dims(q, k, varlen)[1], q.shape[-1]
     if _dense_split(q, k, v, variant, varlen):
         return "split", [f"gluon, triton: {SQ} queries over {k.shape[1]} keys, "

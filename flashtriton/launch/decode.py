@@ -377,8 +377,8 @@ def paged_singles(q, k, v, out, lse, variant: Variant, varlen: Varlen) -> None:
     """The one-query sequences of a paged varlen call (q, out (total_q, H, D), lse (H, total_q))
     on the split-KV kernel, whose tiles hold a KV head's query heads (each key read once a KV
     head, as a decoding step's); the forward (IS_VARLEN 4) computes the other sequences."""
-    _decode(q, k, v, key_counts(varlen.cu_seqlens_k, varlen.seqused_k), varlen.block_table, None, None, variant.alibi_slopes,
-            variant.softmax_scale, variant.window_left,
+    _decode(q, k, v, key_counts(varlen.cu_seqlens_k, varlen.seqused_k), varlen.block_table,
+            None, None, variant.alibi_slopes, variant.softmax_scale, variant.window_left,
             0 if variant.causal else variant.window_right, variant.softcap, 0, True, None, False,
             variant.sinks, packed=(varlen.cu_seqlens_q, out, lse))
 
