@@ -140,10 +140,10 @@ def decode_rows(group: int, sq: int, head_dim: int) -> Tuple[int, int]:
 # query rows runs, kvcache_prefill): transformers' and SDPA users' decoding steps, which hand
 # flash_attention one query token and the whole cache. The forward reads every key once a
 # query head in B x H programs of BLOCK_M rows (one of them a query's); the split kernel reads
-# it once a KV head, split over the SMs. The keys' floor: the range of the KV-cache
-# measurement (4K-16K keys; docs/perf.md's decisions), where the split kernel took 0.2-0.7x
-# flash_attention's time.
-DENSE_SPLIT_MIN_KEYS = 4096
+# it once a KV head, split over the SMs. The keys' floor, one token a step, GQA 4, D=64 / 128,
+# B=1 / 8, eager (H100; docs/perf.md's decisions): the split route took 0.49-0.99x the
+# forward's time at 8K keys and 0.25-0.56x from 16K, but 1.04-2.97x at 4K.
+DENSE_SPLIT_MIN_KEYS = 8192
 
 
 def dense_split(group: int, sq: int, sk: int) -> bool:
@@ -218,9 +218,9 @@ def as_kwargs(cfg: Tuple[int, int, int, int]) -> Dict[str, int]:
 # gl.thread_barrier), so on any other release the Triton kernels run every call.
 GLUON_TRITONS = ((3, 6),)
 # The head dims of the Gluon forward in attention_forward (1.1-1.3x the Triton kernel from 1K
-# tokens at D=128; 0.9-0.99x at D=64) and the longest causal sequence that stays on the Triton
-# forward (512 causal tokens: 0.95x).
-GLUON_FWD_HEAD_DIMS = (128,)
+# tokens at D=128; 1.5-1.9x at D=256, 2K-8K on an H100, 0.96-1.12x cuDNN; 0.9-0.99x at D=64)
+# and the longest causal sequence that stays on the Triton forward (512 causal tokens: 0.95x).
+GLUON_FWD_HEAD_DIMS = (128, 256)
 GLUON_FWD_CAUSAL_MAX_TRITON = 512
 # Whether the Gluon forward also runs windows, softcap, ALiBi and block masks (8K, D=128:
 # 1.02-1.34x the Triton forward).
@@ -230,9 +230,9 @@ GLUON_VARIANTS = True
 # diagonal, instead of the general |i - j| form (causal 8K: forward 447 -> 462 TFLOP/s, the
 # Gluon backward 320 -> 332).
 GLUON_ALIBI_ONE_SIDED = True
-# The head dims of the Gluon backward in attention_backward (the kernel also takes 64:
-# GLUON_BWD_KERNEL_HEAD_DIMS; not yet measured there against the Triton backward).
-GLUON_BWD_HEAD_DIMS = (128,)
+# The head dims of the Gluon backward in attention_backward (D=64, 2K-8K on an H100: 1.11-1.22x
+# the Triton backward, 0.99-1.03x cuDNN's).
+GLUON_BWD_HEAD_DIMS = (64, 128)
 # The shortest sequence that runs the Gluon backward (B x N = 16K: 1.18x / 1.05x the Triton
 # backward at 1K plain / causal, 1.24x / 1.10x at 2K), and whether windows, softcap and ALiBi
 # take it too (causal 8K: window 315, softcap 387, ALiBi 382 TFLOP/s against 304, 297, 393).

@@ -26,9 +26,10 @@ def test_explain_reports_the_policy_thresholds(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 4096)
     e = flashtriton.explain(*_qkv(N=64, D=128, dtype=torch.bfloat16))
     assert any("GLUON_BWD_MIN_SEQLEN" in r and "got 64" in r for r in e.reasons)
-    e = flashtriton.explain(*_qkv(N=4096, D=64, dtype=torch.bfloat16))
-    assert any("head dims (128,)" in r and "head dim 64" in r for r in e.reasons)
-    assert any("GLUON_BWD_HEAD_DIMS" in r and "got 64" in r for r in e.reasons)
+    e = flashtriton.explain(*_qkv(N=4096, D=96, dtype=torch.bfloat16))
+    assert any(f"head dims {configs.GLUON_FWD_HEAD_DIMS}" in r and "head dim 96" in r
+               for r in e.reasons)
+    assert any("GLUON_BWD_HEAD_DIMS" in r and "got 96" in r for r in e.reasons)
 
 
 def test_explain_checks_its_arguments():
@@ -41,9 +42,10 @@ def test_explain_checks_its_arguments():
 
 @pytest.mark.parametrize("head_dim,seqlen,causal,first", [
     (128, 8192, True, True), (128, 512, True, False), (128, 513, True, True),
-    (128, 256, False, True), (64, 8192, False, False), (256, 8192, True, False)])
+    (128, 256, False, True), (64, 8192, False, False), (256, 8192, True, True),
+    (256, 512, True, False), (96, 8192, False, False)])
 def test_gluon_forward_first(head_dim, seqlen, causal, first):
-    """configs.gluon_forward_first: head dim 128; causal calls from 513 queries."""
+    """configs.gluon_forward_first: head dims 128 and 256; causal calls from 513 queries."""
     assert configs.gluon_forward_first(head_dim, seqlen, causal) is first
 
 

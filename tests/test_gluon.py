@@ -163,15 +163,17 @@ def test_gluon_forward_variants_match_reference(B, N, H, HKV, D, causal, window,
 
 
 @needs_hopper
-def test_attention_forward_runs_gluon_where_it_fits(monkeypatch):
-    """flash_attention at D=128 on Hopper runs the Gluon forward (its replay on the second
-    call), the backward on its output and LSE; FLASHTRITON_GLUON=0 or a variant runs the
-    Triton forward; both against the float64 reference, gradients included."""
+@pytest.mark.parametrize("D", configs.GLUON_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_attention_forward_runs_gluon_where_it_fits(monkeypatch, D):
+    """flash_attention on Hopper at the head dims of configs.GLUON_FWD_HEAD_DIMS runs the
+    Gluon forward (its replay on the second call), the backward on its output and LSE;
+    FLASHTRITON_GLUON=0 or a variant runs the Triton forward; both against the float64
+    reference, gradients included."""
     monkeypatch.setattr(runtime, "_CALLS", {})  # no replay of another test's calls
     calls = []
     real = launch._gluon_forward
     monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
-    q, k, v = make_qkv(2, 513, 513, 4, 2, 128, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(2, 513, 513, 4, 2, D, torch.bfloat16, "cuda")
     for causal in (False, True):
         check_against_reference(
             lambda q, k, v: flash_attention_with_lse(q, k, v, causal=causal),
@@ -566,18 +568,19 @@ def test_gluon_backward_replays(monkeypatch):
 
 
 @needs_hopper
-def test_attention_backward_runs_gluon_where_it_fits(monkeypatch):
-    """flash_attention's backward at D=128 on Hopper runs the warp-specialized Gluon backward
-    from GLUON_BWD_MIN_SEQLEN tokens (lowered here to reach it at test size), GQA and an
-    expanded dout included (against the float64 reference); deterministic=True,
-    torch.use_deterministic_algorithms, FLASHTRITON_GLUON=0, a window, head dim 64 and shorter
-    sequences run the Triton backward."""
+@pytest.mark.parametrize("D", configs.GLUON_BWD_HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_attention_backward_runs_gluon_where_it_fits(monkeypatch, D):
+    """flash_attention's backward on Hopper at the head dims of configs.GLUON_BWD_HEAD_DIMS
+    runs the warp-specialized Gluon backward from GLUON_BWD_MIN_SEQLEN tokens (lowered here to
+    reach it at test size), GQA and an expanded dout included (against the float64
+    reference); deterministic=True, torch.use_deterministic_algorithms, FLASHTRITON_GLUON=0, a
+    window, head dim 96 and shorter sequences run the Triton backward."""
     calls = []
     real = launch._gluon_backward
     monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
     monkeypatch.setattr(configs, "GLUON_BWD_VARIANTS", False)
-    q, k, v = make_qkv(2, 513, 513, 4, 2, 128, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(2, 513, 513, 4, 2, D, torch.bfloat16, "cuda")
     for causal in (False, True):
         check_against_reference(
             lambda q, k, v: flash_attention_with_lse(q, k, v, causal=causal), q, k, v, causal)
@@ -598,8 +601,8 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch):
     monkeypatch.setattr(_env, "GLUON", False)
     grads()
     monkeypatch.setattr(_env, "GLUON", True)
-    q64, k64, v64 = make_qkv(1, 600, 600, 2, 2, 64, torch.bfloat16, "cuda")
-    torch.autograd.grad(flash_attention(q64, k64, v64), (q64, k64, v64), torch.ones_like(q64))
+    q96, k96, v96 = make_qkv(1, 600, 600, 2, 2, 96, torch.bfloat16, "cuda")
+    torch.autograd.grad(flash_attention(q96, k96, v96), (q96, k96, v96), torch.ones_like(q96))
     grads(causal=True)  # reaches the Gluon backward: the calls above did not
     assert len(calls) == 4
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 1024)

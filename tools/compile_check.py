@@ -256,7 +256,7 @@ for dim in (64, 128, 256):
     for causal in (False, True):
         check(f"gluon-fwd D{dim} causal={causal}", lambda: compile_gluon_fwd(dim, causal=causal),
               gluon_judge(dim))
-# At head dim 256 (key blocks of 64; attention_forward routes 128 only): its variants.
+# At head dim 256 (key blocks of 64): its variants.
 for name, flags in (("window", dict(lower=True, upper=True)),
                     ("softcap causal", dict(softcap=True, causal=True)),
                     ("alibi causal", dict(alibi=True, causal=True)),
@@ -311,8 +311,7 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     # the timing-only marks (tools/timeline.py backward)
                     ("window timeline", dict(lower=True, upper=True, timeline=True))):
     check(f"gluon-bwd D128 {name}", lambda: compile_gluon_bwd(128, **flags), gluon_bwd_judge)
-# At head dim 64 (the kernel takes it; attention_backward routes 128 only,
-# configs.GLUON_BWD_HEAD_DIMS): plain, causal, a window.
+# At head dim 64: plain, causal, a window.
 for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("window", dict(lower=True, upper=True))):
     check(f"gluon-bwd D64 {name}", lambda: compile_gluon_bwd(64, **flags), gluon_bwd_judge)
