@@ -598,3 +598,27 @@ def test_dense_split_merges_in_the_merge_kernel(monkeypatch):
     cached = attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], num_splits=3)
     assert used  # (the merge in the split kernel: this test can see it)
     assert torch.allclose(dense.out.float(), cached.out.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("seqlens", ["int", "tensor"])
+def test_kvcache_step_under_torch_compile_equals_the_eager_call(seqlens):
+    """attention_with_kvcache under torch.compile: Dynamo does not trace its launches
+    (launch.decode.attend runs eagerly at a graph break; traced, a compiled step over 8K keys
+    was wrong on the GPU), so the compiled step equals the eager one bitwise, splits merged."""
+    torch.manual_seed(0)
+    B, N, H, HKV, D = 2, 96, 4, 2, 32
+    q = torch.randn(B, 1, H, D, device=DEVICE, dtype=DT)
+    k, v = (torch.randn(B, N, HKV, D, device=DEVICE, dtype=DT) for _ in range(2))
+    lens = N if seqlens == "int" else torch.full((B,), N, dtype=torch.int32, device=DEVICE)
+
+    def step(q, k, v):
+        return attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=True,
+                                      num_splits=3).out
+    eager = step(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager")
+    for _ in range(2):
+        assert torch.equal(compiled(q, k, v), eager)
+    ref = attention_reference(q.double(), k.double(), v.double(), causal=True).out
+    low = attention_reference(q, k, v, causal=True, dtype=DT).out
+    assert_rule("compiled KV-cache step", eager, ref, low, 2, DT)

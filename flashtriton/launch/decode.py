@@ -268,6 +268,10 @@ def _strides(descale) -> Tuple[int, int]:
     return (0, 0) if descale is None else descale.stride()
 
 
+# torch.compile does not trace the KV-cache API's launches: traced, a compiled step over 8K keys
+# was wrong (tests/test_gpu.py::test_compiled_decoding_steps_on_the_split_route); they run
+# eagerly at a graph break.
+@torch.compiler.disable
 def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
            cache_leftpad, alibi, scale, causal, left, right, softcap, num_splits, return_lse,
            signature, step, sinks=None, batch_invariant=False,
