@@ -428,7 +428,8 @@ def test_e2e_table():
                  sdpa_backend="flash"),
             dict(base, impl="triton_fa", tokens_per_s=1100.0, peak_step_MiB=800.0),
             dict(part="generate", D=64, B=1, prompt=512, impl="sdpa", status="ok",
-                 tokens_per_s=20.0, ms_per_token=50.0, gpu_busy=0.1, sdpa_backend="math"),
+                 tokens_per_s=20.0, ms_per_token=50.0, ms_per_token_again=45.0, gpu_busy=0.1,
+                 sdpa_backend="math"),
             dict(part="generate", D=64, B=1, prompt=512, impl="triton_fa",
                  status="out of memory"),
             dict(part="diffusion", shape="SDXL cross-attention", provider="flashtriton",
@@ -437,6 +438,7 @@ def test_e2e_table():
     assert "| train | 64 | 2 | 4096 | 1000 (flash) | 1100 | 1.10x | 900 / 800 |" in md
     assert "| generate | 64 | 1 | 512 | 20 | out of memory | | |" in md
     assert "| SDXL cross-attention | 84 |" in md
+    assert "50.00 ms a token (45.00 over the same lengths again)" in e2e._line(rows[2])
 
 
 def test_tune_grid_lists_each_suites_shapes():
