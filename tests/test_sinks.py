@@ -18,7 +18,8 @@ if ON_GPU:
     SHAPES = [pytest.param((2, 1024, 1024, 8, 2, 64), id="gqa-d64"),
               pytest.param((1, 777, 1500, 4, 4, 128), id="sq<sk-d128"),
               pytest.param((2, 2048, 2048, 8, 1, 128), id="mqa-d128-2k"),
-              pytest.param((1, 600, 300, 4, 2, 256), id="sq>sk-d256")]
+              pytest.param((1, 600, 300, 4, 2, 256), id="sq>sk-d256"),
+              pytest.param((1, 1024, 1024, 4, 2, 256), id="gqa-d256")]  # Gluon forward
     WINDOW = (128, 0)
 else:
     SHAPES = [pytest.param((1, 40, 40, 4, 2, 32), id="gqa"),
