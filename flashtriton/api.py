@@ -221,7 +221,7 @@ _OPTIONS_DOC = """
         deterministic: a bitwise-repeatable backward (also under
            ``torch.use_deterministic_algorithms(True)``). By default (False), as in
            flash-attn, the backward may add dQ in an order that varies from run to run
-           (the Gluon backward on Hopper at head dim 128; the Triton kernels that run
+           (the Gluon backward on Hopper at head dims 64 and 128; the Triton kernels that run
            everything else are repeatable either way).
         batch_invariant: the forward's bits for a row depend only on the row, its keys and
            the options: not on the rest of the batch, the row's place among the query

@@ -74,7 +74,7 @@ def report() -> str:
                  else gluon_triton_misfit())
     lines.append(_path("TMA loads (tensor descriptors, forward and backward)",
                        "FLASHTRITON_TMA", _env.TMA, tma_not))
-    lines.append(_path("Gluon forward and backward (D=128)", "FLASHTRITON_GLUON", _env.GLUON,
+    lines.append(_path("Gluon forward (D=128, 256) and backward (D=64, 128)", "FLASHTRITON_GLUON", _env.GLUON,
                        gluon_not))
     lines.append(_path("programmatic dependent launch of the decoding kernels", "FLASHTRITON_PDL",
                        _env.PDL, pdl_not))

@@ -50,7 +50,7 @@ def _line(text: str, start: str) -> str:
     return line
 
 
-HOPPER_PATHS = ("TMA loads", "Gluon forward and backward", "programmatic dependent launch",
+HOPPER_PATHS = ("TMA loads", "Gluon forward", "programmatic dependent launch",
                 "cached launches")
 
 
@@ -108,7 +108,8 @@ def test_report_on_a_gpu_follows_the_switches_and_the_interpreter(monkeypatch, s
     _fake_gpu(monkeypatch, 9, 0)
     monkeypatch.setattr(_env, "GLUON", False)
     text = report()
-    assert _line(text, "Gluon") == "Gluon forward and backward (D=128): off (FLASHTRITON_GLUON=0)"
+    assert _line(text, "Gluon") == ("Gluon forward (D=128, 256) and backward (D=64, 128): off "
+                                    "(FLASHTRITON_GLUON=0)")
     assert ": on (FLASHTRITON_TMA=1)" in _line(text, "TMA loads")
     monkeypatch.setattr(_env, "INTERPRET", True)  # a GPU machine running the interpreter
     text = report()

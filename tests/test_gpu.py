@@ -29,7 +29,8 @@ def test_long_sequences(seqlen, heads, D, causal):
 def _extra_memory(seqlen, B=1, H=16, D=128):
     """Peak memory of causal forward + backward beyond the inputs and dout; the bytes of out,
     dq, dk and dv; and the bytes of the fp32 dQ buffer that the Gluon backward adds into
-    (where it runs: Hopper, D=128, from configs.GLUON_BWD_MIN_SEQLEN tokens), else 0."""
+    (where it runs: Hopper, configs.GLUON_BWD_HEAD_DIMS, from configs.GLUON_BWD_MIN_SEQLEN
+    tokens), else 0."""
     q, k, v = make_qkv(B, seqlen, seqlen, H, H, D, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     flash_attention(q, k, v, causal=True).backward(dout)  # autotuning allocates scratch: not ours

@@ -211,7 +211,8 @@ def test_sdpa_drop_in_runs_the_kernels():
 
 
 def test_kernel_families():
-    """The Gluon kernels take one head dim: MLA shapes run the Triton forward and backward."""
+    """The Gluon kernels take v's head dim equal to q's: MLA shapes run the Triton forward and
+    backward."""
     q, k, v = _qkv(1, 4096, 4096, 2, 2, 128, 64, requires_grad=False)
     variant = launch.Variant(0.1, causal=True)
     assert launch.forward_route(q, k, v, variant)[0] == "triton"

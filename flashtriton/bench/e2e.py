@@ -277,8 +277,9 @@ def _line(r) -> str:
 
 
 def table(rows) -> str:
-    """The rows as markdown: flashtriton against sdpa for each model row, TFLOP/s per
-    provider for the diffusion shapes."""
+    """The rows as markdown: flashtriton against sdpa for each model row (generate: tokens/s
+    of the first pass, the second pass's in brackets), TFLOP/s per provider for the
+    diffusion shapes."""
     out = []
     models = [r for r in rows if r["part"] in ("train", "generate")]
     keys = sorted({(r["part"], r["D"], r["B"], r.get("N", r.get("prompt"))) for r in models})
@@ -289,8 +290,12 @@ def table(rows) -> str:
         got = {r["impl"]: r for r in models
                if (r["part"], r["D"], r["B"], r.get("N", r.get("prompt"))) == (part, D, B, N)}
         s, f = got.get("sdpa", {}), got.get("triton_fa", {})
-        cell = lambda r: (f"{r['tokens_per_s']:.0f}" if r.get("status") == "ok"  # noqa: E731
-                          else r.get("status", "")[:30])
+        def cell(r):
+            if r.get("status") != "ok":
+                return r.get("status", "")[:30]
+            if "ms_per_token_again" not in r:
+                return f"{r['tokens_per_s']:.0f}"
+            return f"{r['tokens_per_s']:.0f} ({r['B'] * 1e3 / r['ms_per_token_again']:.0f} again)"
         both = s.get("status") == f.get("status") == "ok"
         mem = (f"{s['peak_step_MiB']:.0f} / {f['peak_step_MiB']:.0f}"
                if both and part == "train" else "")
@@ -331,9 +336,9 @@ def main(argv=None):
     args = parse(argv)
     os.makedirs(args.out, exist_ok=True)
     meta, rows = run_meta(), []
-    # the diffusion shapes first, in a fresh process: after the training and generation parts
-    # (and their profiler runs), SDXL's 77-key cross-attention call read 96 us against 30 us
-    # in a fresh process (H100, the same call and timing)
+    # the diffusion shapes first, before the model parts: after the training and generation
+    # parts (and their profiler runs), SDXL's 77-key cross-attention call read 96 us against 30
+    # us in a fresh process (H100, the same call and timing)
     if "diffusion" in args.parts:
         rows += diffusion_rows(meta)
     if "train" in args.parts:

@@ -96,7 +96,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     softcap * tanh(s / softcap); alibi_slopes (nheads,) or (batch, nheads)
     float32 add -slope * |i + seqlen_k - seqlen_q - j|. As in flash-attn,
     ``deterministic=False`` lets the backward add dQ in an order that varies
-    from run to run (the Gluon backward on Hopper at head dim 128);
+    from run to run (the Gluon backward on Hopper at head dims 64 and 128);
     ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``)
     runs the bitwise-repeatable Triton backward. ``learnable_sink`` (nheads,)
     (FlashAttention-4's name; gpt-oss's sinks): one logit a query head in every

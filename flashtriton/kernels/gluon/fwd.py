@@ -18,10 +18,10 @@ Scope: bf16 / fp16, head dims 64, 128 and 256, (B, N, H, D) tensors whose token 
 (B * N) x (heads * D) view with any row stride, GQA (K and V with H / GROUP heads), SQ == SK;
 plain or causal, and (launch.attention_forward_gluon, or attention_forward with
 launch.GLUON_VARIANTS) windows, softcap, ALiBi and block masks of 128-blocks (not at head dim
-256). launch.attention_forward runs it where a call fits (Hopper, D=128: launch.gluon_misfit)
-and launch.attention_forward_gluon raises for anything else; the kernel static_asserts its
-tiles (128 x 128, 128 x 64 at head dim 256, 4-warp partitions; configs.GLUON_FWD_BLOCK_M and
-configs.gluon_fwd_block_n hold them for the launcher).
+256). launch.attention_forward runs it where a call fits (Hopper, configs.GLUON_FWD_HEAD_DIMS:
+launch.gluon_misfit) and launch.attention_forward_gluon raises for anything else; the kernel
+static_asserts its tiles (128 x 128, 128 x 64 at head dim 256, 4-warp partitions;
+configs.GLUON_FWD_BLOCK_M and configs.gluon_fwd_block_n hold them for the launcher).
 The mask is kernels.mask.visible_by_row (beside the Triton kernels' visible); the slots of
 its scalar tuple are kernels/gluon/common.py's. Gluon does not run in the interpreter:
 tools/compile_check.py compiles it for sm_90 on any machine, and tests/test_gluon.py runs it
