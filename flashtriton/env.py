@@ -74,8 +74,10 @@ def report() -> str:
                  else gluon_triton_misfit())
     lines.append(_path("TMA loads (tensor descriptors, forward and backward)",
                        "FLASHTRITON_TMA", _env.TMA, tma_not))
-    lines.append(_path("Gluon forward (D=128, 256) and backward (D=64, 128)", "FLASHTRITON_GLUON", _env.GLUON,
-                       gluon_not))
+    dims = lambda ds: ", ".join(map(str, ds))  # noqa: E731
+    lines.append(_path(f"Gluon forward (D={dims(configs.GLUON_FWD_HEAD_DIMS)}) and backward "
+                       f"(D={dims(configs.GLUON_BWD_HEAD_DIMS)})", "FLASHTRITON_GLUON",
+                       _env.GLUON, gluon_not))
     lines.append(_path("programmatic dependent launch of the decoding kernels", "FLASHTRITON_PDL",
                        _env.PDL, pdl_not))
     lines.append(_path("cached launches of compiled kernels", "FLASHTRITON_FAST_LAUNCH",

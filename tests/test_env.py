@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flashtriton import _env
+from flashtriton import _env, configs
 from flashtriton.env import report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,9 @@ def test_report_on_a_gpu_follows_the_switches_and_the_interpreter(monkeypatch, s
     monkeypatch.setattr(_env, "GLUON", False)
     text = report()
     assert _line(text, "Gluon") == ("Gluon forward (D=128, 256) and backward (D=64, 128): off "
-                                    "(FLASHTRITON_GLUON=0)")
+                                    "(FLASHTRITON_GLUON=0)")  # configs' head dims
+    monkeypatch.setattr(configs, "GLUON_BWD_HEAD_DIMS", (128,))
+    assert _line(report(), "Gluon").startswith("Gluon forward (D=128, 256) and backward (D=128):")
     assert ": on (FLASHTRITON_TMA=1)" in _line(text, "TMA loads")
     monkeypatch.setattr(_env, "INTERPRET", True)  # a GPU machine running the interpreter
     text = report()
