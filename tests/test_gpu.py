@@ -389,6 +389,73 @@ def test_kvcache_prefill_route_replays(append, return_lse):
                             torch.bfloat16)
 
 
+@pytest.mark.parametrize("B,HKV,kind", [(2, 8, "MergeKernel"), (16, 16, "OneSplit")],
+                         ids=["merge", "one-split"])
+def test_dense_split_replays_into_the_forwards_outputs(monkeypatch, B, HKV, kind):
+    """A dense one-token call over 8K keys in SDPA's (B, H, N, D) layout on the split route is
+    remembered under the forward's signature (a DenseSplit: the split and merge launches, or
+    one split's, into the forward's out and LSE) and replayed on new tensors of that
+    signature: each call within the accuracy rule of the float64 reference, the replayed
+    one equal bit for bit to the same call with fast launches off."""
+    from accuracy import assert_rule
+    from flashtriton.launch import decode as decode_launch
+    from flashtriton.reference import attention_reference
+    monkeypatch.setattr(runtime, "_CALLS", {})
+    H, N, D = 2 * HKV, 8192, 128
+
+    def qkv():
+        q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                for _ in range(2))
+        return q, k, v
+
+    def check(name, q, k, v, res):
+        ref = attention_reference(q.double(), k.double(), v.double())
+        low = attention_reference(q, k, v, dtype=torch.bfloat16)
+        assert_rule(name + " out", res.out, ref.out, low.out, 2, torch.bfloat16)
+        assert_rule(name + " lse", res.lse, ref.lse, low.lse, 2, torch.bfloat16)
+
+    first = qkv()
+    check("first call", *first, flash_attention_with_lse(*first))
+    (record,) = [e[0] for e in runtime._CALLS.values() if type(e[0]) is decode_launch.DenseSplit]
+    assert type(record.record).__name__ == kind
+    replays = runtime.FAST_LAUNCHES
+    second = qkv()
+    replayed = flash_attention_with_lse(*second)
+    assert runtime.FAST_LAUNCHES == replays + (1 if kind == "OneSplit" else 2)
+    check("replayed call", *second, replayed)
+    monkeypatch.setattr(runtime._env, "FAST_LAUNCH", False)
+    eager = flash_attention_with_lse(*second)
+    assert torch.equal(replayed.out, eager.out) and torch.equal(replayed.lse, eager.lse)
+
+
+def test_dense_split_first_met_in_a_capture(monkeypatch):
+    """A CUDA graph's capture holding the split route's first call at a key length: the key
+    counts it makes are the capture's own (filled on its replays only), not kept for eager
+    calls, so an eager call at that length before any replay and the graph's replay both
+    equal the eager call of a fresh process (no counts cached)."""
+    from flashtriton.launch import decode as decode_launch
+    q, k, v = make_qkv(2, 1, 8192 + 128, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        flash_attention(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    decode_launch._full_counts.cache_clear()  # then forget the call and its counts
+    monkeypatch.setattr(runtime, "_CALLS", {})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_attention(q, k, v)
+    eager = flash_attention(q, k, v)
+    graph.replay()
+    decode_launch._full_counts.cache_clear()
+    monkeypatch.setattr(runtime, "_CALLS", {})
+    fresh = flash_attention(q, k, v)
+    torch.testing.assert_close(eager, fresh, atol=0, rtol=0)
+    torch.testing.assert_close(captured, fresh, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_decoding_steps_on_the_split_route(mode):
     """One-token steps over 8K keys (configs.dense_split: the split-KV kernel) under

@@ -138,12 +138,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     if route == "gluon":
         remember(signature, _gluon_forward(q, k, v, out, lse, variant))
         return out, lse
+    if signature is not None and signature[0] == "gluon_fwd":
+        signature = None  # (the Triton forward's and the split route's replays take other
+        #   leading tensors)
     if route == "split":
         from .decode import dense_split
-        dense_split(q, k, v, out, lse, variant)
+        dense_split(q, k, v, out, lse, variant, signature)
         return out, lse
-    if signature is not None and signature[0] == "gluon_fwd":
-        signature = None  # (the Triton forward's replays take other leading tensors)
     if _paged_singles(q, v, variant, varlen):
         from .decode import paged_singles
         triton_forward(q, k, v, out, lse, stride_lb, stride_lh, variant,

@@ -5,7 +5,9 @@ autotuner is ``triton_attn._decode``.
 
 A remembered call is one record, by the way its splits are merged: ``OneSplit``,
 ``MergeKernel``, ``MergedInKernel`` or ``PrefillRoute``; each holds its launches' Replays and
-``replay(tensors, out, lse)`` launches them on new tensors of the same signature.
+``replay(tensors, out, lse)`` launches them on new tensors of the same signature. A dense call
+on the split route (``dense_split``) is remembered under attention_forward's signature as a
+``DenseSplit``, called on the forward's pointers as the forward's own replays are.
 """
 
 import functools
@@ -108,8 +110,12 @@ class OneSplit(NamedTuple):
         ptrs = runtime.pointers(*tensors, out, lse)
         if ptrs is None:
             return False
-        self.run_decode(*ptrs)
+        self.launch(ptrs[:-2], ptrs[-2], ptrs[-1], out.device)
         return True
+
+    def launch(self, lead, out, lse, device) -> None:
+        """The launches on the pointers of the leading tensors, out and lse."""
+        self.run_decode(*lead, out, lse)
 
 
 class MergeKernel(NamedTuple):
@@ -123,16 +129,21 @@ class MergeKernel(NamedTuple):
     lse_always = False
 
     def replay(self, tensors, out, lse) -> bool:
-        # the partials as one allocation, passed as two addresses (see _partials)
-        ptrs = runtime.pointers(*tensors, torch.empty(self.size, dtype=torch.float32,
-                                                      device=out.device), out, lse)
+        ptrs = runtime.pointers(*tensors, out, lse)
         if ptrs is None:
             return False
-        o_part = ptrs[-3]
-        lse_part = o_part + 4 * self.lse_at
-        self.run_decode(*ptrs[:-3], o_part, lse_part)
-        self.run_merge(o_part, lse_part, ptrs[-2], ptrs[-1], ptrs[8])  # (8: the sinks)
+        self.launch(ptrs[:-2], ptrs[-2], ptrs[-1], out.device)
         return True
+
+    def launch(self, lead, out, lse, device) -> None:
+        """The launches on the pointers of the leading tensors, out and lse; the partials as
+        one new allocation (512-byte aligned: torch's allocator), passed as two addresses
+        (see _partials)."""
+        partials = torch.empty(self.size, dtype=torch.float32, device=device)
+        o_part = partials.data_ptr()
+        lse_part = o_part + 4 * self.lse_at
+        self.run_decode(*lead, o_part, lse_part)
+        self.run_merge(o_part, lse_part, out, lse, lead[8])  # (8: the sinks)
 
 
 class MergedInKernel(NamedTuple):
@@ -177,10 +188,25 @@ class PrefillRoute(NamedTuple):
         return True
 
 
-def _remember(signature, record) -> None:
-    """Remember a call's record under its signature, if each of its launches replays."""
+class DenseSplit(NamedTuple):
+    """A dense call's split route (dense_split: a OneSplit or MergeKernel ``record`` over its
+    constant key counts ``seqlens``), remembered under attention_forward's signature and
+    called as the forward's replays are: on the pointers of q, k, v, out, lse and the
+    forward's ALiBi, block mask and sinks, None in a remembered call."""
+    record: NamedTuple
+    seqlens: torch.Tensor
+
+    def __call__(self, q, k, v, out, lse, *_) -> None:
+        lead = (q, k, v, self.seqlens.data_ptr(), None, None, None, None, None, None, None)
+        self.record.launch(lead, out, lse, self.seqlens.device)
+
+
+def _remember(signature, record, dense_counts=None) -> None:
+    """Remember a call's record under its signature, if each of its launches replays; a dense
+    call's (dense_split: its constant key counts ``dense_counts``) as a DenseSplit."""
     if None not in record:
-        runtime.remember(signature, record)
+        runtime.remember(signature, record if dense_counts is None
+                         else DenseSplit(record, dense_counts))
 
 
 def remembered(signature):
@@ -365,7 +391,7 @@ def _paged_prefill(q, k_cache, v_cache, seqlens, block_table, variant,
         q = q.contiguous()
         launch.triton_forward(q.view(B * SQ, H, D), k_cache, v_cache, out.view(B * SQ, H, D),
                               lse, (H - 1) * SQ, SQ, variant,
-                              Varlen(_query_offsets(B, SQ, q.device), None, SQ,
+                              Varlen(_constant(q, _query_offsets, B, SQ), None, SQ,
                                      block_table.shape[1] * k_cache.shape[1], seqlens,
                                      block_table))
     return AttentionOutput(out, lse if return_lse else None)
@@ -387,36 +413,54 @@ def paged_singles(q, k, v, out, lse, variant: Variant, varlen: Varlen) -> None:
             variant.sinks, packed=(varlen.cu_seqlens_q, out, lse))
 
 
-def dense_split(q, k, v, out, lse, variant: Variant) -> None:
+def dense_split(q, k, v, out, lse, variant: Variant, signature=None) -> None:
     """A dense call of few query rows over many keys (configs.dense_split: a decoding step
     handed to flash_attention with its whole cache) on the split-KV kernel, k and v (B, SK,
-    HKV, D) a full cache: into out (B, SQ, H, D) and lse (B, H, SQ). The splits merge in the
-    merge kernel, never in the split kernel: its long-lived workspace, allocated during
+    HKV, D) a full cache: into out (B, SQ, H, D) and lse (B, H, SQ), whose launches are
+    remembered under attention_forward's ``signature`` (a DenseSplit). The splits merge in
+    the merge kernel, never in the split kernel: its long-lived workspace, allocated during
     torch.compile's CUDA-graph warmup of a model, would sit in the graph's pool untracked."""
-    B, SK = q.shape[0], k.shape[1]
-    seqlens = torch.full((B,), SK, dtype=torch.int32, device=q.device)
-    res = _decode(q, k, v, seqlens, None, None, None, variant.alibi_slopes,
-                  variant.softmax_scale, variant.window_left,
-                  0 if variant.causal else variant.window_right, variant.softcap, 0, True, None,
-                  False, variant.sinks, merge_in_kernel=False)
-    out.copy_(res.out)
-    lse.copy_(res.lse)
+    seqlens = _constant(q, _full_counts, q.shape[0], k.shape[1])
+    if not _eager(q) or TIMELINE is not None:  # (a capture's seqlens: not a tensor to keep)
+        signature = None
+    _decode(q, k, v, seqlens, None, None, None, variant.alibi_slopes, variant.softmax_scale,
+            variant.window_left, 0 if variant.causal else variant.window_right,
+            variant.softcap, 0, True, signature, True, variant.sinks, merge_in_kernel=False,
+            into=(out, lse))
+
+
+@functools.lru_cache(maxsize=64)
+def _full_counts(B: int, SK: int, device) -> torch.Tensor:
+    """(B,) int32 of SK: a dense call's key counts."""
+    return torch.full((B,), SK, dtype=torch.int32, device=device)
+
+
+def _constant(q, make, *args) -> torch.Tensor:
+    """make(*args, q's device), one of the cached constant tensors (_full_counts,
+    _query_offsets): the cached one, or a new one under a CUDA graph's capture, where the
+    kernel that fills it runs on the graph's replays only."""
+    return (make if _eager(q) else make.__wrapped__)(*args, q.device)
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
             scale, left, right, softcap, num_splits, return_lse, signature, step,
             sinks=None, descales=(None, None), packed=None,
-            merge_in_kernel: bool = True) -> AttentionOutput:
+            merge_in_kernel: bool = True, into=None) -> AttentionOutput:
     """The split kernel (and the merge kernel, or its in-kernel merge) over checked
     arguments (an fp8 cache's ``descales``: (B, HKV) views); a plain step's launches are
     remembered under ``signature``. ``packed``: (cu_q, out, lse): q, out (total_q, H, D) and
     lse (H, total_q) hold packed sequences, of which the kernels compute those of one query
     (by way of the partials and a merge; not remembered). merge_in_kernel False: the merge
-    kernel merges the splits whatever configs.DECODE_MERGE_IN_KERNEL says."""
+    kernel merges the splits whatever configs.DECODE_MERGE_IN_KERNEL says. ``into``: (out,
+    lse) of a dense call (dense_split) to write, its launches remembered under ``signature``
+    as a DenseSplit."""
     if packed is None:
         B, SQ, H, D = q.shape
-        out = runtime._empty(q.shape, q.dtype, q.device)
-        lse = runtime._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
+        if into is not None:
+            out, lse = into
+        else:
+            out = runtime._empty(q.shape, q.dtype, q.device)
+            lse = runtime._empty((B, H, SQ), torch.float32, q.device) if return_lse else None
         cu_q, q_strides, out_strides = None, q.stride()[:3], out.stride()[:3]
     else:
         (cu_q, out, lse), (_, H, D), SQ = packed, q.shape, 1
@@ -488,8 +532,9 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
             BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,
             **runtime.pdl_option(flags["PDL"]))
 
+    dense_counts = None if into is None else seqlens
     if splits == 1 and cu_q is None:  # the split's normalised result and LSE are the output
-        _remember(signature, OneSplit(split_kernel(out, lse)))
+        _remember(signature, OneSplit(split_kernel(out, lse)), dense_counts)
         return AttentionOutput(out, lse)
     size, lse_at = _partials_layout(splits, B, H, SQ, D)
     in_kernel = (merge_ok and splits <= block_c and B * HKV <= _COUNTS
@@ -512,7 +557,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
                                   (out, lse, ws[:_COUNTS].view(torch.int32), *out_strides))
         _remember(signature, MergedInKernel(run_decode, size, lse_at))
     else:
-        _remember(signature, MergeKernel(run_decode, run_merge, size, lse_at))
+        _remember(signature, MergeKernel(run_decode, run_merge, size, lse_at), dense_counts)
     return AttentionOutput(out, lse)
 
 
