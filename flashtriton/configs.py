@@ -144,9 +144,10 @@ def decode_rows(group: int, sq: int, head_dim: int) -> Tuple[int, int]:
 # flash_attention one query token and the whole cache. The forward reads every key once a
 # query head in B x H programs of BLOCK_M rows (one of them a query's); the split kernel reads
 # it once a KV head, split over the SMs. The keys' floor, one token a step, GQA 4, D=64 / 128,
-# B=1 / 8, eager (H100; docs/perf.md's decisions): the split route took 0.49-0.99x the
-# forward's time at 8K keys and 0.25-0.56x from 16K, but 1.04-2.97x at 4K.
-DENSE_SPLIT_MIN_KEYS = 8192
+# B=1 / 8, eager (H100; docs/perf.md's decisions): the split route took 0.47-1.07x the
+# forward's time at 4K keys (1.07x at D=64, B=1 alone), 0.41-0.80x at 8K, 0.17-0.34x at 32K,
+# and 0.65-1.24x at 1K.
+DENSE_SPLIT_MIN_KEYS = 4096
 
 
 def dense_split(group: int, sq: int, sk: int) -> bool:

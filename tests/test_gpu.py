@@ -430,11 +430,9 @@ def test_dense_split_replays_into_the_forwards_outputs(monkeypatch, B, HKV, kind
 
 
 def test_dense_split_first_met_in_a_capture(monkeypatch):
-    """A CUDA graph's capture holding the split route's first call at a key length: the key
-    counts it makes are the capture's own (filled on its replays only), not kept for eager
-    calls, so an eager call at that length before any replay and the graph's replay both
-    equal the eager call of a fresh process (no counts cached)."""
-    from flashtriton.launch import decode as decode_launch
+    """A CUDA graph's capture holding the split route's first call at a key length (its
+    launches remembered there): an eager call at that length before any replay (replaying
+    the capture's record) and the graph's replay both equal a call that starts afresh."""
     q, k, v = make_qkv(2, 1, 8192 + 128, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -442,14 +440,14 @@ def test_dense_split_first_met_in_a_capture(monkeypatch):
         flash_attention(q, k, v)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    decode_launch._full_counts.cache_clear()  # then forget the call and its counts
-    monkeypatch.setattr(runtime, "_CALLS", {})
+    monkeypatch.setattr(runtime, "_CALLS", {})  # then forget the call
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = flash_attention(q, k, v)
+    replays = runtime.FAST_LAUNCHES
     eager = flash_attention(q, k, v)
+    assert runtime.FAST_LAUNCHES > replays  # the capture's record replayed
     graph.replay()
-    decode_launch._full_counts.cache_clear()
     monkeypatch.setattr(runtime, "_CALLS", {})
     fresh = flash_attention(q, k, v)
     torch.testing.assert_close(eager, fresh, atol=0, rtol=0)

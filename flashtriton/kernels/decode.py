@@ -101,7 +101,10 @@ def _attn_decode_kernel(
         q_start, q_at = packed_rows(CU_Q, off_b, SQ, TOTAL_Q, stride_qt)
         if q_start < 0:  # not a sequence of SQ queries: the forward's (or nobody's)
             return
-    SK = tl.load(CACHE_SEQLENS + off_b)
+    if CACHE_SEQLENS is None:  # a dense call's full cache (launch.decode.dense_split)
+        SK = CAPACITY
+    else:
+        SK = tl.load(CACHE_SEQLENS + off_b)
     in_cache = (SK >= 0) & (SK <= CAPACITY)
     cache_b = off_b.to(tl.int64)
     if HAS_BATCH_IDX:

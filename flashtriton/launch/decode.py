@@ -189,24 +189,23 @@ class PrefillRoute(NamedTuple):
 
 
 class DenseSplit(NamedTuple):
-    """A dense call's split route (dense_split: a OneSplit or MergeKernel ``record`` over its
-    constant key counts ``seqlens``), remembered under attention_forward's signature and
-    called as the forward's replays are: on the pointers of q, k, v, out, lse and the
+    """A dense call's split route (dense_split: a OneSplit or MergeKernel ``record`` whose key
+    counts are the cache's length, no tensor), remembered under attention_forward's signature
+    and called as the forward's replays are: on the pointers of q, k, v, out, lse and the
     forward's ALiBi, block mask and sinks, None in a remembered call."""
     record: NamedTuple
-    seqlens: torch.Tensor
+    device: torch.device
 
     def __call__(self, q, k, v, out, lse, *_) -> None:
-        lead = (q, k, v, self.seqlens.data_ptr(), None, None, None, None, None, None, None)
-        self.record.launch(lead, out, lse, self.seqlens.device)
+        self.record.launch((q, k, v, None, None, None, None, None, None, None, None), out, lse,
+                           self.device)
 
 
-def _remember(signature, record, dense_counts=None) -> None:
+def _remember(signature, record, dense=None) -> None:
     """Remember a call's record under its signature, if each of its launches replays; a dense
-    call's (dense_split: its constant key counts ``dense_counts``) as a DenseSplit."""
+    call's (dense_split, on ``dense``, its device) as a DenseSplit."""
     if None not in record:
-        runtime.remember(signature, record if dense_counts is None
-                         else DenseSplit(record, dense_counts))
+        runtime.remember(signature, record if dense is None else DenseSplit(record, dense))
 
 
 def remembered(signature):
@@ -389,9 +388,11 @@ def _paged_prefill(q, k_cache, v_cache, seqlens, block_table, variant,
     lse = runtime._empty((B, H, SQ), torch.float32, q.device)
     if out.numel():
         q = q.contiguous()
+        # (cached; made anew under a CUDA graph's capture, whose replays alone fill it)
+        offsets = _query_offsets if _eager(q) else _query_offsets.__wrapped__
         launch.triton_forward(q.view(B * SQ, H, D), k_cache, v_cache, out.view(B * SQ, H, D),
                               lse, (H - 1) * SQ, SQ, variant,
-                              Varlen(_constant(q, _query_offsets, B, SQ), None, SQ,
+                              Varlen(offsets(B, SQ, q.device), None, SQ,
                                      block_table.shape[1] * k_cache.shape[1], seqlens,
                                      block_table))
     return AttentionOutput(out, lse if return_lse else None)
@@ -418,28 +419,15 @@ def dense_split(q, k, v, out, lse, variant: Variant, signature=None) -> None:
     handed to flash_attention with its whole cache) on the split-KV kernel, k and v (B, SK,
     HKV, D) a full cache: into out (B, SQ, H, D) and lse (B, H, SQ), whose launches are
     remembered under attention_forward's ``signature`` (a DenseSplit). The splits merge in
-    the merge kernel, never in the split kernel: its long-lived workspace, allocated during
-    torch.compile's CUDA-graph warmup of a model, would sit in the graph's pool untracked."""
-    seqlens = _constant(q, _full_counts, q.shape[0], k.shape[1])
-    if not _eager(q) or TIMELINE is not None:  # (a capture's seqlens: not a tensor to keep)
+    the merge kernel, never in the split kernel, and the key counts are the cache's length
+    (no seqlens tensor): a long-lived tensor allocated during torch.compile's CUDA-graph
+    warmup of a model would sit in the graph's pool untracked."""
+    if TIMELINE is not None:
         signature = None
-    _decode(q, k, v, seqlens, None, None, None, variant.alibi_slopes, variant.softmax_scale,
+    _decode(q, k, v, None, None, None, None, variant.alibi_slopes, variant.softmax_scale,
             variant.window_left, 0 if variant.causal else variant.window_right,
             variant.softcap, 0, True, signature, True, variant.sinks, merge_in_kernel=False,
             into=(out, lse))
-
-
-@functools.lru_cache(maxsize=64)
-def _full_counts(B: int, SK: int, device) -> torch.Tensor:
-    """(B,) int32 of SK: a dense call's key counts."""
-    return torch.full((B,), SK, dtype=torch.int32, device=device)
-
-
-def _constant(q, make, *args) -> torch.Tensor:
-    """make(*args, q's device), one of the cached constant tensors (_full_counts,
-    _query_offsets): the cached one, or a new one under a CUDA graph's capture, where the
-    kernel that fills it runs on the graph's replays only."""
-    return (make if _eager(q) else make.__wrapped__)(*args, q.device)
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad, alibi,
@@ -532,9 +520,9 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
             BLOCK_R=block_r if merge else 1, BLOCK_C=block_c if merge else 1,
             **runtime.pdl_option(flags["PDL"]))
 
-    dense_counts = None if into is None else seqlens
+    dense = None if into is None else q.device
     if splits == 1 and cu_q is None:  # the split's normalised result and LSE are the output
-        _remember(signature, OneSplit(split_kernel(out, lse)), dense_counts)
+        _remember(signature, OneSplit(split_kernel(out, lse)), dense)
         return AttentionOutput(out, lse)
     size, lse_at = _partials_layout(splits, B, H, SQ, D)
     in_kernel = (merge_ok and splits <= block_c and B * HKV <= _COUNTS
@@ -557,7 +545,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
                                   (out, lse, ws[:_COUNTS].view(torch.int32), *out_strides))
         _remember(signature, MergedInKernel(run_decode, size, lse_at))
     else:
-        _remember(signature, MergeKernel(run_decode, run_merge, size, lse_at), dense_counts)
+        _remember(signature, MergeKernel(run_decode, run_merge, size, lse_at), dense)
     return AttentionOutput(out, lse)
 
 
