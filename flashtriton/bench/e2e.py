@@ -13,9 +13,9 @@ batch x seqlen of --train-shapes: tokens/s (median of 5 steps after 2), the peak
 step above the model and optimizer state, and which SDPA backend the sdpa model's steps ran
 (its kernels' names under the profiler). generate: greedy ``generate()`` of --new-tokens after
 prompts of each of --prompts tokens (from configs.DENSE_SPLIT_MIN_KEYS keys flashtriton's
-decoding steps run the split-KV kernel, configs.dense_split) at each of --gen-batches: tokens/s, ms a token (and
-ms a token of a second pass over the same key lengths), the share of the wall time the GPU
-was busy (profiler: the kernels' time over the wall time), which tells a host-bound loop
+decoding steps run the split-KV kernel, configs.dense_split) at each of --gen-batches:
+tokens/s, ms a token (and ms a token of a second pass over the same key lengths), the share
+of the wall time the GPU was busy (profiler: the kernels' time over the wall time), which tells a host-bound loop
 from a GPU-bound one, and how many of its first 4 tokens equal
 the sdpa model's. Each model's logits on the first batch are checked against the sdpa model's
 (same weights; MODEL_TOLERANCE) before any timing; a failed check reports no speed.
