@@ -15,9 +15,9 @@ step above the model and optimizer state, and which SDPA backend the sdpa model'
 prompts of each of --prompts tokens (from configs.DENSE_SPLIT_MIN_KEYS keys flashtriton's
 decoding steps run the split-KV kernel, configs.dense_split) at each of --gen-batches:
 tokens/s, ms a token (and ms a token of a second pass over the same key lengths), the share
-of the wall time the GPU was busy (profiler: the kernels' time over the wall time), which tells a host-bound loop
-from a GPU-bound one, and how many of its first 4 tokens equal
-the sdpa model's. Each model's logits on the first batch are checked against the sdpa model's
+of the wall time the GPU was busy (profiler: the kernels' time over the wall time), which
+tells a host-bound loop from a GPU-bound one, and how many of its first 4 tokens equal the
+sdpa model's. Each model's logits on the first batch are checked against the sdpa model's
 (same weights; MODEL_TOLERANCE) before any timing; a failed check reports no speed.
 diffusion: forward attention of SDXL's self- and cross-attention (2 x 10 heads of 64, 4096
 queries over 4096 or 77 keys) and FLUX's joint attention (24 heads of 128, 4608 tokens),
