@@ -235,8 +235,8 @@ GLUON_VARIANTS = True
 # Gluon backward 320 -> 332).
 GLUON_ALIBI_ONE_SIDED = True
 # The head dims of the Gluon backward in attention_backward (D=64, 2K-8K on an H100: 1.11-1.22x
-# the Triton backward, 0.99-1.03x cuDNN's).
-GLUON_BWD_HEAD_DIMS = (64, 128)
+# the Triton backward, 0.99-1.03x cuDNN's; D=256 with the Triton dQ kernel: docs/perf.md).
+GLUON_BWD_HEAD_DIMS = (64, 128, 256)
 # The shortest sequence that runs the Gluon backward (B x N = 16K: 1.18x / 1.05x the Triton
 # backward at 1K plain / causal, 1.24x / 1.10x at 2K), and whether windows, softcap and ALiBi
 # take it too (causal 8K: window 315, softcap 387, ALiBi 382 TFLOP/s against 304, 297, 393).
@@ -261,7 +261,13 @@ GLUON_FWD_KERNEL_HEAD_DIMS = (64, 128, 256)
 GLUON_FWD_WIDE_BLOCK_N = 64
 GLUON_BWD_BLOCK_M = 64
 GLUON_BWD_BLOCK_N = 128
-GLUON_BWD_KERNEL_HEAD_DIMS = (64, 128)
+GLUON_BWD_KERNEL_HEAD_DIMS = (64, 128, 256)
+# At head dim 256 the backward's programs take GLUON_BWD_WIDE_BLOCK_N keys, and both consumers
+# all of them, each with half the head dim: a consumer's dK and dV (64 x 128 fp32 each) beside
+# S^T and dP^T (64 x 64) in its registers, K, V and two slots of Q and dO (192 KB of shared
+# memory with the rows' LSE and delta: 198 KB); dQ comes from the Triton dQ kernel; no block
+# masks there (their blocks are 128).
+GLUON_BWD_WIDE_BLOCK_N = 64
 
 
 class OptionTable(dict):
@@ -335,6 +341,17 @@ def gluon_fwd_block_n(head_dim: int) -> int:
     return GLUON_FWD_WIDE_BLOCK_N if head_dim > 128 else GLUON_FWD_BLOCK_N
 
 
+def gluon_bwd_split(head_dim: int) -> bool:
+    """Whether the Gluon backward splits the head dim between its consumers (kernels/gluon/
+    bwd.py SPLIT_DIM): programs of GLUON_BWD_WIDE_BLOCK_N keys, dK and dV only."""
+    return head_dim > 128
+
+
+def gluon_bwd_block_n(head_dim: int) -> int:
+    """The Gluon backward's key block (a program's keys) at a head dim."""
+    return GLUON_BWD_WIDE_BLOCK_N if gluon_bwd_split(head_dim) else GLUON_BWD_BLOCK_N
+
+
 def gluon_forward_first(head_dim: int, seqlen: int, causal: bool) -> bool:
     """Whether attention_forward tries the Gluon forward for this head dim and length."""
     return head_dim in GLUON_FWD_HEAD_DIMS and (seqlen > GLUON_FWD_CAUSAL_MAX_TRITON or not causal)
@@ -351,11 +368,14 @@ def gluon_fwd_options(has_lower: bool) -> dict:
     return opts
 
 
-def gluon_bwd_options(has_upper: bool, has_lower: bool = False, alibi: bool = False) -> dict:
+def gluon_bwd_options(has_upper: bool, has_lower: bool = False, alibi: bool = False,
+                      head_dim: int = 128) -> dict:
     """The Gluon backward's launch constants for a walk with or without an upper bound, a
-    lower bound and ALiBi: GLUON_BWD_OPTIONS with each None chosen: SKIP_EMPTY with a lower
-    bound; ORDER 1 with a lower bound, else 0; ONE_LOOP with a lower bound or ALiBi; EARLY_S
-    with an upper bound and three loops (causal, softcap). Measured on the H200 (bf16, 8K;
+    lower bound and ALiBi, at a head dim: GLUON_BWD_OPTIONS with each None chosen: SKIP_EMPTY
+    with a lower bound; ORDER 1 with a lower bound, else 0; ONE_LOOP with a lower bound or
+    ALiBi; EARLY_S with an upper bound and three loops (causal, softcap) where dQ is staged
+    (not at a split head dim: no staging for S^T to overlap, and D=256 causal 8K on an H100
+    ran 157 TFLOP/s with it against 208 without). Measured on the H200 (bf16, 8K;
     docs/journal/perf-journal.md): EARLY_S (five rounds at 8K and 16K) causal 373 -> 409 and
     401 -> 439 TFLOP/s with it, without a bound 486 -> 463 and 495 -> 472; ONE_LOOP (3.3K
     instructions a step against 6.0K, no spills) ALiBi 450 -> 472 and the causal window 347 ->
@@ -372,7 +392,8 @@ def gluon_bwd_options(has_upper: bool, has_lower: bool = False, alibi: bool = Fa
     if opts["ONE_LOOP"] is None:
         opts["ONE_LOOP"] = bool(has_lower or alibi)
     if opts["EARLY_S"] is None:
-        opts["EARLY_S"] = bool(has_upper) and not opts["ONE_LOOP"]
+        opts["EARLY_S"] = (bool(has_upper) and not opts["ONE_LOOP"]
+                           and not gluon_bwd_split(head_dim))
     return opts
 
 
@@ -406,8 +427,8 @@ def snapshot() -> tuple:
             GLUON_TRITONS, GLUON_FWD_HEAD_DIMS, GLUON_FWD_CAUSAL_MAX_TRITON, GLUON_VARIANTS,
             GLUON_ALIBI_ONE_SIDED, GLUON_BWD_HEAD_DIMS, GLUON_BWD_MIN_SEQLEN, GLUON_BWD_VARIANTS,
             GLUON_FWD_BLOCK_M, GLUON_FWD_BLOCK_N, GLUON_FWD_STAGES, GLUON_FWD_KERNEL_HEAD_DIMS,
-            GLUON_FWD_WIDE_BLOCK_N,
-            GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N, GLUON_BWD_KERNEL_HEAD_DIMS,
+            GLUON_FWD_WIDE_BLOCK_N, GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N,
+            GLUON_BWD_KERNEL_HEAD_DIMS, GLUON_BWD_WIDE_BLOCK_N,
             tuple(GLUON_FWD_OPTIONS.items()), tuple(GLUON_BWD_OPTIONS.items()),
             DECODE_MERGE_IN_KERNEL, DECODE_MERGE_MAX_BYTES, DECODE_MAX_ROWS,
             KVCACHE_PREFILL_MIN_ROWS, DENSE_SPLIT_MIN_KEYS))

@@ -95,17 +95,18 @@ def test_gluon_options_defaults_leave_the_rules_to_choose():
 @pytest.mark.parametrize("has_upper", [False, True])
 @pytest.mark.parametrize("has_lower", [False, True])
 @pytest.mark.parametrize("alibi", [False, True])
-def test_gluon_bwd_options_rules(has_upper, has_lower, alibi):
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gluon_bwd_options_rules(has_upper, has_lower, alibi, head_dim):
     """gluon_bwd_options over every walk: SKIP_EMPTY with a lower bound (a window's); ORDER 1
     (whole walks first) with a lower bound, else 0; ONE_LOOP with a lower bound or ALiBi;
-    EARLY_S with an upper bound (causal, a window's) and three loops. The set options pass
-    through, and the table is left as it was."""
+    EARLY_S with an upper bound (causal, a window's) and three loops, where dQ is staged (not
+    at head dim 256). The set options pass through, and the table is left as it was."""
     before = dict(configs.GLUON_BWD_OPTIONS)
-    opts = configs.gluon_bwd_options(has_upper, has_lower, alibi)
+    opts = configs.gluon_bwd_options(has_upper, has_lower, alibi, head_dim)
     assert opts["SKIP_EMPTY"] is has_lower
     assert opts["ORDER"] == (1 if has_lower else 0)
     assert opts["ONE_LOOP"] is (has_lower or alibi)
-    assert opts["EARLY_S"] is (has_upper and not (has_lower or alibi))
+    assert opts["EARLY_S"] is (has_upper and not (has_lower or alibi) and head_dim != 256)
     for name in ("num_warps", "CONSUMER_REGS", "PRODUCER_REGS"):
         assert opts[name] == before[name]
     assert configs.GLUON_BWD_OPTIONS == before and opts is not configs.GLUON_BWD_OPTIONS
@@ -163,7 +164,8 @@ def test_gluon_options_reach_the_snapshot(monkeypatch):
     for name in ("GLUON_FWD_BLOCK_M", "GLUON_FWD_BLOCK_N", "GLUON_FWD_STAGES",
                  "GLUON_BWD_BLOCK_M", "GLUON_BWD_BLOCK_N", "GLUON_BWD_MIN_SEQLEN",
                  "GLUON_BWD_HEAD_DIMS", "GLUON_BWD_KERNEL_HEAD_DIMS", "GLUON_FWD_WIDE_BLOCK_N",
-                 "DECODE_MERGE_MAX_BYTES", "DECODE_MAX_ROWS", "KVCACHE_PREFILL_MIN_ROWS"):
+                 "GLUON_BWD_WIDE_BLOCK_N", "DECODE_MERGE_MAX_BYTES", "DECODE_MAX_ROWS",
+                 "KVCACHE_PREFILL_MIN_ROWS"):
         with monkeypatch.context() as m:
             m.setattr(configs, name, getattr(configs, name) * 2)
             assert configs.snapshot() != base, name

@@ -84,6 +84,9 @@ def test_gluon_misfit_names_what_it_does_not_take():
     wide = make_qkv(1, 64, 64, 2, 2, 256, torch.bfloat16, DEVICE, requires_grad=False)
     assert gluon_misfit(*wide, plain) == reason  # head dim 256: key blocks of 64, no masks
     assert "block masks of 128" in gluon_misfit(*wide, listed, variants=True)
+    # the backward too (64-key programs, the head dim split between its consumers)
+    assert launch.gluon_backward_misfit(None, *wide, plain) == reason
+    assert "block masks of 128" in launch.gluon_backward_misfit(None, *wide, listed)
     assert "tokens-major" in gluon_misfit(q, k, _heads_major(v), plain)  # k and v differ
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
 
@@ -364,12 +367,12 @@ def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, bwd_op
 @needs_hopper
 @pytest.mark.parametrize("causal,window,softcap,alibi", VARIANTS)
 @pytest.mark.parametrize("B,N,H,HKV,D", [(2, 1000, 4, 2, 128), (1, 333, 2, 2, 128),
-                                         (2, 1000, 4, 2, 64)])
+                                         (2, 1000, 4, 2, 64), (2, 1000, 4, 2, 256)])
 def test_gluon_backward_variants_match_reference(B, N, H, HKV, D, causal, window, softcap,
                                                  alibi, bwd_options):
     """The Gluon backward with windows (one- and two-sided, with causal, narrower than a block),
     softcap and ALiBi (per head and per batch and head), gradients against the float64
-    reference, at both of its head dims."""
+    reference, at each of its head dims."""
     q, k, v = make_qkv(B, N, N, H, HKV, D, torch.bfloat16, "cuda", requires_grad=False)
     if softcap:
         q = q * 4  # large logits: the cap matters
@@ -402,8 +405,9 @@ def test_gluon_backward_block_masks_match_reference(mask_mod, N, H, HKV, D, bwd_
 
 @needs_hopper
 @pytest.mark.parametrize("layout", ["heads-major", "packed"])
-def test_gluon_backward_reads_strided_layouts(layout):
-    q, k, v = make_qkv(2, 333, 333, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=False)
+@pytest.mark.parametrize("D", [128, 256])
+def test_gluon_backward_reads_strided_layouts(layout, D):
+    q, k, v = make_qkv(2, 333, 333, 4, 4, D, torch.bfloat16, "cuda", requires_grad=False)
     q, k, v = (_heads_major(x) for x in (q, k, v)) if layout == "heads-major" else _packed(q, k, v)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     for causal in (False, True):

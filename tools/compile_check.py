@@ -278,8 +278,9 @@ for name, flags in (("window", dict(lower=True, upper=True)),
                                                               ORDER=1))):
     check(f"gluon-fwd D128 {name}", lambda: compile_gluon_fwd(128, **flags), gluon_judge(128))
 
-# The Gluon backward (kernels/gluon/bwd.py): dQ added by TMA bulk reductions (two UTMAREDG a
-# query block, from the producer), within the shared memory; plain, causal and its variants.
+# The Gluon backward (kernels/gluon/bwd.py) at head dims 64 and 128: dQ added by TMA bulk
+# reductions (two UTMAREDG a query block, from the producer), within the shared memory; plain,
+# causal and its variants.
 def gluon_bwd_judge(k):
     sass = sass_of(k)
     return (k.metadata.shared <= 227 * 1024 and "UTMAREDG" in sass,
@@ -316,4 +317,21 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
 for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("window", dict(lower=True, upper=True))):
     check(f"gluon-bwd D64 {name}", lambda: compile_gluon_bwd(64, **flags), gluon_bwd_judge)
+
+
+# At head dim 256 (the head dim split between the consumers): dK and dV only, no dQ (neither
+# reductions nor atomic adds: the Triton dQ kernel runs beside it).
+def gluon_bwd_split_judge(k):
+    sass = sass_of(k)
+    return (k.metadata.shared <= 227 * 1024 and "UTMAREDG" not in sass and "REDG" not in sass,
+            f"shared={k.metadata.shared} spill_ld/st={'%d/%d' % spill_counts(sass)}")
+
+
+for name, flags in (("plain", {}), ("causal", dict(causal=True)),
+                    ("window", dict(lower=True, upper=True)),
+                    ("softcap causal", dict(softcap=True, causal=True)),
+                    ("one-sided alibi causal", dict(alibi=2, causal=True)),
+                    ("causal early-s", dict(causal=True, EARLY_S=True))):
+    check(f"gluon-bwd D256 {name}", lambda: compile_gluon_bwd(256, **flags),
+          gluon_bwd_split_judge)
 sys.exit(1 if fails else 0)

@@ -129,7 +129,7 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
                       softcap=False, alibi=False, mask_mod=None, timeline=False, **options):
     """The Gluon backward (kernels/gluon/bwd.py) for sm_90, bf16, its descriptors typed as
     launch._gluon_backward makes them (query blocks of configs.GLUON_BWD_BLOCK_M rows, key
-    blocks of GLUON_BWD_BLOCK_N, dQ halves); causal is the upper bound (as launch._common
+    blocks of gluon_bwd_block_n, dQ halves); causal is the upper bound (as launch._common
     gives it); alibi 1 / True the general form, 2 one-sided; timeline: with the timing-only
     marks (TL an int64 pointer); options override configs.gluon_bwd_options's."""
     import torch
@@ -139,17 +139,20 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
     consts = dict(DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
                   MASK_MOD=mask_mod,
-                  **{**configs.gluon_bwd_options(upper or causal, lower, bool(alibi)),
+                  **{**configs.gluon_bwd_options(upper or causal, lower, bool(alibi), dim),
                      **options})
-    bm, bn = configs.GLUON_BWD_BLOCK_M, configs.GLUON_BWD_BLOCK_N
+    bm, bn = configs.GLUON_BWD_BLOCK_M, configs.gluon_bwd_block_n(dim)
     q_desc = _gluon_desc([bm, dim], torch.bfloat16, 16 * dim)
     kv_desc = _gluon_desc([bn, dim], torch.bfloat16, 16 * dim)
-    dq_desc = _gluon_desc([bm, dim // 2], torch.float32, 16 * dim)
+    dq_desc = (None if configs.gluon_bwd_split(dim)  # (no dQ there)
+               else _gluon_desc([bm, dim // 2], torch.float32, 16 * dim))
     stats_desc = _gluon_desc([bm], torch.float32, 16)  # the rows' LSE and delta
     types = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
                  dq_desc=dq_desc, lse_desc=stats_desc, delta_desc=stats_desc, DK="*bf16",
                  DV="*bf16", ALIBI="*fp32", BMASK="*i32", qk_scale="fp32", sm_scale="fp32",
                  cap2="fp32")
+    if dq_desc is None:
+        consts["dq_desc"] = types.pop("dq_desc")
     if timeline:
         types["TL"] = "*i64"
     else:

@@ -457,7 +457,7 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
     SQ_PAD, a multiple of BLOCK_M: padding rows get +inf and 0, so P = dS = 0 there, and every
     head's rows start aligned for the Gluon backward's TMA), and zeros into the rows of the
     fp32 dQ buffer (B, SQ, H, HEAD_DIM; strides stride_q*: q's layout, so that dQ's copy
-    out of it keeps the order of memory). The grid covers SQ_PAD rows."""
+    out of it keeps the order of memory; DQ None: none). The grid covers SQ_PAD rows."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -473,8 +473,9 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
     padded = off_bh.to(tl.int64) * SQ_PAD + rows
     tl.store(LSE2 + padded, _lse2(LSE + off_b * stride_lb + off_h * stride_lh, rows, SQ))
     tl.store(DELTA + padded, delta)
-    tl.store(DQ + off_b * stride_qb + off_h * stride_qh + r64 * stride_qt + cols[None, :],
-             tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)
+    if DQ is not None:
+        tl.store(DQ + off_b * stride_qb + off_h * stride_qh + r64 * stride_qt + cols[None, :],
+                 tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=keep)
 
 
 @triton.jit(do_not_specialize=["B", "TOTAL_Q", "TOTAL_K", "K_AT"])

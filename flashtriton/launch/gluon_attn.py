@@ -14,6 +14,7 @@ from .. import _env, configs, runtime
 from ..kernels.attn_bwd import _attn_bwd_prep_kernel
 from ..runtime import Replay, call_signature, launch_jit, on_device_of, pointers, recall, remember
 from .calls import (Variant, Varlen, _alibi_args, _block_args, _common, _lse_buffer, _windowed)
+from .triton_attn import triton_backward
 
 
 class _Addr(int):
@@ -249,33 +250,45 @@ class GluonBwdReplay(NamedTuple):
     kernel's descriptors over the new pointers (as GluonReplay)."""
     prep: Replay
     kernel: Replay
-    views: tuple  # (shape, strides) of the descriptors of q, k, v, dout, dQ's buffer, lse2, delta
+    views: tuple  # (shape, strides) of the descriptors of q, k, v, dout, dQ's buffer (None
+    # at head dim 256), lse2, delta
 
     def __call__(self, out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alibi,
                  bmask) -> None:
         self.prep(out, dout, lse, lse2, delta, dq_acc)
         bases = (q, k, v, dout, dq_acc, lse2, delta)
-        self.kernel(*[_TmaView(_Addr(p), *view) for p, view in zip(bases, self.views)],
-                    dk, dv, alibi, bmask)
+        self.kernel(*[None if view is None else _TmaView(_Addr(p), *view)
+                      for p, view in zip(bases, self.views)], dk, dv, alibi, bmask)
 
 
 def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
                     timeline=None):
     """Launch kernels/gluon/bwd.py on tensors that gluon_backward_misfit passed: the prep
     kernel (the log2 LSE and delta, each head's rows padded to a multiple of
-    configs.GLUON_BWD_BLOCK_N, and a zeroed fp32 dQ buffer), the backward, and dQ's copy into
-    q's layout; a call whose signature (_gluon_signature; none for timing runs) was seen
-    replays the first two (GluonBwdReplay). The variant's window, softcap and ALiBi arguments
-    come from _common (as the forward's). timeline: None, or (timing only) an int64 tensor of
-    gluon/bwd.TL_ROW per program (gluon/bwd._mark, _mark_step)."""
+    configs.GLUON_BWD_BLOCK_N, and a zeroed fp32 dQ buffer), the backward, and dQ's copy
+    into q's layout; a call whose signature (_gluon_signature; none for timing runs) was
+    seen replays the first two (GluonBwdReplay). Where configs.gluon_bwd_split (head dim
+    256) the Gluon kernel computes dK and dV only, and dQ comes from the Triton dQ kernel
+    (triton_backward's, which recomputes S and dP; no fp32 buffer): dQ by atomics from the
+    Gluon kernel's registers ran at half its rate (docs/perf.md). The variant's window,
+    softcap and ALiBi arguments come from _common (as the forward's). timeline: None, or
+    (timing only) an int64 tensor of gluon/bwd.TL_ROW per program (gluon/bwd._mark,
+    _mark_step)."""
     B, N, H, D = q.shape
     signature = None
     if timeline is None and dq_mode == 2:
         signature = _gluon_signature("gluon_bwd", variant, variant.q_blocks, dout, q, k, v, out,
                                      lse)
     replays = recall(signature)
+    split = configs.gluon_bwd_split(D)
+    dq_acc = None
+    if not split:
+        dq_acc = _dq_buffer(q)
+    elif dq_mode == 2:
+        dq = triton_backward(dout, q, k, v, out, lse, variant, dkdv=False)[0]
+    else:  # (timing only: dQ not computed)
+        dq = torch.zeros_like(q)
     dk, dv = runtime._empty_like(k), runtime._empty_like(v)
-    dq_acc = _dq_buffer(q)
     # (a block mask's walk reads both 64-row halves of its last 128-row query block)
     pad = configs.cdiv(N, configs.GLUON_BWD_BLOCK_N) * configs.GLUON_BWD_BLOCK_N
     lse2, delta = runtime._empty((2, B * H * pad), torch.float32, q.device)
@@ -289,8 +302,9 @@ def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
         replay = _gluon_bwd_launch(*tensors, variant, dq_mode, timeline)
         if pointers(*tensors) is not None:  # as a replay's tensors must be
             remember(signature, replay)
-    dq = runtime._empty_like(q)
-    dq.copy_(dq_acc)
+    if not split:
+        dq = runtime._empty_like(q)
+        dq.copy_(dq_acc)
     return dq, dk, dv, delta.view(B, H, pad)[:, :, :N]
 
 
@@ -312,22 +326,23 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
     can be replayed."""
     from ..kernels.gluon import bwd
     B, N, H, D = q.shape
-    bm, bn = configs.GLUON_BWD_BLOCK_M, configs.GLUON_BWD_BLOCK_N
+    bm, bn = configs.GLUON_BWD_BLOCK_M, configs.gluon_bwd_block_n(D)
     common, _ = _common(q, None, N, N, variant)
     _, stride_ab, stride_ah = _alibi_args(variant)  # (alibi, bmask: the variant's, given)
     _, *bmask_args = _block_args(variant.q_blocks)
     pad = lse2.numel() // (B * H)
+    dq_strides = (0, 0, 0) if dq_acc is None else dq_acc.stride()[:3]
     prep = launch_jit(
         _attn_bwd_prep_kernel, (pad // bm, B * H), out, dout, lse, lse2, delta, dq_acc,
         out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), lse.stride(0), lse.stride(1), dq_acc.stride(0), dq_acc.stride(1),
-        dq_acc.stride(2), H, N, pad, HEAD_DIM=D, BLOCK_M=bm, num_warps=4)
+        dout.stride(2), lse.stride(0), lse.stride(1), *dq_strides, H, N, pad, HEAD_DIM=D,
+        BLOCK_M=bm, num_warps=4)
     q_desc, q_rows = _gluon_descriptor(q, [bm, D])
     do_desc, do_rows = _gluon_descriptor(dout, [bm, D])
     k_desc, kv_rows = _gluon_descriptor(k, [bn, D])
     v_desc, _ = _gluon_descriptor(v, [bn, D])
-    # Each of the kernel's two consumers reduces half the head dim.
-    dq_desc, _ = _gluon_descriptor(dq_acc, [bm, D // 2])
+    # Each of the kernel's two consumers reduces half the head dim (none at a split head dim).
+    dq_desc = None if dq_acc is None else _gluon_descriptor(dq_acc, [bm, D // 2])[0]
     descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, bm),
              _gluon_flat_descriptor(delta, bm))
     args = (dk.stride(0), dk.stride(1), dk.stride(2), stride_ab, stride_ah, *bmask_args, H,
@@ -339,7 +354,7 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
                   HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
                   MASK_MOD=variant.mask_mod,
                   **configs.gluon_bwd_options(common["HAS_UPPER"], common["HAS_LOWER"],
-                                              alibi is not None))
+                                              alibi is not None, D))
     grid = (configs.cdiv(N, bn), B * k.shape[2], 1)
     kernel = bwd._attn_bwd_gluon_kernel
     compiled = kernel[grid](*descs, dk, dv, alibi, bmask, *args, **consts)
@@ -347,7 +362,7 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
         return None
     lead = len(descs) + 4
     tail = (*args, *[consts[n] for n in kernel.arg_names[lead + len(args):]])
-    views = tuple((list(d.shape), list(d.strides)) for d in descs)
+    views = tuple(None if d is None else (list(d.shape), list(d.strides)) for d in descs)
     return GluonBwdReplay(prep, Replay(compiled, grid, lead, tail, q.get_device(),
                                        compiled.metadata.global_scratch_size > 0), views)
 
@@ -372,7 +387,8 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                          f"{tuple(v.shape)}")
     if _timeline is not None:
         from ..kernels.gluon import bwd
-        rows = (configs.cdiv(q.shape[1], configs.GLUON_BWD_BLOCK_N) * q.shape[0] * k.shape[2],
+        rows = (configs.cdiv(q.shape[1], configs.gluon_bwd_block_n(q.shape[-1])) * q.shape[0]
+                * k.shape[2],
                 bwd.TL_ROW.value)
         if (tuple(_timeline.shape) != rows or _timeline.dtype != torch.int64
                 or not _timeline.is_contiguous()):

@@ -85,24 +85,29 @@ def _invariant_config(block_d: int, elem_bytes: int) -> triton.Config:
 
 
 
-def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[Varlen] = None
+def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[Varlen] = None,
+                    dkdv: bool = True
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two Triton backward kernels (dQ, then dK/dV): dQ, dK, dV in the layouts of q, k, v,
-    and delta = rowsum(dO * O) in lse's shape; a call whose signature was seen replays both."""
+    and delta = rowsum(dO * O) in lse's shape; a call whose signature was seen replays both.
+    dkdv False: the dQ kernel alone (dK and dV None; the Gluon backward at head dim 256)."""
     B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
-    dq, dk, dv = runtime._empty_like(q), runtime._empty_like(k), runtime._empty_like(v)
+    dq = runtime._empty_like(q)
+    dk, dv = (runtime._empty_like(k), runtime._empty_like(v)) if dkdv else (None, None)
     lse = lse.contiguous()  # delta below shares its strides
     # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel
     # (launched after it on the same stream).
     delta = runtime._empty(lse.shape, torch.float32, lse.device)
     # (the backward kernels read no sinks: the LSE holds them)
-    signature = _signature("bwd", variant._replace(sinks=None), varlen, q, k, v, out, dout)
+    signature = _signature("bwd" if dkdv else "bwd_dq", variant._replace(sinks=None), varlen, q,
+                           k, v, out, dout)
     replays = recall(signature)
     ptrs = pointers(q, k, v, out, dout, lse, delta, dq, dk, dv) if replays is not None else None
     if ptrs is not None:
         q_, k_, v_, out_, dout_, lse_, delta_, dq_, dk_, dv_ = ptrs
         replays[0](q_, k_, v_, out_, dout_, lse_, delta_, dq_)
-        replays[1](q_, k_, v_, dout_, lse_, delta_, dk_, dv_)
+        if dkdv:
+            replays[1](q_, k_, v_, dout_, lse_, delta_, dk_, dv_)
         return dq, dk, dv, delta
     common, key = _common(q, varlen, SQ, SK, variant, v.shape[-1])
     cu = _cu(varlen)
@@ -125,6 +130,9 @@ def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[
         H, H // HKV, *_sizes(q, k, varlen, SQ, SK),
         USE_TMA=use_tma, **common,
     )
+    if not dkdv:
+        remember(signature, replay_dq)
+        return dq, dk, dv, delta
     # dK/dV reads each query block's LSE and delta by TMA too where their rows start 16-byte
     # aligned (delta is allocated like lse): no varlen offsets, SQ a multiple of 4.
     stats_tma = (use_tma and varlen is None and lse.data_ptr() % 16 == 0

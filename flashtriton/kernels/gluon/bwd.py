@@ -36,6 +36,15 @@ no per-head bound): the prep kernel pads each head's LSE rows to a multiple of 1
 mask walks both halves of its last 128-row query block) with +inf, so P = dS = 0 there and
 they add zeros.
 
+Head dim 256 (SPLIT, above SPLIT_DIM): a consumer's dK and dV of 64 keys would take 256
+registers a thread. There a program owns 64 keys, and both consumers compute S^T, P^T, dP^T and
+dS^T of all of them (redundantly: 7 products' work for the 4 counted), each then the dK and dV
+columns of its half of the head dim (dV += P^T dO[:, half], dK += dS^T Q[:, half]: 64 + 64
+registers). No dQ: the launcher runs the Triton dQ kernel beside it (which recomputes S and
+dP). dQ added here from registers by atomics (no shared memory is left for staging: K, V and
+two slots of Q and dO take 192 KB) ran at half the rate of the kernel without it, below the two
+kernels (docs/perf.md). Both halves are bitwise repeatable there.
+
 Variants: a window (HAS_LOWER / HAS_UPPER: query i sees keys i + LOWER .. i + UPPER; causal is
 HAS_UPPER with UPPER 0), softcap and ALiBi (kernels.common.scores, as the forward), and a block
 mask of 128-blocks (LISTED: the key block's row of the transposed lists names its full, then
@@ -45,12 +54,13 @@ keys (no mask), then masked ones again (a window's far edge, the ragged end, par
 The mask is kernels.mask.visible_by_key (beside the Triton kernels' visible); the slots of
 its scalar tuple are kernels/gluon/common.py's, the forward's.
 
-Scope: bf16 / fp16, head dims 64 and 128 (attention_backward runs it at
+Scope: bf16 / fp16, head dims 64, 128 and 256 (attention_backward runs it at
 configs.GLUON_BWD_HEAD_DIMS), SQ == SK, GQA, q / k / v / dO in the 2-D token-row views of
-launch._token_rows; the kernel static_asserts its tiles (64-row query blocks, 128-key
-programs, 4-warp partitions; configs.GLUON_BWD_BLOCK_M / _N hold them for the launcher).
+launch._token_rows, block masks at 64 and 128; the kernel static_asserts its tiles (64-row
+query blocks, 128-key programs (64 at 256), 4-warp partitions; configs.GLUON_BWD_BLOCK_M and
+gluon_bwd_block_n hold them for the launcher).
 The prep kernel (kernels.attn_bwd) computes the log2 LSE and delta of padded rows and zeroes
-the fp32 dQ buffer first. Gluon does not run in the interpreter:
+the fp32 dQ buffer (where there is one) first. Gluon does not run in the interpreter:
 tools/compile_check.py compiles this kernel for sm_90 on any machine, tests/test_gluon.py
 runs it on a Hopper GPU.
 """
@@ -77,6 +87,9 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
                                               coord, src.handle)
 
+
+# Head dims above SPLIT_DIM split the head dim between the consumers (module docstring).
+SPLIT_DIM = gl.constexpr(128)
 
 # The slots of a program's walk (cnt, m_lo, h0, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, off_b,
 # lst: _block_coords) and of its cfg (ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale,
@@ -240,23 +253,23 @@ def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr, TL, now, W: gl.const
 
 
 @gluon.jit
-def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, SEQ, qk_scale,
-                   var, st_layout: gl.constexpr, a_layout: gl.constexpr, MASK: gl.constexpr,
-                   HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
+def _dkdv_products(k_s, v_s, do_s, q_h, do_h, st, dk, dv, lse_s, delta_s, keys, cols, SEQ,
+                   qk_scale, var, st_layout: gl.constexpr, a_layout: gl.constexpr,
+                   MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                    HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, MASK_MOD: gl.constexpr,
                    S_DONE: gl.constexpr, LATE_DV: gl.constexpr):
-    """dP^T = V dO^T issued behind S^T = K Q^T (st: in flight, or S_DONE complete); P^T
-    while dP^T runs; dV += P^T dO issued, dS^T = P^T (dP^T - delta) while it runs;
-    dK += dS^T Q issued. var: the slots of gluon/common.py (VAR_KEY0: the program's first key,
-    one-sided ALiBi's anchor; VAR_QUERY0: the step's first query); lse_s and delta_s: the
-    step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key at or left of
-    the diagonal): the keys' part of the bias (common.alibi_part relative to the anchor)
-    here, the rows' part in lse2 (_lse2); MASK: a masked step (kernels.mask.visible_by_key:
-    keys past SEQ, the window, MASK_MOD). LATE_DV (consumer 1: the worker partition, 240
-    registers against the default partition's 248, spills where consumer 0 does not): dV's
-    product issued after dS^T is formed, so that the bf16 P^T it reads from registers is not
-    held through dS^T's arithmetic (fewer live registers, less overlap; +3-4% causal at
-    8K-16K on the H200). Returns
+    """dP^T = V dO^T issued behind S^T = K Q^T (st: in flight, or S_DONE complete); P^T while dP^T
+    runs; dV += P^T dO issued, dS^T = P^T (dP^T - delta) while it runs; dK += dS^T Q issued
+    (q_h, do_h: the columns of Q and dO that dK's and dV's products take: the consumer's half of
+    the head dim where it is split). var: the slots of gluon/common.py (VAR_KEY0: the program's
+    first key, one-sided ALiBi's anchor; VAR_QUERY0: the step's first query); lse_s and delta_s:
+    the step's rows' shared tiles. HAS_ALIBI 2 (one-sided ALiBi, every visible key at or left of
+    the diagonal): the keys' part of the bias (common.alibi_part relative to the anchor) here,
+    the rows' part in lse2 (_lse2); MASK: a masked step (kernels.mask.visible_by_key: keys past
+    SEQ, the window, MASK_MOD). LATE_DV (consumer 1: the worker partition, 240 registers against
+    the default partition's 248, spills where consumer 0 does not): dV's product issued after
+    dS^T is formed, so that the bf16 P^T it reads from registers is not held through dS^T's
+    arithmetic (fewer live registers, less overlap; +3-4% causal at 8K-16K on the H200). Returns
     dS^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
@@ -283,15 +296,15 @@ def _dkdv_products(k_s, v_s, q_s, do_s, st, dk, dv, lse_s, delta_s, keys, cols, 
     if LATE_DV:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
     else:
-        dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_s, dv,
+        dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_h, dv,
                            is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     delta = delta_s.load(gl.SliceLayout(0, st_layout))
     dst = (pg * (dpt - delta[None, :])).to(k_s.dtype)
     if LATE_DV:
-        dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_s, dv,
+        dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_h, dv,
                            is_async=True)
-    dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_s, dk, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_h, dk, is_async=True)
     return dst, dk, dv
 
 
@@ -315,26 +328,29 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
           MASK: gl.constexpr, HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
           HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr,
           MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr, TL, g=None):
-    """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's):
-    returns dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T,
-    issued by the step before, and this step issues the next one's (step last: its own
-    again, discarded) before it stages dQ, so that the product runs during the staging;
-    else the step issues its own. (Issued before the wait for the step's own products,
-    ptxas serializes the products for want of registers.) The rows' LSE and
-    delta come from the slot's shared tiles (stats_smem, loaded by the producer with Q and
-    dO). dQ's product: each group its column half (k_cols) over both groups' dS^T (they meet
-    at ds_ready every step); g: t // cnt, or None (_block_coords). MASK: 0 none, 1 the
-    step masked (visible_by_key), 2 none of the group's keys seen by the step's queries
-    (SKIP_EMPTY): its rows of dS^T are zeros, and S^T, dP^T, dV's and dK's products are not
-    issued (the step still meets the other group, adds its part of dQ and stages it)."""
+    """Query block t of the steps 0 .. last for consumer W (keys `keys`; cfg as _consume's): returns
+    dK, dV of its keys and S^T of the next step. EARLY_S: st is this step's S^T, issued by the
+    step before, and this step issues the next one's (step last: its own again, discarded)
+    before it stages dQ, so that the product runs during the staging; else the step issues its
+    own. (Issued before the wait for the step's own products, ptxas serializes the products for
+    want of registers.) The rows' LSE and delta come from the slot's shared tiles (stats_smem,
+    loaded by the producer with Q and dO). dQ's product: each group its column half (k_cols)
+    over both groups' dS^T (they meet at ds_ready every step), staged in dq_w for the producer's
+    reduction; none where the head dim is split (SPLIT: the groups meet all the same); g: t //
+    cnt, or None (_block_coords). MASK: 0 none, 1 the step masked (visible_by_key), 2 none of
+    the group's keys seen by the step's queries (SKIP_EMPTY): its rows of dS^T are zeros, and
+    S^T, dP^T, dV's and dK's products are not issued (the step still meets the other group, adds
+    its part of dQ and stages it)."""
     ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, anchor = cfg
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     KEYS: gl.constexpr = k_w.shape[0]
+    SPLIT: gl.constexpr = HEAD_DIM > SPLIT_DIM
+    DKV: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM  # a consumer's dK, dV columns
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DKV, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM // 2, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dkv_layout, k_width=2)
@@ -343,8 +359,13 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     _, _, _, _, h, m = _block_coords(t, walk, BLOCK_M, LISTED, g)
     slot = t % 2
     phase = (t // 2) & 1
-    q_s = q_smem.index(slot)
     do_s = do_smem.index(slot)
+    if SPLIT:  # this group's columns
+        q_h = q_smem.index(slot).slice(W * DKV, DKV, dim=1)
+        do_h = do_s.slice(W * DKV, DKV, dim=1)
+    else:
+        q_h = q_smem.index(slot)
+        do_h = do_s
     cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     slope2 = 0.0
     if HAS_ALIBI:
@@ -356,29 +377,37 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
         if not EARLY_S:
             s_now = _issue_s(t, q_smem, k_w, full, st_layout, None, t, W)
         lse_smem, delta_smem = stats_smem
-        dst, dk, dv = _dkdv_products(k_w, v_w, q_s, do_s, s_now, dk, dv, lse_smem.index(slot),
+        dst, dk, dv = _dkdv_products(k_w, v_w, do_s, q_h, do_h, s_now, dk, dv,
+                                     lse_smem.index(slot),
                                      delta_smem.index(slot), keys, cols, SEQ, qk_scale,
                                      (anchor, LOWER, UPPER, cap2, slope2, off_b, h, m * BLOCK_M),
                                      st_layout, a_layout, MASK == 1, HAS_LOWER, HAS_UPPER,
                                      HAS_SOFTCAP, HAS_ALIBI, MASK_MOD, EARLY_S, W == 1)
     _mark_step(TL, t, W, 1)  # dS^T formed, dK's product issued
-    # This group's rows of dS^T; dQ's product needs the other group's too.
-    ds_s = ds_smem.index(slot)
-    ds_s.slice(W * KEYS, KEYS, dim=0).store(dst)
-    fence_async_shared()
+    # This group's rows of dS^T: dQ's product needs the other group's too. (SPLIT: no dQ; the
+    # groups still meet, so that both are past a step when either leaves the walk.)
+    if not SPLIT:
+        ds_smem.index(slot).slice(W * KEYS, KEYS, dim=0).store(dst)
+        fence_async_shared()
     _mark_step(TL, t, W, 2)  # this group's dS^T stored, fenced
     gl.thread_barrier()  # (this partition's warps)
     mbarrier.arrive(ds_ready.index(slot), count=1)
     _mark_step(TL, t, W, 3)  # this group's warps met and arrived
     mbarrier.wait(ds_ready.index(slot), phase)
     _mark_step(TL, t, W, 4)  # both groups' dS^T stored
-    dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
-    dq = warpgroup_mma(ds_s.permute((1, 0)), k_cols, dq, use_acc=False, is_async=True)
-    _mark_step(TL, t, W, 5)  # dQ's product issued
-    if MASK == 2:
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    if SPLIT:
+        dq = 0.0
+        if MASK != 2:
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
     else:
-        dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
+        dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
+        dq = warpgroup_mma(ds_smem.index(slot).permute((1, 0)), k_cols, dq, use_acc=False,
+                           is_async=True)
+        _mark_step(TL, t, W, 5)  # dQ's product issued
+        if MASK == 2:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        else:
+            dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
     _mark_step(TL, t, W, 6)  # the step's products complete
     mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
     if EARLY_S:  # (mark 7: the next step's Q and dO landed)
@@ -386,8 +415,8 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     else:
         _mark_step(TL, t, W, 7)
     _mark_step(TL, t, W, 8)  # (EARLY_S) the next step's S^T issued
-    # Stage this group's dQ columns for the producer's reduction.
-    _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, W * 2 + slot, phase, TL, t, W)
+    if not SPLIT:  # this group's dQ columns, staged for the producer's reduction
+        _stage_dq(dq, sm_scale, dq_w, dq_empty, dq_full, W * 2 + slot, phase, TL, t, W)
     if EARLY_S:  # (no product in flight across the loop's branch: ptxas would serialize)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
     _mark_step(TL, t, W, 12)  # (EARLY_S) the next step's S^T complete
@@ -418,7 +447,8 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
              ONE_LOOP: gl.constexpr, SKIP_EMPTY: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
-    _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV. cfg = (ALIBI,
+    _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV (where the
+    head dim is split: the columns of its half). cfg = (ALIBI,
     stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER, the program's first
     key: one-sided ALiBi's anchor). SKIP_EMPTY (a walk in one loop with a bound, not listed):
     the steps whose queries see none of this group's keys (_empty_steps: outside [e0, e1))
@@ -427,16 +457,18 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     KEYS: gl.constexpr = k_w.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     dtype: gl.constexpr = k_w.dtype
+    SPLIT: gl.constexpr = HEAD_DIM > SPLIT_DIM
+    DKV: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DKV, 16])
     SEQ = cfg[CFG_SEQ]
     cnt = walk[WALK_CNT]
     GROUP, a, b = bounds
     keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=dkv_layout)
+    dk = gl.zeros([KEYS, DKV], gl.float32, layout=dkv_layout)
+    dv = gl.zeros([KEYS, DKV], gl.float32, layout=dkv_layout)
     mbarrier.wait(kv_full, 0)
     if W == 0:
         _mark(TL, 2)  # K and V have landed
@@ -482,18 +514,25 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     # Through shared memory (store_rows): dV into this group's rows of V (read by its own
     # products only), dK into the slot of Q (consumer 0) or dO (consumer 1) that the last
     # step does not use: both groups are past the step before it (this group has waited on
-    # the last step's ds_ready), and the producer loads no more.
+    # the last step's ds_ready), and the producer loads no more. SPLIT (both groups read all
+    # of V): dK and dV into this group's columns of that slot of Q and of dO.
     free = (GROUP * cnt) % 2
-    if W == 0:
+    off = walk[WALK_BATCH] * stride_kb + off_hk * stride_kh
+    if SPLIT:
+        dk_s = q_smem.index(free).slice(W * DKV, DKV, dim=1)
+        dv_s = do_smem.index(free).slice(W * DKV, DKV, dim=1)
+        off = off + W * DKV
+    elif W == 0:
         dk_s = q_smem.index(free)
+        dv_s = v_w
     else:
         dk_s = do_smem.index(free)
+        dv_s = v_w
     dk_s.store((dk * cfg[CFG_SM_SCALE]).to(dtype))
-    v_w.store(dv.to(dtype))
+    dv_s.store(dv.to(dtype))
     gl.thread_barrier()  # (this partition's warps)
-    off = walk[WALK_BATCH] * stride_kb + off_hk * stride_kh
     store_rows(dk_s, DK, off, key0, stride_kt, SEQ)
-    store_rows(v_w, DV, off, key0, stride_kt, SEQ)
+    store_rows(dv_s, DV, off, key0, stride_kt, SEQ)
     _mark(TL, 4 + 3 * W)  # dK and dV stored (issued)
 
 
@@ -517,17 +556,20 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
     2), then step t - 1's dQ reductions; a staging slot is released once its reductions
     have read it (tma.store_wait). (Requesting step t + 1 before step t - 1's reductions
-    did not pay: docs/journal/perf-journal.md.)"""
+    did not pay: docs/journal/perf-journal.md.) Where the head dim is split, the consumers
+    add dQ themselves: the producer only loads."""
+    SPLIT: gl.constexpr = q_desc.block_type.shape[1] > SPLIT_DIM
     for t in range(total + 1):
         if t < total:
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
             _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ, LISTED)
-        if t >= 1:
-            _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, DQ_MODE, LISTED)
-            if t >= 2:
-                tma.store_wait(2)  # step t - 2's reductions are done: free its staging slots
-                for w in gl.static_range(2):
-                    mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
+        if not SPLIT:
+            if t >= 1:
+                _reduce(dq_desc, dq_smem, dq_full, t - 1, walk, DQ_MODE, LISTED)
+                if t >= 2:
+                    tma.store_wait(2)  # step t - 2's reductions done: free its staging
+                    for w in gl.static_range(2):
+                        mbarrier.arrive(dq_empty.index(w * 2 + t % 2), count=1)
     tma.store_wait(0)
     _mark(TL, 6)  # the last reductions have read their staging
 
@@ -537,7 +579,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            DV, ALIBI, BMASK, stride_kb, stride_kt, stride_kh,
                            stride_ab, stride_ah, stride_bb, stride_bh, stride_bq, BM_N, H,
                            GROUP, SEQ, q_rb, q_rh, q_ch, o_rb, o_rh, o_ch, kv_rb, kv_rh, kv_ch,
-                           qk_scale, sm_scale, cap2, LOWER, UPPER, TL, DQ_MODE: gl.constexpr,
+                           qk_scale, sm_scale, cap2, LOWER, UPPER, TL,
+                           DQ_MODE: gl.constexpr,
                            HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr,
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
@@ -545,42 +588,48 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
                            SKIP_EMPTY: gl.constexpr, ORDER: gl.constexpr,
                            num_warps: gl.constexpr):
-    """Program (key block of 128, batch * KV head). The descriptors view q, k, v and dO as 2-D
-    token rows (launch._token_rows: head h of batch b starts at row b * rb + h * rh, column
-    h * ch); dq_desc views the fp32 dQ buffer, in q's layout (its rows and columns are q's),
-    in blocks of 64 x D / 2 (one per consumer); lse_desc and delta_desc view the prep
-    kernel's log2 LSE and delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks
-    of 64. dK and dV (strides stride_k*) take k's layout; TL: None, or (timing only) rows of
-    TL_ROW int64 per program (_mark, _mark_step). Variants as the module docstring
-    (qk_scale, cap2, LOWER, UPPER, ALIBI as the forward's; BMASK: the block mask's transposed
-    lists, one row per key block, shared by the group's query heads).
-    num_warps (4) is consumer 0; consumer 1 and the producer are worker partitions of 4
-    warps. The launch constants (CONSUMER_REGS .. ORDER, num_warps):
+    """Program (key block of 128, or of 64 where the head dim is split; batch * KV head). The
+    descriptors view q, k, v and dO as 2-D token rows (launch._token_rows: head h of batch b
+    starts at row b * rb + h * rh, column h * ch); dq_desc views the fp32 dQ buffer, in q's
+    layout (its rows and columns are q's), in blocks of 64 x D / 2 (one per consumer; None where
+    the head dim is split: no dQ); lse_desc and delta_desc view the prep kernel's log2 LSE and
+    delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
+    stride_k*) take k's layout; TL: None, or (timing only) rows of TL_ROW int64 per program
+    (_mark, _mark_step). Variants as the module docstring (qk_scale, cap2, LOWER, UPPER, ALIBI
+    as the forward's; BMASK: the block mask's transposed lists, one row per key block, shared by
+    the group's query heads). num_warps (4) is consumer 0; consumer 1 and the producer are
+    worker partitions of 4 warps. The launch constants (CONSUMER_REGS .. ORDER, num_warps):
     configs.gluon_bwd_options."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    KEYS: gl.constexpr = BLOCK_N // 2
-    # The tiles the kernel is written for (configs.GLUON_BWD_BLOCK_M / _N).
+    SPLIT: gl.constexpr = HEAD_DIM > SPLIT_DIM
+    KEYS: gl.constexpr = BLOCK_N if SPLIT else BLOCK_N // 2  # a consumer's keys
+    # The tiles the kernel is written for (configs.GLUON_BWD_BLOCK_M, gluon_bwd_block_n).
     gl.static_assert(num_warps == 4 and TL_WARPS == 4, "the Gluon backward: num_warps 4 (the "
                      "first consumer)")
     gl.static_assert(BLOCK_M == 64, "the Gluon backward: query blocks of 64 rows (the halves "
                      "of a block mask's 128)")
-    gl.static_assert(BLOCK_N == LIST_BLOCK, "the Gluon backward: 128 keys a program (two "
-                     "consumers of 64)")
-    gl.static_assert(HEAD_DIM == 64 or HEAD_DIM == 128, "the Gluon backward: head dim 64 or 128")
+    gl.static_assert(BLOCK_N == 64 if SPLIT else BLOCK_N == LIST_BLOCK, "the Gluon backward: "
+                     "128 keys a program (two consumers of 64), 64 where the head dim is split")
+    gl.static_assert(HEAD_DIM == 64 or HEAD_DIM == 128 or HEAD_DIM == 256,
+                     "the Gluon backward: head dim 64, 128 or 256")
+    gl.static_assert(not (SPLIT and LISTED), "the Gluon backward: block masks (of 128) at head "
+                     "dims 64 and 128")
     gl.static_assert(do_desc.block_type.shape[0] == BLOCK_M
                      and do_desc.block_type.shape[1] == HEAD_DIM
                      and k_desc.block_type.shape[1] == HEAD_DIM
                      and v_desc.block_type.shape[0] == BLOCK_N
                      and v_desc.block_type.shape[1] == HEAD_DIM,
                      "the Gluon backward: dO blocks as Q's, V blocks as K's")
-    gl.static_assert(dq_desc.block_type.shape[0] == BLOCK_M
-                     and dq_desc.block_type.shape[1] == HEAD_DIM // 2
-                     and lse_desc.block_type.shape[0] == BLOCK_M
+    gl.static_assert(lse_desc.block_type.shape[0] == BLOCK_M
                      and delta_desc.block_type.shape[0] == BLOCK_M,
-                     "the Gluon backward: dQ blocks of BLOCK_M x HEAD_DIM / 2 (one a consumer), "
-                     "LSE and delta blocks of BLOCK_M")
+                     "the Gluon backward: LSE and delta blocks of BLOCK_M")
+    if not SPLIT:
+        gl.static_assert(dq_desc.block_type.shape[0] == BLOCK_M
+                         and dq_desc.block_type.shape[1] == HEAD_DIM // 2,
+                         "the Gluon backward: dQ blocks of BLOCK_M x HEAD_DIM / 2 (one a "
+                         "consumer)")
     dtype: gl.constexpr = q_desc.dtype
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
 
@@ -607,10 +656,15 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    # staging: (consumer, slot) -> 64 x HEAD_DIM / 2 fp32
-    dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2],
-                                        dq_desc.layout)
+    if SPLIT:  # (no dQ)
+        ds_smem: gl.constexpr = None
+        dq_smem: gl.constexpr = None
+    else:
+        # dS^T: (slot) -> both consumers' rows; dQ's staging: (consumer, slot) -> 64 x
+        # HEAD_DIM / 2 fp32
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2],
+                                            dq_desc.layout)
     # the rows' log2 LSE and delta: (slot) -> 64 fp32 each
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                       rank=1)
@@ -640,6 +694,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     tma.async_copy_global_to_shared(k_desc, [kv_row, off_hk * kv_ch], kv_full, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, off_hk * kv_ch], kv_full, v_smem)
 
+    K1: gl.constexpr = 0 if SPLIT else KEYS  # consumer 1's first key in the block
     gl.warp_specialize(
         [(_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(0, KEYS, dim=0),
                      v_smem.slice(0, KEYS, dim=0), k_smem.slice(0, HEAD_DIM // 2, dim=1),
@@ -647,11 +702,11 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
                      EARLY_S, ONE_LOOP, SKIP_EMPTY, TL)),
-         (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(KEYS, KEYS, dim=0),
-                     v_smem.slice(KEYS, KEYS, dim=0),
+         (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(K1, KEYS, dim=0),
+                     v_smem.slice(K1, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
-                     stride_kb, stride_kt, stride_kh, n * BLOCK_N + KEYS, off_hk, cfg, 1,
+                     stride_kb, stride_kt, stride_kh, n * BLOCK_N + K1, off_hk, cfg, 1,
                      HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
                      EARLY_S, ONE_LOOP, SKIP_EMPTY, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
