@@ -132,7 +132,9 @@ def test_decode_tuner_times_the_gpu_not_the_host():
     alone = runtime.gpu_time_ms(kernel)[0]
     assert 0.005 < alone < 0.1, alone
     assert runtime.gpu_time_ms(slow_host)[0] < 1.5 * alone, alone
-    assert triton.testing.do_bench(slow_host, warmup=5, rep=20) > 0.25  # the host's 300 us
+    # the host's 300 us, less what do_bench's L2 flush before each start event overlaps
+    # (0.233-0.247 ms on an H100)
+    assert triton.testing.do_bench(slow_host, warmup=5, rep=20) > 0.15
 
 
 def test_flush_l2_leaves_no_write_back_on_the_timed_call():
