@@ -268,6 +268,12 @@ GLUON_BWD_KERNEL_HEAD_DIMS = (64, 128, 256)
 # memory with the rows' LSE and delta: 198 KB); dQ comes from the Triton dQ kernel; no block
 # masks there (their blocks are 128).
 GLUON_BWD_WIDE_BLOCK_N = 64
+# The head dims that the Gluon kernels run on zero-padded copies (launch.gluon_attn._padded) at
+# the kernel head dim gluon_head_dim gives: zero columns add nothing to Q K^T and give O, dQ,
+# dK and dV zero columns, which the copies back drop. The Triton kernels' tiles are padded to
+# a power of two as well (D=96 runs 128-wide tiles); the copies are predicted at 6-10% of a
+# call at 8K tokens.
+GLUON_PADDED_HEAD_DIMS = (80, 96, 112, 192)
 
 
 class OptionTable(dict):
@@ -336,6 +342,14 @@ DECODE_MERGE_IN_KERNEL = True
 DECODE_MERGE_MAX_BYTES = 40 << 20
 
 
+def gluon_head_dim(head_dim: int) -> int:
+    """The head dim the Gluon kernels run a call of this head dim at: the next kernel head dim
+    for GLUON_PADDED_HEAD_DIMS, its own otherwise."""
+    if head_dim in GLUON_PADDED_HEAD_DIMS:
+        return 128 if head_dim <= 128 else 256
+    return head_dim
+
+
 def gluon_fwd_block_n(head_dim: int) -> int:
     """The Gluon forward's key block at a head dim."""
     return GLUON_FWD_WIDE_BLOCK_N if head_dim > 128 else GLUON_FWD_BLOCK_N
@@ -354,7 +368,7 @@ def gluon_bwd_block_n(head_dim: int) -> int:
 
 def gluon_forward_first(head_dim: int, seqlen: int, causal: bool) -> bool:
     """Whether attention_forward tries the Gluon forward for this head dim and length."""
-    return head_dim in GLUON_FWD_HEAD_DIMS and (seqlen > GLUON_FWD_CAUSAL_MAX_TRITON or not causal)
+    return gluon_head_dim(head_dim) in GLUON_FWD_HEAD_DIMS and (seqlen > GLUON_FWD_CAUSAL_MAX_TRITON or not causal)
 
 
 def gluon_fwd_options(has_lower: bool) -> dict:
@@ -428,7 +442,7 @@ def snapshot() -> tuple:
             GLUON_ALIBI_ONE_SIDED, GLUON_BWD_HEAD_DIMS, GLUON_BWD_MIN_SEQLEN, GLUON_BWD_VARIANTS,
             GLUON_FWD_BLOCK_M, GLUON_FWD_BLOCK_N, GLUON_FWD_STAGES, GLUON_FWD_KERNEL_HEAD_DIMS,
             GLUON_FWD_WIDE_BLOCK_N, GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N,
-            GLUON_BWD_KERNEL_HEAD_DIMS, GLUON_BWD_WIDE_BLOCK_N,
+            GLUON_BWD_KERNEL_HEAD_DIMS, GLUON_BWD_WIDE_BLOCK_N, GLUON_PADDED_HEAD_DIMS,
             tuple(GLUON_FWD_OPTIONS.items()), tuple(GLUON_BWD_OPTIONS.items()),
             DECODE_MERGE_IN_KERNEL, DECODE_MERGE_MAX_BYTES, DECODE_MAX_ROWS,
             KVCACHE_PREFILL_MIN_ROWS, DENSE_SPLIT_MIN_KEYS))

@@ -76,7 +76,9 @@ def report() -> str:
                        "FLASHTRITON_TMA", _env.TMA, tma_not))
     dims = lambda ds: ", ".join(map(str, ds))  # noqa: E731
     lines.append(_path(f"Gluon forward (D={dims(configs.GLUON_FWD_HEAD_DIMS)}) and backward "
-                       f"(D={dims(configs.GLUON_BWD_HEAD_DIMS)})", "FLASHTRITON_GLUON",
+                       f"(D={dims(configs.GLUON_BWD_HEAD_DIMS)}; "
+                       f"D={dims(configs.GLUON_PADDED_HEAD_DIMS)} on zero-padded copies)",
+                       "FLASHTRITON_GLUON",
                        _env.GLUON, gluon_not))
     lines.append(_path("programmatic dependent launch of the decoding kernels", "FLASHTRITON_PDL",
                        _env.PDL, pdl_not))

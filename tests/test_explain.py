@@ -26,10 +26,10 @@ def test_explain_reports_the_policy_thresholds(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 4096)
     e = flashtriton.explain(*_qkv(N=64, D=128, dtype=torch.bfloat16))
     assert any("GLUON_BWD_MIN_SEQLEN" in r and "got 64" in r for r in e.reasons)
-    e = flashtriton.explain(*_qkv(N=4096, D=96, dtype=torch.bfloat16))
-    assert any(f"head dims {configs.GLUON_FWD_HEAD_DIMS}" in r and "head dim 96" in r
+    e = flashtriton.explain(*_qkv(N=4096, D=72, dtype=torch.bfloat16))
+    assert any(f"head dims {configs.GLUON_FWD_HEAD_DIMS}" in r and "head dim 72" in r
                for r in e.reasons)
-    assert any("GLUON_BWD_HEAD_DIMS" in r and "got 96" in r for r in e.reasons)
+    assert any("GLUON_BWD_HEAD_DIMS" in r and "got 72" in r for r in e.reasons)
 
 
 def test_explain_checks_its_arguments():
@@ -43,9 +43,11 @@ def test_explain_checks_its_arguments():
 @pytest.mark.parametrize("head_dim,seqlen,causal,first", [
     (128, 8192, True, True), (128, 512, True, False), (128, 513, True, True),
     (128, 256, False, True), (64, 8192, False, False), (256, 8192, True, True),
-    (256, 512, True, False), (96, 8192, False, False)])
+    (256, 512, True, False), (72, 8192, False, False), (96, 8192, False, True),
+    (192, 8192, True, True), (112, 512, True, False)])
 def test_gluon_forward_first(head_dim, seqlen, causal, first):
-    """configs.gluon_forward_first: head dims 128 and 256; causal calls from 513 queries."""
+    """configs.gluon_forward_first: head dims 128 and 256 and those padded to them
+    (GLUON_PADDED_HEAD_DIMS); causal calls from 513 queries."""
     assert configs.gluon_forward_first(head_dim, seqlen, causal) is first
 
 
@@ -61,3 +63,12 @@ def test_call_signature_holds_the_policy(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(configs, name, value)
             assert runtime.call_signature("fwd", (), q) != before, name
+
+
+@pytest.mark.parametrize("D,named", [(128, True), (96, True), (192, False), (256, False)])
+def test_deterministic_keeps_the_gluon_backward_up_to_head_dim_128(D, named):
+    """deterministic=True names the Gluon backward's varying dQ sums up to head dim 128 (96
+    padded to 128); over it the Gluon backward takes dQ from the Triton dQ kernel and stays
+    eligible."""
+    e = flashtriton.explain(*_qkv(N=2048, D=D, dtype=torch.bfloat16), deterministic=True)
+    assert any("deterministic=True" in r for r in e.reasons) is named

@@ -21,9 +21,10 @@ from flashtriton.launch import Variant, _token_rows, gluon_misfit
 
 HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-# (B, N, H, HKV, D): ragged ends, one block, GQA, both head dims
+# (B, N, H, HKV, D): ragged ends, one block, GQA, every kernel head dim and two padded ones
 SHAPES = [(2, 1000, 3, 3, 128), (1, 2048, 2, 2, 128), (2, 777, 2, 2, 64), (1, 128, 1, 1, 128),
-          (1, 100, 2, 2, 64), (2, 600, 8, 2, 128), (2, 777, 4, 2, 256), (1, 100, 2, 2, 256)]
+          (1, 100, 2, 2, 64), (2, 600, 8, 2, 128), (2, 777, 4, 2, 256), (1, 100, 2, 2, 256),
+          (2, 777, 4, 2, 96), (1, 300, 2, 2, 192)]
 
 
 def _heads_major(x):
@@ -89,6 +90,61 @@ def test_gluon_misfit_names_what_it_does_not_take():
     assert "block masks of 128" in launch.gluon_backward_misfit(None, *wide, listed)
     assert "tokens-major" in gluon_misfit(q, k, _heads_major(v), plain)  # k and v differ
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
+    # padded head dims run on copies: any layout
+    narrow = [x[..., :96] for x in (q, k, _heads_major(v))]
+    assert gluon_misfit(*narrow, plain) == reason
+    assert launch.gluon_backward_misfit(narrow[0], *narrow, plain) == reason
+    assert "head dims" in gluon_misfit(*(x[..., :72] for x in (q, k, v)), plain)
+
+
+@pytest.mark.parametrize("D,width", [(96, 128), (192, 256)])
+def test_padded_head_dims_copy_in_and_out(monkeypatch, D, width):
+    """At a padded head dim (configs.GLUON_PADDED_HEAD_DIMS) the Gluon launchers hand the
+    kernels zero-padded copies (width wide, q's softmax scale) and return O and the gradients
+    at D in the inputs' layouts: here around a float64 stand-in for the kernels, the inputs
+    heads-major and packed."""
+    from flashtriton.launch import gluon_attn
+    from flashtriton.reference import attention_reference
+    seen = []
+
+    def fwd_kernel(q, k, v, out, lse, variant):
+        seen.append(tuple(t.shape[-1] for t in (q, k, v, out)))
+        assert all(t[..., D:].abs().max() == 0 for t in (q, k, v))
+        r = attention_reference(q, k, v, causal=variant.causal,
+                                softmax_scale=variant.softmax_scale)
+        out.copy_(r.out)
+        lse.copy_(r.lse)
+        return "replay"
+
+    def bwd_kernels(dout, q, k, v, out, lse, variant, dq_mode, timeline):
+        seen.append(tuple(t.shape[-1] for t in (dout, q, k, v, out)))
+        qkv = [t.double().requires_grad_() for t in (q, k, v)]
+        o = attention_reference(*qkv, causal=variant.causal,
+                                softmax_scale=variant.softmax_scale).out
+        grads = torch.autograd.grad(o, qkv, dout.double())
+        delta = (dout.double() * out.double()).sum(-1).transpose(1, 2)
+        return (*(g.to(t.dtype) for g, t in zip(grads, (q, k, v))), delta)
+
+    monkeypatch.setattr(gluon_attn, "_gluon_forward_launch", fwd_kernel)
+    monkeypatch.setattr(gluon_attn, "_gluon_backward_kernels", bwd_kernels)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 40, 3, D, dtype=torch.float64) for _ in range(3))
+    q, k = _heads_major(q), _packed(k, v, v)[0]
+    variant = Variant(D ** -0.5, causal=True)
+    out, lse = torch.empty_like(q), torch.empty(2, 3, 40, dtype=torch.float64)
+    assert gluon_attn._gluon_forward(q, k, v, out, lse, variant) is None  # no replay
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*leaves, causal=True)
+    torch.testing.assert_close(out, ref.out.detach())
+    torch.testing.assert_close(lse, ref.lse.detach())
+    dout = torch.randn_like(q)
+    dq, dk, dv, delta = gluon_attn._gluon_backward(dout, q, k, v, out, lse, variant)
+    assert seen == [(width,) * 4, (width,) * 5]
+    for g, t, e in zip((dq, dk, dv), (q, k, v), torch.autograd.grad(ref.out, leaves, dout)):
+        assert g.stride() == runtime.output_like(t).stride()  # q's heads-major, k's dense
+        torch.testing.assert_close(g, e)
+    assert dq.stride() == q.stride()
+    torch.testing.assert_close(delta, (dout * out).sum(-1).transpose(1, 2))
 
 
 @needs_hopper
@@ -356,7 +412,8 @@ def bwd_options(request, monkeypatch):
 
 @needs_hopper
 @pytest.mark.parametrize("B,N,H,HKV,D", [s for s in SHAPES
-                                         if s[-1] in configs.GLUON_BWD_KERNEL_HEAD_DIMS])
+                                         if configs.gluon_head_dim(s[-1])
+                                         in configs.GLUON_BWD_KERNEL_HEAD_DIMS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gluon_backward_matches_reference(B, N, H, HKV, D, causal, dtype, bwd_options):
@@ -578,7 +635,7 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch, D):
     runs the warp-specialized Gluon backward from GLUON_BWD_MIN_SEQLEN tokens (lowered here to
     reach it at test size), GQA and an expanded dout included (against the float64
     reference); deterministic=True, torch.use_deterministic_algorithms, FLASHTRITON_GLUON=0, a
-    window, head dim 96 and shorter sequences run the Triton backward."""
+    window, head dim 72 and shorter sequences run the Triton backward."""
     calls = []
     real = launch._gluon_backward
     monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(1) or real(*a))
@@ -605,8 +662,8 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch, D):
     monkeypatch.setattr(_env, "GLUON", False)
     grads()
     monkeypatch.setattr(_env, "GLUON", True)
-    q96, k96, v96 = make_qkv(1, 600, 600, 2, 2, 96, torch.bfloat16, "cuda")
-    torch.autograd.grad(flash_attention(q96, k96, v96), (q96, k96, v96), torch.ones_like(q96))
+    q72, k72, v72 = make_qkv(1, 600, 600, 2, 2, 72, torch.bfloat16, "cuda")
+    torch.autograd.grad(flash_attention(q72, k72, v72), (q72, k72, v72), torch.ones_like(q72))
     grads(causal=True)  # reaches the Gluon backward: the calls above did not
     assert len(calls) == 4
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 1024)
@@ -615,17 +672,47 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch, D):
 
 
 @needs_hopper
-def test_deterministic_backward_is_bitwise_repeatable(monkeypatch):
-    """deterministic=True gives bitwise the same gradients run after run where the default
-    would run the Gluon backward (whose dQ sums vary in order)."""
+@pytest.mark.parametrize("D", configs.GLUON_PADDED_HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_padded_head_dims_run_gluon(monkeypatch, D):
+    """flash_attention at the padded head dims (configs.GLUON_PADDED_HEAD_DIMS) runs the Gluon
+    forward and backward on zero-padded copies (against the float64 reference, gradients
+    included, in SDPA's heads-major layout too)."""
+    monkeypatch.setattr(runtime, "_CALLS", {})
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
-    q, k, v = make_qkv(2, 1024, 1024, 4, 4, 128, torch.bfloat16, "cuda")
+    calls = []
+    for name in ("_gluon_forward", "_gluon_backward"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name,
+                            lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    q, k, v = make_qkv(2, 700, 700, 4, 2, D, torch.bfloat16, "cuda")
+    for causal in (False, True):
+        check_against_reference(
+            lambda q, k, v: flash_attention_with_lse(q, k, v, causal=causal), q, k, v, causal)
+    q, k, v = (_heads_major(x).requires_grad_() for x in (q, k, v))
+    check_against_reference(
+        lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True), q, k, v, True)
+    assert calls == ["_gluon_forward", "_gluon_backward"] * 3
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [128, 192, 256], ids=lambda d: f"d{d}")
+def test_deterministic_backward_is_bitwise_repeatable(monkeypatch, D):
+    """deterministic=True gives bitwise the same gradients run after run: on the Triton
+    backward where the default would run the Gluon backward (whose dQ sums vary in order), on
+    the Gluon backward over head dim 128 (dK and dV from its programs' own sums, dQ from the
+    Triton dQ kernel)."""
+    monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
+    calls = []
+    real = launch._gluon_backward
+    monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(1) or real(*a))
+    q, k, v = make_qkv(2, 1024, 1024, 4, 2, D, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     runs = [torch.autograd.grad(flash_attention(q, k, v, causal=True, deterministic=True),
                                 (q, k, v), dout) for _ in range(3)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+    assert len(calls) == (3 if D > 128 else 0)
 
 
 

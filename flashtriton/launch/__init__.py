@@ -47,7 +47,7 @@ def forward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Va
         return "triton", ["gluon: batch_invariant runs the Triton forward's one fixed tile"]
     if not configs.gluon_forward_first(D, SQ, variant.causal):
         return "triton", [f"gluon: the forward takes it at head dims {configs.GLUON_FWD_HEAD_DIMS}"
-                          f" and causal sequences over {configs.GLUON_FWD_CAUSAL_MAX_TRITON} "
+                          f" ({configs.GLUON_PADDED_HEAD_DIMS} padded) and causal sequences over {configs.GLUON_FWD_CAUSAL_MAX_TRITON} "
                           f"(configs), got head dim {D}, {SQ} queries, causal={variant.causal}"]
     reason = gluon_misfit(q, k, v, variant, varlen, variants=configs.GLUON_VARIANTS)
     if reason is not None:
@@ -61,13 +61,16 @@ def backward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
     taken do not run it."""
     if not _env.GLUON:
         return "triton", ["gluon: FLASHTRITON_GLUON=0"]
-    if variant.deterministic:
+    width = configs.gluon_head_dim(q.shape[-1])
+    if variant.deterministic and not configs.gluon_bwd_split(width):
+        # (over head dim 128 dQ comes from the Triton dQ kernel: no sums in varying order)
         return "triton", ["gluon: its dQ sums vary in order from run to run (deterministic=True)"]
     if varlen is not None:
         return "triton", ["gluon: the Gluon backward takes dense batches"]
-    if q.shape[-1] not in configs.GLUON_BWD_HEAD_DIMS:
+    if width not in configs.GLUON_BWD_HEAD_DIMS:
         return "triton", [f"gluon: the backward takes head dims {configs.GLUON_BWD_HEAD_DIMS} "
-                          f"(configs.GLUON_BWD_HEAD_DIMS), got {q.shape[-1]}"]
+                          f"(configs.GLUON_BWD_HEAD_DIMS) and {configs.GLUON_PADDED_HEAD_DIMS} "
+                          f"padded, got {q.shape[-1]}"]
     if q.shape[1] < configs.GLUON_BWD_MIN_SEQLEN:
         return "triton", [f"gluon: the backward takes it from {configs.GLUON_BWD_MIN_SEQLEN} "
                           f"tokens (configs.GLUON_BWD_MIN_SEQLEN), got {q.shape[1]}"]

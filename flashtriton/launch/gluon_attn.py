@@ -8,6 +8,7 @@ import functools
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from .. import _env, configs, runtime
@@ -80,22 +81,25 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
                  variants: bool = False) -> Optional[str]:
     """Why the Gluon forward (kernels/gluon/fwd.py) cannot run this call, or None: it takes a
     Hopper GPU, bf16 / fp16, dense batches with SQ == SK, head dims head_dims (None:
-    configs.GLUON_FWD_KERNEL_HEAD_DIMS), plain or causal attention with a positive scale
-    (variants: also windows, softcap, ALiBi and block masks of configs.GLUON_FWD_BLOCK_N),
-    and q, k, v in a layout of _token_rows (k and v alike)."""
+    configs.GLUON_FWD_KERNEL_HEAD_DIMS) or configs.GLUON_PADDED_HEAD_DIMS padded to one of
+    them, plain or causal attention with a positive scale (variants: also windows, softcap,
+    ALiBi and block masks of configs.GLUON_FWD_BLOCK_N), and q, k, v in a layout of
+    _token_rows (k and v alike; any layout at a padded head dim, which runs on copies)."""
     if head_dims is None:
         head_dims = configs.GLUON_FWD_KERNEL_HEAD_DIMS
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
         return f"the Gluon forward takes bf16 or fp16, got {q.dtype}, {k.dtype}, {v.dtype}"
     if varlen is not None or q.dim() != 4 or q.shape[1] != k.shape[1]:
         return "the Gluon forward takes dense batches with as many queries as keys"
-    if q.shape[-1] not in head_dims or v.shape[-1] != q.shape[-1]:
-        return (f"the Gluon forward takes head dims {head_dims} (v's as q's), got "
-                f"{q.shape[-1]} (v {v.shape[-1]})")
+    width = configs.gluon_head_dim(q.shape[-1])
+    if width not in head_dims or v.shape[-1] != q.shape[-1]:
+        return (f"the Gluon forward takes head dims {head_dims} (v's as q's) and "
+                f"{configs.GLUON_PADDED_HEAD_DIMS} padded, got {q.shape[-1]} "
+                f"(v {v.shape[-1]})")
     w = variant
     windowed = _windowed(w)
     listed = (w.kv_blocks is not None and w.block_size == configs.GLUON_FWD_BLOCK_N
-              == configs.gluon_fwd_block_n(q.shape[-1])
+              == configs.gluon_fwd_block_n(width)
               and w.mask_mod is not None and not w.causal and not windowed)
     if (w.attn_mask is not None or w.dropout_p or w.score_mod is not None
             or (w.mask_mod is not None or w.kv_blocks is not None) and not listed
@@ -105,7 +109,8 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
         return ("the Gluon forward takes plain or causal attention with softmax_scale > 0"
                 + (", windows, softcap, ALiBi and block masks of %d" % configs.GLUON_FWD_BLOCK_N
                    if variants else ""))
-    if k.stride() != v.stride() or _token_rows(q) is None or _token_rows(k) is None:
+    if width == q.shape[-1] and (k.stride() != v.stride() or _token_rows(q) is None
+                                 or _token_rows(k) is None):
         return ("the Gluon forward takes q, k, v tokens-major or heads-major, 16-byte "
                 "aligned, k and v alike")
     if _env.INTERPRET or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -133,9 +138,35 @@ def _gluon_alibi(common, alibi) -> int:
     return 2 if configs.GLUON_ALIBI_ONE_SIDED and common["HAS_ALIBI"] == 2 else 1
 
 
-def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
-    """Launch kernels/gluon/fwd.py on tensors that gluon_misfit passed. The variant's window,
-    softcap and ALiBi arguments come from _common (the Triton kernels' definitions)."""
+def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t with zero columns up to head dim width: a fresh, dense tokens-major copy."""
+    return F.pad(t, (0, width - t.shape[-1]))
+
+
+def _cut(wide: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """wide's first like.shape[-1] columns, copied into a new tensor of like's layout."""
+    out = runtime._empty_like(like)
+    out.copy_(wide[..., :like.shape[-1]])
+    return out
+
+
+def _gluon_forward(q, k, v, out, lse, variant: Variant) -> Optional[GluonReplay]:
+    """Launch kernels/gluon/fwd.py on tensors that gluon_misfit passed; at a padded head dim
+    (configs.GLUON_PADDED_HEAD_DIMS) on zero-padded copies of q, k, v, O copied back into
+    out, and no replay (a replay's pointers would be the copies')."""
+    width = configs.gluon_head_dim(q.shape[-1])
+    if width == q.shape[-1]:
+        return _gluon_forward_launch(q, k, v, out, lse, variant)
+    q = _padded(q, width)
+    wide = runtime._empty_like(q)
+    _gluon_forward_launch(q, _padded(k, width), _padded(v, width), wide, lse, variant)
+    out.copy_(wide[..., :out.shape[-1]])
+    return None
+
+
+def _gluon_forward_launch(q, k, v, out, lse, variant: Variant) -> GluonReplay:
+    """Launch kernels/gluon/fwd.py at q's head dim. The variant's window, softcap and ALiBi
+    arguments come from _common (the Triton kernels' definitions)."""
     from ..kernels.gluon import fwd
     B, N, H, D = q.shape
     bm, bn = configs.GLUON_FWD_BLOCK_M, configs.gluon_fwd_block_n(D)
@@ -186,7 +217,8 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward alone (tests and benchmarks; attention_forward chooses it where it
     fits at configs.GLUON_FWD_HEAD_DIMS, its variants while GLUON_VARIANTS is on): O in q's
-    layout and the natural-log LSE (B, H, N); head dims configs.GLUON_FWD_KERNEL_HEAD_DIMS;
+    layout and the natural-log LSE (B, H, N); head dims configs.GLUON_FWD_KERNEL_HEAD_DIMS
+    and configs.GLUON_PADDED_HEAD_DIMS (on zero-padded copies);
     flash-attn's window_size, softcap and alibi_slopes, or a block_mask of 128-blocks
     (flashtriton.block_mask; not at head dim 256). Raises ValueError
     where gluon_misfit names a reason."""
@@ -236,7 +268,8 @@ def gluon_backward_misfit(dout: Optional[torch.Tensor], q: torch.Tensor, k: torc
     if reason is None and blocks is not None and blocks.shape[1] > 1 and q.shape[2] > k.shape[2]:
         reason = "the Gluon backward takes GQA with a block mask shared by the heads (H=None)"
     if reason is None and dout is not None and (
-            dout.shape != q.shape or dout.dtype != q.dtype or _token_rows(dout) is None):
+            dout.shape != q.shape or dout.dtype != q.dtype
+            or _token_rows(dout) is None and q.shape[-1] not in configs.GLUON_PADDED_HEAD_DIMS):
         reason = "the Gluon backward takes dout in q's dtype, tokens-major or heads-major"
     if reason is None and dq_mode not in (1, 2):
         reason = f"the Gluon backward takes _dq_mode 2 or 1, got {dq_mode}"
@@ -263,7 +296,21 @@ class GluonBwdReplay(NamedTuple):
 
 def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
                     timeline=None):
-    """Launch kernels/gluon/bwd.py on tensors that gluon_backward_misfit passed: the prep
+    """dQ, dK, dV and delta from the Gluon backward (_gluon_backward_kernels) on tensors that
+    gluon_backward_misfit passed; at a padded head dim (configs.GLUON_PADDED_HEAD_DIMS) on
+    zero-padded copies of dout, q, k, v and out, the gradients copied back in the layouts of
+    q, k, v."""
+    width = configs.gluon_head_dim(q.shape[-1])
+    if width == q.shape[-1]:
+        return _gluon_backward_kernels(dout, q, k, v, out, lse, variant, dq_mode, timeline)
+    wide = [_padded(t, width) for t in (dout, q, k, v, out)]
+    dq, dk, dv, delta = _gluon_backward_kernels(*wide, lse, variant, dq_mode, timeline)
+    return _cut(dq, q), _cut(dk, k), _cut(dv, v), delta
+
+
+def _gluon_backward_kernels(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
+                            timeline=None):
+    """Launch kernels/gluon/bwd.py at q's head dim: the prep
     kernel (the log2 LSE and delta, each head's rows padded to a multiple of
     configs.GLUON_BWD_BLOCK_N, and a zeroed fp32 dQ buffer), the backward, and dQ's copy
     into q's layout; a call whose signature (_gluon_signature; none for timing runs) was
@@ -378,7 +425,8 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     """The Gluon backward (kernels/gluon/bwd.py) alone (tests and benchmarks; attention_backward
     chooses it where it fits): dQ, dK, dV in the layouts of q, k, v from the forward's out and
     natural-log lse (B, H, N); the options as attention_forward_gluon's. dQ is summed in an
-    order that varies from run to run (not bitwise repeatable). _dq_mode: 2 TMA reductions, 1
+    order that varies from run to run (not bitwise repeatable) up to head dim 128; over it,
+    dQ comes from the Triton dQ kernel and every gradient is repeatable. _dq_mode: 2 TMA reductions, 1
     dQ not added (timing only); _timeline: gluon/bwd._mark's rows (timing only; programs x
     gluon/bwd.TL_ROW int64). Raises ValueError where gluon_backward_misfit names a reason."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or dout.shape != q.shape:
@@ -387,7 +435,8 @@ def attention_backward_gluon(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                          f"{tuple(v.shape)}")
     if _timeline is not None:
         from ..kernels.gluon import bwd
-        rows = (configs.cdiv(q.shape[1], configs.gluon_bwd_block_n(q.shape[-1])) * q.shape[0]
+        block_n = configs.gluon_bwd_block_n(configs.gluon_head_dim(q.shape[-1]))
+        rows = (configs.cdiv(q.shape[1], block_n) * q.shape[0]
                 * k.shape[2],
                 bwd.TL_ROW.value)
         if (tuple(_timeline.shape) != rows or _timeline.dtype != torch.int64
