@@ -263,10 +263,10 @@ GLUON_BWD_BLOCK_M = 64
 GLUON_BWD_BLOCK_N = 128
 GLUON_BWD_KERNEL_HEAD_DIMS = (64, 128, 256)
 # At head dim 256 the backward's programs take GLUON_BWD_WIDE_BLOCK_N keys, and both consumers
-# all of them, each with half the head dim: a consumer's dK and dV (64 x 128 fp32 each) beside
-# S^T and dP^T (64 x 64) in its registers, K, V and two slots of Q and dO (192 KB of shared
-# memory with the rows' LSE and delta: 198 KB); dQ comes from the Triton dQ kernel; no block
-# masks there (their blocks are 128).
+# all of them, each with half the head dim and half the step's rows: a consumer's dK and dV
+# (64 x 128 fp32 each) beside S^T and dP^T (64 x 32) in its registers; K, V, two slots of Q
+# and dO and both consumers' P^T and dS^T (225 KB of shared memory with the rows' LSE and
+# delta); dQ comes from the Triton dQ kernel; no block masks there (their blocks are 128).
 GLUON_BWD_WIDE_BLOCK_N = 64
 # The head dims that the Gluon kernels run on zero-padded copies (launch.gluon_attn._padded) at
 # the kernel head dim gluon_head_dim gives: zero columns add nothing to Q K^T and give O, dQ,

@@ -37,13 +37,15 @@ mask walks both halves of its last 128-row query block) with +inf, so P = dS = 0
 they add zeros.
 
 Head dim 256 (SPLIT, above SPLIT_DIM): a consumer's dK and dV of 64 keys would take 256
-registers a thread. There a program owns 64 keys, and both consumers compute S^T, P^T, dP^T and
-dS^T of all of them (redundantly: 7 products' work for the 4 counted), each then the dK and dV
-columns of its half of the head dim (dV += P^T dO[:, half], dK += dS^T Q[:, half]: 64 + 64
-registers). No dQ: the launcher runs the Triton dQ kernel beside it (which recomputes S and
-dP). dQ added here from registers by atomics (no shared memory is left for staging: K, V and
-two slots of Q and dO take 192 KB) ran at half the rate of the kernel without it, below the two
-kernels (docs/perf.md). Both halves are bitwise repeatable there.
+registers a thread. There a program owns 64 keys, both consumers all of them, and each
+consumer the dK and dV columns of its half of the head dim (64 + 64 registers). Each computes
+S^T, dP^T, P^T and dS^T of the 64 keys over its half of the step's 64 rows (64 x 32), adds
+dV[:, half] += P^T dO[rows, half] and dK[:, half] += dS^T Q[rows, half] from its registers,
+stores P^T and dS^T in shared memory (32 KB for both slots), and once the consumers meet adds
+the same products over the other consumer's rows from there: the 4 counted products, none
+twice. No dQ: the launcher runs the Triton dQ kernel beside it (which recomputes S and dP).
+dQ added here from registers by atomics ran at half the rate of the kernel without it, below
+the two kernels (docs/perf.md). Both kernels are bitwise repeatable there.
 
 Variants: a window (HAS_LOWER / HAS_UPPER: query i sees keys i + LOWER .. i + UPPER; causal is
 HAS_UPPER with UPPER 0), softcap and ALiBi (kernels.common.scores, as the forward), and a block
@@ -240,16 +242,20 @@ def _lse2(lse_s, cols, var, layout: gl.constexpr, HAS_ALIBI: gl.constexpr):
 
 
 @gluon.jit
-def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr, TL, now, W: gl.constexpr):
+def _issue_s(t, q_smem, k_s, full, st_layout: gl.constexpr, TL, now, W: gl.constexpr,
+             SPLIT: gl.constexpr):
     """S^T = K Q^T of step t, issued (asynchronous) once its Q and dO blocks have landed in
-    slot t % 2 (TL: mark 7 of consumer W's step `now` then)."""
+    slot t % 2 (TL: mark 7 of consumer W's step `now` then): over the block's rows, or
+    (SPLIT) over consumer W's half of them."""
     KEYS: gl.constexpr = k_s.shape[0]
-    ROWS: gl.constexpr = q_smem.shape[1]
+    ROWS: gl.constexpr = q_smem.shape[1] // 2 if SPLIT else q_smem.shape[1]
     mbarrier.wait(full.index(t % 2), (t // 2) & 1)
     _mark_step(TL, now, W, 7)
     zero = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
-    return warpgroup_mma(k_s, q_smem.index(t % 2).permute((1, 0)), zero, use_acc=False,
-                         is_async=True)
+    q_s = q_smem.index(t % 2)
+    if SPLIT:
+        q_s = q_s.slice(W * ROWS, ROWS, dim=0)
+    return warpgroup_mma(k_s, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -270,7 +276,7 @@ def _dkdv_products(k_s, v_s, do_s, q_h, do_h, st, dk, dv, lse_s, delta_s, keys, 
     the default partition's 248, spills where consumer 0 does not): dV's product issued after
     dS^T is formed, so that the bf16 P^T it reads from registers is not held through dS^T's
     arithmetic (fewer live registers, less overlap; +3-4% causal at 8K-16K on the H200). Returns
-    dS^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
+    dS^T and P^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]
     zero = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
@@ -296,16 +302,16 @@ def _dkdv_products(k_s, v_s, do_s, q_h, do_h, st, dk, dv, lse_s, delta_s, keys, 
     if LATE_DV:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
     else:
-        dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_h, dv,
-                           is_async=True)
+        ptb = pt.to(k_s.dtype)
+        dv = warpgroup_mma(gl.convert_layout(ptb, a_layout), do_h, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
     delta = delta_s.load(gl.SliceLayout(0, st_layout))
     dst = (pg * (dpt - delta[None, :])).to(k_s.dtype)
     if LATE_DV:
-        dv = warpgroup_mma(gl.convert_layout(pt.to(k_s.dtype), a_layout), do_h, dv,
-                           is_async=True)
+        ptb = pt.to(k_s.dtype)
+        dv = warpgroup_mma(gl.convert_layout(ptb, a_layout), do_h, dv, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_h, dk, is_async=True)
-    return dst, dk, dv
+    return dst, ptb, dk, dv
 
 
 @gluon.jit
@@ -336,8 +342,11 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     want of registers.) The rows' LSE and delta come from the slot's shared tiles (stats_smem,
     loaded by the producer with Q and dO). dQ's product: each group its column half (k_cols)
     over both groups' dS^T (they meet at ds_ready every step), staged in dq_w for the producer's
-    reduction; none where the head dim is split (SPLIT: the groups meet all the same); g: t //
-    cnt, or None (_block_coords). MASK: 0 none, 1 the step masked (visible_by_key), 2 none of
+    reduction. SPLIT (the head dim split, both groups over the same keys): each group computes
+    S^T, dP^T, P^T and dS^T of its half of the step's rows and their parts of its columns of dK
+    and dV from registers, stores P^T and dS^T in ds_smem (slot * 2 + W and 4 + slot * 2 + W),
+    and once the groups meet adds the other half's parts from there; no dQ. g: t // cnt, or
+    None (_block_coords). MASK: 0 none, 1 the step masked (visible_by_key), 2 none of
     the group's keys seen by the step's queries (SKIP_EMPTY): its rows of dS^T are zeros, and
     S^T, dP^T, dV's and dK's products are not issued (the step still meets the other group, adds
     its part of dQ and stages it)."""
@@ -347,8 +356,10 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     KEYS: gl.constexpr = k_w.shape[0]
     SPLIT: gl.constexpr = HEAD_DIM > SPLIT_DIM
     DKV: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM  # a consumer's dK, dV columns
+    ROWS: gl.constexpr = BLOCK_M // 2 if SPLIT else BLOCK_M  # a consumer's rows of S^T
+    ROW0: gl.constexpr = W * ROWS if SPLIT else 0
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DKV, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -360,33 +371,45 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     slot = t % 2
     phase = (t // 2) & 1
     do_s = do_smem.index(slot)
-    if SPLIT:  # this group's columns
-        q_h = q_smem.index(slot).slice(W * DKV, DKV, dim=1)
+    if SPLIT:  # this group's rows (S^T, dP^T) and columns (dK, dV)
+        do_s = do_s.slice(ROW0, ROWS, dim=0)
+        q_h = q_smem.index(slot).slice(ROW0, ROWS, dim=0).slice(W * DKV, DKV, dim=1)
         do_h = do_s.slice(W * DKV, DKV, dim=1)
+        query0 = m * BLOCK_M + ROW0
     else:
         q_h = q_smem.index(slot)
         do_h = do_s
-    cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        query0 = m * BLOCK_M
+    cols = query0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, st_layout))
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(ALIBI + off_b * stride_ab + h * stride_ah) * LOG2E
     if MASK == 2:  # (Q and dO unread: the other group waited for them)
-        dst = gl.zeros([KEYS, BLOCK_M], k_w.dtype, layout=st_layout)
+        dst = gl.zeros([KEYS, ROWS], k_w.dtype, layout=st_layout)
     else:
         s_now = st
         if not EARLY_S:
-            s_now = _issue_s(t, q_smem, k_w, full, st_layout, None, t, W)
-        lse_smem, delta_smem = stats_smem
-        dst, dk, dv = _dkdv_products(k_w, v_w, do_s, q_h, do_h, s_now, dk, dv,
-                                     lse_smem.index(slot),
-                                     delta_smem.index(slot), keys, cols, SEQ, qk_scale,
-                                     (anchor, LOWER, UPPER, cap2, slope2, off_b, h, m * BLOCK_M),
-                                     st_layout, a_layout, MASK == 1, HAS_LOWER, HAS_UPPER,
-                                     HAS_SOFTCAP, HAS_ALIBI, MASK_MOD, EARLY_S, W == 1)
+            s_now = _issue_s(t, q_smem, k_w, full, st_layout, None, t, W, SPLIT)
+        lse_s = stats_smem[0].index(slot)
+        delta_s = stats_smem[1].index(slot)
+        if SPLIT:
+            lse_s = lse_s.slice(ROW0, ROWS, dim=0)
+            delta_s = delta_s.slice(ROW0, ROWS, dim=0)
+        dst, pt, dk, dv = _dkdv_products(k_w, v_w, do_s, q_h, do_h, s_now, dk, dv, lse_s,
+                                         delta_s, keys, cols, SEQ, qk_scale,
+                                         (anchor, LOWER, UPPER, cap2, slope2, off_b, h, query0),
+                                         st_layout, a_layout, MASK == 1, HAS_LOWER, HAS_UPPER,
+                                         HAS_SOFTCAP, HAS_ALIBI, MASK_MOD, EARLY_S, W == 1)
     _mark_step(TL, t, W, 1)  # dS^T formed, dK's product issued
-    # This group's rows of dS^T: dQ's product needs the other group's too. (SPLIT: no dQ; the
-    # groups still meet, so that both are past a step when either leaves the walk.)
-    if not SPLIT:
+    # This group's rows of dS^T: dQ's product needs the other group's too. SPLIT: its P^T and
+    # dS^T, for the other group's dK and dV columns (none on an empty step, for either group:
+    # they own the same keys).
+    if SPLIT:
+        if MASK != 2:
+            ds_smem.index(slot * 2 + W).store(pt)
+            ds_smem.index(4 + slot * 2 + W).store(dst)
+            fence_async_shared()
+    else:
         ds_smem.index(slot).slice(W * KEYS, KEYS, dim=0).store(dst)
         fence_async_shared()
     _mark_step(TL, t, W, 2)  # this group's dS^T stored, fenced
@@ -397,7 +420,12 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     _mark_step(TL, t, W, 4)  # both groups' dS^T stored
     if SPLIT:
         dq = 0.0
-        if MASK != 2:
+        if MASK != 2:  # the other group's rows: dV += P^T dO, dK += dS^T Q over its half
+            O: gl.constexpr = 1 - W
+            q_o = q_smem.index(slot).slice(O * ROWS, ROWS, dim=0).slice(W * DKV, DKV, dim=1)
+            do_o = do_smem.index(slot).slice(O * ROWS, ROWS, dim=0).slice(W * DKV, DKV, dim=1)
+            dv = warpgroup_mma(ds_smem.index(slot * 2 + O), do_o, dv, is_async=True)
+            dk = warpgroup_mma(ds_smem.index(4 + slot * 2 + O), q_o, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
     else:
         dq = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=dq_layout)
@@ -411,7 +439,7 @@ def _step(t, last, st, walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, f
     _mark_step(TL, t, W, 6)  # the step's products complete
     mbarrier.arrive(empty.index(slot), count=1)  # Q, dO and dS^T of this slot: read
     if EARLY_S:  # (mark 7: the next step's Q and dO landed)
-        st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout, TL, t, W)
+        st = _issue_s(gl.minimum(t + 1, last), q_smem, k_w, full, st_layout, TL, t, W, SPLIT)
     else:
         _mark_step(TL, t, W, 7)
     _mark_step(TL, t, W, 8)  # (EARLY_S) the next step's S^T issued
@@ -459,8 +487,9 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     dtype: gl.constexpr = k_w.dtype
     SPLIT: gl.constexpr = HEAD_DIM > SPLIT_DIM
     DKV: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
+    ROWS: gl.constexpr = BLOCK_M // 2 if SPLIT else BLOCK_M  # a consumer's rows of S^T
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DKV, 16])
     SEQ = cfg[CFG_SEQ]
@@ -474,9 +503,9 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
         _mark(TL, 2)  # K and V have landed
     last = GROUP * cnt - 1
     if cnt > 0:  # (EARLY_S: the first S^T waits for step 0's blocks; a walk may be empty)
-        st = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=st_layout)
+        st = gl.zeros([KEYS, ROWS], gl.float32, layout=st_layout)
         if EARLY_S:
-            st = _issue_s(0, q_smem, k_w, full, st_layout, None, 0, W)
+            st = _issue_s(0, q_smem, k_w, full, st_layout, None, 0, W, SPLIT)
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
         ring = (walk, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, full, empty, ds_ready,
                 dq_full, dq_empty, stats_smem)
@@ -556,8 +585,8 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
     """The producer: step t's Q and dO once both consumers have released the slot (step t -
     2), then step t - 1's dQ reductions; a staging slot is released once its reductions
     have read it (tma.store_wait). (Requesting step t + 1 before step t - 1's reductions
-    did not pay: docs/journal/perf-journal.md.) Where the head dim is split, the consumers
-    add dQ themselves: the producer only loads."""
+    did not pay: docs/journal/perf-journal.md.) Where the head dim is split (no dQ) the
+    producer only loads."""
     SPLIT: gl.constexpr = q_desc.block_type.shape[1] > SPLIT_DIM
     for t in range(total + 1):
         if t < total:
@@ -631,7 +660,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                          "the Gluon backward: dQ blocks of BLOCK_M x HEAD_DIM / 2 (one a "
                          "consumer)")
     dtype: gl.constexpr = q_desc.dtype
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    DS_ROWS: gl.constexpr = BLOCK_M // 2 if SPLIT else BLOCK_M  # a consumer's rows of S^T
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DS_ROWS], dtype)
 
     _mark(TL, 0)  # the program starts
     _mark(TL, 1)
@@ -656,8 +686,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    if SPLIT:  # (no dQ)
-        ds_smem: gl.constexpr = None
+    if SPLIT:  # P^T, dS^T: (kind * 4 + slot * 2 + consumer) -> its 64 x 32 (no dQ)
+        ds_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_N, DS_ROWS], ds_layout)
         dq_smem: gl.constexpr = None
     else:
         # dS^T: (slot) -> both consumers' rows; dQ's staging: (consumer, slot) -> 64 x
