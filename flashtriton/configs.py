@@ -270,9 +270,8 @@ GLUON_BWD_KERNEL_HEAD_DIMS = (64, 128, 256)
 GLUON_BWD_WIDE_BLOCK_N = 64
 # The head dims that the Gluon kernels run on zero-padded copies (launch.gluon_attn._padded) at
 # the kernel head dim gluon_head_dim gives: zero columns add nothing to Q K^T and give O, dQ,
-# dK and dV zero columns, which the copies back drop. The Triton kernels' tiles are padded to
-# a power of two as well (D=96 runs 128-wide tiles); the copies are predicted at 6-10% of a
-# call at 8K tokens.
+# dK and dV zero columns, which the copies back drop (the Triton kernels' tiles are padded to a
+# power of two as well: D=96 runs 128-wide tiles).
 GLUON_PADDED_HEAD_DIMS = (80, 96, 112, 192)
 
 
@@ -340,6 +339,14 @@ GLUON_BWD_OPTIONS = OptionTable(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24
 # off: never.
 DECODE_MERGE_IN_KERNEL = True
 DECODE_MERGE_MAX_BYTES = 40 << 20
+# Where the routes take the padded head dims: head dim -> the shortest sequence for the Gluon
+# forward / backward (gluon_forward_first, launch.backward_route). The copies cost the same a
+# token at any length, so they weigh on short sequences: on an H100 (bf16, 16K tokens, padded
+# Gluon over the Triton kernels) the backward at 8K 1.05-1.21x (80-112), 1.47-1.77x (192), at 2K
+# 0.67-0.92x (80-112), 1.03-1.30x (192); the forward at 8K 0.88-1.07x (80-112), 1.21-1.52x (192),
+# at 2K 0.52-0.97x. The copies take 0.6-0.8 GB more transient memory at 16K tokens.
+GLUON_PADDED_FWD_MIN_SEQLEN = OptionTable({192: 8192})
+GLUON_PADDED_BWD_MIN_SEQLEN = OptionTable({80: 8192, 96: 8192, 112: 8192, 192: 2048})
 
 
 def gluon_head_dim(head_dim: int) -> int:
@@ -367,8 +374,11 @@ def gluon_bwd_block_n(head_dim: int) -> int:
 
 
 def gluon_forward_first(head_dim: int, seqlen: int, causal: bool) -> bool:
-    """Whether attention_forward tries the Gluon forward for this head dim and length."""
-    return gluon_head_dim(head_dim) in GLUON_FWD_HEAD_DIMS and (seqlen > GLUON_FWD_CAUSAL_MAX_TRITON or not causal)
+    """Whether attention_forward tries the Gluon forward for this head dim and length (a padded
+    head dim from its GLUON_PADDED_FWD_MIN_SEQLEN)."""
+    if head_dim in GLUON_PADDED_HEAD_DIMS:
+        return seqlen >= GLUON_PADDED_FWD_MIN_SEQLEN.get(head_dim, float("inf"))
+    return head_dim in GLUON_FWD_HEAD_DIMS and (seqlen > GLUON_FWD_CAUSAL_MAX_TRITON or not causal)
 
 
 def gluon_fwd_options(has_lower: bool) -> dict:
@@ -422,7 +432,6 @@ class _Snapshot(tuple):
     def __hash__(self):
         return self._hash
 
-
 _SNAPSHOT = None
 
 
@@ -443,6 +452,7 @@ def snapshot() -> tuple:
             GLUON_FWD_BLOCK_M, GLUON_FWD_BLOCK_N, GLUON_FWD_STAGES, GLUON_FWD_KERNEL_HEAD_DIMS,
             GLUON_FWD_WIDE_BLOCK_N, GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N,
             GLUON_BWD_KERNEL_HEAD_DIMS, GLUON_BWD_WIDE_BLOCK_N, GLUON_PADDED_HEAD_DIMS,
+            tuple(GLUON_PADDED_FWD_MIN_SEQLEN.items()), tuple(GLUON_PADDED_BWD_MIN_SEQLEN.items()),
             tuple(GLUON_FWD_OPTIONS.items()), tuple(GLUON_BWD_OPTIONS.items()),
             DECODE_MERGE_IN_KERNEL, DECODE_MERGE_MAX_BYTES, DECODE_MAX_ROWS,
             KVCACHE_PREFILL_MIN_ROWS, DENSE_SPLIT_MIN_KEYS))

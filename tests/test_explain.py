@@ -43,11 +43,11 @@ def test_explain_checks_its_arguments():
 @pytest.mark.parametrize("head_dim,seqlen,causal,first", [
     (128, 8192, True, True), (128, 512, True, False), (128, 513, True, True),
     (128, 256, False, True), (64, 8192, False, False), (256, 8192, True, True),
-    (256, 512, True, False), (72, 8192, False, False), (96, 8192, False, True),
-    (192, 8192, True, True), (112, 512, True, False)])
+    (256, 512, True, False), (72, 8192, False, False), (96, 8192, False, False),
+    (192, 8192, True, True), (192, 4096, False, False)])
 def test_gluon_forward_first(head_dim, seqlen, causal, first):
-    """configs.gluon_forward_first: head dims 128 and 256 and those padded to them
-    (GLUON_PADDED_HEAD_DIMS); causal calls from 513 queries."""
+    """configs.gluon_forward_first: head dims 128 and 256, causal calls from 513 queries; the
+    padded head dims from their GLUON_PADDED_FWD_MIN_SEQLEN."""
     assert configs.gluon_forward_first(head_dim, seqlen, causal) is first
 
 
@@ -70,5 +70,16 @@ def test_deterministic_keeps_the_gluon_backward_up_to_head_dim_128(D, named):
     """deterministic=True names the Gluon backward's varying dQ sums up to head dim 128 (96
     padded to 128); over it the Gluon backward takes dQ from the Triton dQ kernel and stays
     eligible."""
-    e = flashtriton.explain(*_qkv(N=2048, D=D, dtype=torch.bfloat16), deterministic=True)
+    e = flashtriton.explain(*_qkv(N=8192, D=D, dtype=torch.bfloat16), deterministic=True)
     assert any("deterministic=True" in r for r in e.reasons) is named
+
+
+def test_padded_head_dims_take_the_gluon_backward_from_their_length():
+    """A padded head dim's backward reason names configs.GLUON_PADDED_BWD_MIN_SEQLEN below its
+    length, and not from it."""
+    least = configs.GLUON_PADDED_BWD_MIN_SEQLEN[96]
+    e = flashtriton.explain(*_qkv(N=least // 2, D=96, dtype=torch.bfloat16))
+    assert any("GLUON_PADDED_BWD_MIN_SEQLEN" in r and f"got {least // 2}" in r
+               for r in e.reasons)
+    e = flashtriton.explain(*_qkv(N=least, D=96, dtype=torch.bfloat16))
+    assert not any("GLUON_PADDED_BWD_MIN_SEQLEN" in r for r in e.reasons)

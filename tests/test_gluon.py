@@ -634,8 +634,9 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch, D):
     """flash_attention's backward on Hopper at the head dims of configs.GLUON_BWD_HEAD_DIMS
     runs the warp-specialized Gluon backward from GLUON_BWD_MIN_SEQLEN tokens (lowered here to
     reach it at test size), GQA and an expanded dout included (against the float64
-    reference); deterministic=True, torch.use_deterministic_algorithms, FLASHTRITON_GLUON=0, a
-    window, head dim 72 and shorter sequences run the Triton backward."""
+    reference); deterministic=True and torch.use_deterministic_algorithms (up to head dim
+    128), FLASHTRITON_GLUON=0, a window, head dim 72 and shorter sequences run the Triton
+    backward."""
     calls = []
     real = launch._gluon_backward
     monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(1) or real(*a))
@@ -665,20 +666,25 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch, D):
     q72, k72, v72 = make_qkv(1, 600, 600, 2, 2, 72, torch.bfloat16, "cuda")
     torch.autograd.grad(flash_attention(q72, k72, v72), (q72, k72, v72), torch.ones_like(q72))
     grads(causal=True)  # reaches the Gluon backward: the calls above did not
-    assert len(calls) == 4
+    # (over head dim 128 the deterministic calls take it: dQ from the Triton dQ kernel)
+    seen = 4 + 2 * configs.gluon_bwd_split(D)
+    assert len(calls) == seen
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 1024)
     grads()
-    assert len(calls) == 4
+    assert len(calls) == seen
 
 
 @needs_hopper
 @pytest.mark.parametrize("D", configs.GLUON_PADDED_HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_padded_head_dims_run_gluon(monkeypatch, D):
     """flash_attention at the padded head dims (configs.GLUON_PADDED_HEAD_DIMS) runs the Gluon
-    forward and backward on zero-padded copies (against the float64 reference, gradients
-    included, in SDPA's heads-major layout too)."""
+    forward and backward on zero-padded copies from their GLUON_PADDED_*_MIN_SEQLEN (lowered
+    here), against the float64 reference, gradients included, in SDPA's heads-major layout
+    too."""
     monkeypatch.setattr(runtime, "_CALLS", {})
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
+    monkeypatch.setitem(configs.GLUON_PADDED_FWD_MIN_SEQLEN, D, 512)
+    monkeypatch.setitem(configs.GLUON_PADDED_BWD_MIN_SEQLEN, D, 512)
     calls = []
     for name in ("_gluon_forward", "_gluon_backward"):
         real = getattr(launch, name)
@@ -702,6 +708,7 @@ def test_deterministic_backward_is_bitwise_repeatable(monkeypatch, D):
     the Gluon backward over head dim 128 (dK and dV from its programs' own sums, dQ from the
     Triton dQ kernel)."""
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
+    monkeypatch.setitem(configs.GLUON_PADDED_BWD_MIN_SEQLEN, 192, 512)
     calls = []
     real = launch._gluon_backward
     monkeypatch.setattr(launch, "_gluon_backward", lambda *a: calls.append(1) or real(*a))

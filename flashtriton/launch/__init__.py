@@ -47,8 +47,9 @@ def forward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Va
         return "triton", ["gluon: batch_invariant runs the Triton forward's one fixed tile"]
     if not configs.gluon_forward_first(D, SQ, variant.causal):
         return "triton", [f"gluon: the forward takes it at head dims {configs.GLUON_FWD_HEAD_DIMS}"
-                          f" ({configs.GLUON_PADDED_HEAD_DIMS} padded) and causal sequences over {configs.GLUON_FWD_CAUSAL_MAX_TRITON} "
-                          f"(configs), got head dim {D}, {SQ} queries, causal={variant.causal}"]
+                          f" and causal sequences over {configs.GLUON_FWD_CAUSAL_MAX_TRITON}, "
+                          f"padded head dims from configs.GLUON_PADDED_FWD_MIN_SEQLEN (configs), "
+                          f"got head dim {D}, {SQ} queries, causal={variant.causal}"]
     reason = gluon_misfit(q, k, v, variant, varlen, variants=configs.GLUON_VARIANTS)
     if reason is not None:
         return "triton", ["gluon: " + reason]
@@ -74,6 +75,12 @@ def backward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
     if q.shape[1] < configs.GLUON_BWD_MIN_SEQLEN:
         return "triton", [f"gluon: the backward takes it from {configs.GLUON_BWD_MIN_SEQLEN} "
                           f"tokens (configs.GLUON_BWD_MIN_SEQLEN), got {q.shape[1]}"]
+    if width != q.shape[-1]:
+        least = configs.GLUON_PADDED_BWD_MIN_SEQLEN.get(q.shape[-1], float("inf"))
+        if q.shape[1] < least:
+            return "triton", [f"gluon: the backward takes head dim {q.shape[-1]} (padded) from "
+                              f"{least} tokens (configs.GLUON_PADDED_BWD_MIN_SEQLEN), got "
+                              f"{q.shape[1]}"]
     reason = gluon_backward_misfit(None, q, k, v, variant)
     if reason is None and not configs.GLUON_BWD_VARIANTS and (
             _windowed(variant) or variant.softcap or variant.alibi_slopes is not None):
