@@ -432,6 +432,7 @@ class _Snapshot(tuple):
     def __hash__(self):
         return self._hash
 
+
 _SNAPSHOT = None
 
 
