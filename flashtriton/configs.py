@@ -222,7 +222,8 @@ def as_kwargs(cfg: Tuple[int, int, int, int]) -> Dict[str, int]:
 # gl.thread_barrier), so on any other release the Triton kernels run every call.
 GLUON_TRITONS = ((3, 6),)
 # The head dims of the Gluon forward in attention_forward (1.1-1.3x the Triton kernel from 1K
-# tokens at D=128; 1.5-1.9x at D=256, 2K-8K on an H100, 0.96-1.12x cuDNN; 0.9-0.99x at D=64)
+# tokens at D=128; 1.5-1.9x at D=256, 2K-8K on an H100, 0.96-1.12x cuDNN; D=64 from a length:
+# GLUON_FWD_MIN_SEQLEN)
 # and the longest causal sequence that stays on the Triton forward (512 causal tokens: 0.95x).
 GLUON_FWD_HEAD_DIMS = (128, 256)
 GLUON_FWD_CAUSAL_MAX_TRITON = 512
@@ -252,6 +253,14 @@ GLUON_BWD_VARIANTS = True
 # blocks of GLUON_FWD_BLOCK_N only. The head dims each kernel takes (launch.gluon_misfit);
 # GLUON_FWD_HEAD_DIMS above is where attention_forward routes to the forward.
 GLUON_FWD_BLOCK_M = 128
+# At head dim 64 (without a block mask) the forward's programs take GLUON_FWD_NARROW_BLOCK_M
+# query rows: three consumers of 64 over key blocks of GLUON_FWD_NARROW_BLOCK_N, with
+# GLUON_FWD_NARROW_REGS (consumer, producer) registers a thread (4 x 128 threads: 3 x 160 + 32 =
+# the 512 a thread's share of the register file allows; offline sm_90, 128-key blocks spill
+# 135-862 words at 160-176 registers, 64-key blocks none).
+GLUON_FWD_NARROW_BLOCK_M = 192
+GLUON_FWD_NARROW_BLOCK_N = 64
+GLUON_FWD_NARROW_REGS = (160, 32)
 GLUON_FWD_BLOCK_N = 128
 GLUON_FWD_STAGES = 2
 GLUON_FWD_KERNEL_HEAD_DIMS = (64, 128, 256)
@@ -339,13 +348,16 @@ GLUON_BWD_OPTIONS = OptionTable(num_warps=4, CONSUMER_REGS=240, PRODUCER_REGS=24
 # off: never.
 DECODE_MERGE_IN_KERNEL = True
 DECODE_MERGE_MAX_BYTES = 40 << 20
-# Where the routes take the padded head dims: head dim -> the shortest sequence for the Gluon
-# forward / backward (gluon_forward_first, launch.backward_route). The copies cost the same a
+# Where the routes take head dims outside GLUON_FWD_HEAD_DIMS / GLUON_BWD_HEAD_DIMS: head dim ->
+# the shortest sequence for the Gluon forward / backward (gluon_forward_first,
+# launch.backward_route). Head dim 64's forward (GLUON_FWD_NARROW_BLOCK_M rows a program) from
+# 2K tokens: on an H100 (bf16, 16K tokens, 4 rounds) 1.04x the Triton forward at 2K, 1.00-1.02x at
+# 8K, 0.85x at 1K causal. The padded head dims: the copies cost the same a
 # token at any length, so they weigh on short sequences: on an H100 (bf16, 16K tokens, padded
 # Gluon over the Triton kernels) the backward at 8K 1.05-1.21x (80-112), 1.47-1.77x (192), at 2K
 # 0.67-0.92x (80-112), 1.03-1.30x (192); the forward at 8K 0.88-1.07x (80-112), 1.21-1.52x (192),
 # at 2K 0.52-0.97x. The copies take 0.6-0.8 GB more transient memory at 16K tokens.
-GLUON_PADDED_FWD_MIN_SEQLEN = OptionTable({192: 8192})
+GLUON_FWD_MIN_SEQLEN = OptionTable({64: 2048, 192: 8192})
 GLUON_PADDED_BWD_MIN_SEQLEN = OptionTable({80: 8192, 96: 8192, 112: 8192, 192: 2048})
 
 
@@ -357,8 +369,21 @@ def gluon_head_dim(head_dim: int) -> int:
     return head_dim
 
 
-def gluon_fwd_block_n(head_dim: int) -> int:
-    """The Gluon forward's key block at a head dim."""
+def gluon_fwd_block_m(head_dim: int, listed: bool = False) -> int:
+    """The Gluon forward's query block at a head dim (listed: with a block mask's lists)."""
+    return GLUON_FWD_NARROW_BLOCK_M if head_dim == 64 and not listed else GLUON_FWD_BLOCK_M
+
+
+def gluon_fwd_q_block(block_m: int) -> int:
+    """The rows of Q's descriptor blocks for a query block (TMA's boxes are powers of two: a
+    192-row block loads in three of 64)."""
+    return block_m if block_m & (block_m - 1) == 0 else 64
+
+
+def gluon_fwd_block_n(head_dim: int, block_m: int = GLUON_FWD_BLOCK_M) -> int:
+    """The Gluon forward's key block at a head dim and query block."""
+    if block_m == GLUON_FWD_NARROW_BLOCK_M != GLUON_FWD_BLOCK_M:
+        return GLUON_FWD_NARROW_BLOCK_N
     return GLUON_FWD_WIDE_BLOCK_N if head_dim > 128 else GLUON_FWD_BLOCK_N
 
 
@@ -374,14 +399,14 @@ def gluon_bwd_block_n(head_dim: int) -> int:
 
 
 def gluon_forward_first(head_dim: int, seqlen: int, causal: bool) -> bool:
-    """Whether attention_forward tries the Gluon forward for this head dim and length (a padded
-    head dim from its GLUON_PADDED_FWD_MIN_SEQLEN)."""
-    if head_dim in GLUON_PADDED_HEAD_DIMS:
-        return seqlen >= GLUON_PADDED_FWD_MIN_SEQLEN.get(head_dim, float("inf"))
+    """Whether attention_forward tries the Gluon forward for this head dim and length (head
+    dim 64 and the padded head dims from their GLUON_FWD_MIN_SEQLEN)."""
+    if head_dim in GLUON_PADDED_HEAD_DIMS or head_dim in GLUON_FWD_MIN_SEQLEN:
+        return seqlen >= GLUON_FWD_MIN_SEQLEN.get(head_dim, float("inf"))
     return head_dim in GLUON_FWD_HEAD_DIMS and (seqlen > GLUON_FWD_CAUSAL_MAX_TRITON or not causal)
 
 
-def gluon_fwd_options(has_lower: bool) -> dict:
+def gluon_fwd_options(has_lower: bool, block_m: int = GLUON_FWD_BLOCK_M) -> dict:
     """The Gluon forward's launch constants for a walk with or without a lower bound:
     GLUON_FWD_OPTIONS with ORDER chosen where it is None: 1 (whole windows first) with a lower
     bound, else 0. Measured on the H200 (six rounds, bf16 8K; docs/journal/perf-journal.md):
@@ -389,6 +414,8 @@ def gluon_fwd_options(has_lower: bool) -> dict:
     opts = dict(GLUON_FWD_OPTIONS)
     if opts["ORDER"] is None:
         opts["ORDER"] = 1 if has_lower else 0
+    if block_m == GLUON_FWD_NARROW_BLOCK_M != GLUON_FWD_BLOCK_M:
+        opts["CONSUMER_REGS"], opts["PRODUCER_REGS"] = GLUON_FWD_NARROW_REGS
     return opts
 
 
@@ -450,10 +477,12 @@ def snapshot() -> tuple:
         globals()["_SNAPSHOT"] = _Snapshot((
             GLUON_TRITONS, GLUON_FWD_HEAD_DIMS, GLUON_FWD_CAUSAL_MAX_TRITON, GLUON_VARIANTS,
             GLUON_ALIBI_ONE_SIDED, GLUON_BWD_HEAD_DIMS, GLUON_BWD_MIN_SEQLEN, GLUON_BWD_VARIANTS,
-            GLUON_FWD_BLOCK_M, GLUON_FWD_BLOCK_N, GLUON_FWD_STAGES, GLUON_FWD_KERNEL_HEAD_DIMS,
+            GLUON_FWD_BLOCK_M, GLUON_FWD_NARROW_BLOCK_M, GLUON_FWD_NARROW_BLOCK_N,
+            GLUON_FWD_NARROW_REGS,
+            GLUON_FWD_BLOCK_N, GLUON_FWD_STAGES, GLUON_FWD_KERNEL_HEAD_DIMS,
             GLUON_FWD_WIDE_BLOCK_N, GLUON_BWD_BLOCK_M, GLUON_BWD_BLOCK_N,
             GLUON_BWD_KERNEL_HEAD_DIMS, GLUON_BWD_WIDE_BLOCK_N, GLUON_PADDED_HEAD_DIMS,
-            tuple(GLUON_PADDED_FWD_MIN_SEQLEN.items()), tuple(GLUON_PADDED_BWD_MIN_SEQLEN.items()),
+            tuple(GLUON_FWD_MIN_SEQLEN.items()), tuple(GLUON_PADDED_BWD_MIN_SEQLEN.items()),
             tuple(GLUON_FWD_OPTIONS.items()), tuple(GLUON_BWD_OPTIONS.items()),
             DECODE_MERGE_IN_KERNEL, DECODE_MERGE_MAX_BYTES, DECODE_MAX_ROWS,
             KVCACHE_PREFILL_MIN_ROWS, DENSE_SPLIT_MIN_KEYS))

@@ -75,7 +75,10 @@ def report() -> str:
     lines.append(_path("TMA loads (tensor descriptors, forward and backward)",
                        "FLASHTRITON_TMA", _env.TMA, tma_not))
     dims = lambda ds: ", ".join(map(str, ds))  # noqa: E731
-    lines.append(_path(f"Gluon forward (D={dims(configs.GLUON_FWD_HEAD_DIMS)}) and backward "
+    from_len = "".join(f"; D={d} from {n} tokens" for d, n in configs.GLUON_FWD_MIN_SEQLEN.items()
+                       if d not in configs.GLUON_PADDED_HEAD_DIMS)
+    lines.append(_path(f"Gluon forward (D={dims(configs.GLUON_FWD_HEAD_DIMS)}{from_len}) and "
+                       f"backward "
                        f"(D={dims(configs.GLUON_BWD_HEAD_DIMS)}; "
                        f"D={dims(configs.GLUON_PADDED_HEAD_DIMS)} on zero-padded copies)",
                        "FLASHTRITON_GLUON",

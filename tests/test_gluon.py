@@ -24,7 +24,7 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 # (B, N, H, HKV, D): ragged ends, one block, GQA, every kernel head dim and two padded ones
 SHAPES = [(2, 1000, 3, 3, 128), (1, 2048, 2, 2, 128), (2, 777, 2, 2, 64), (1, 128, 1, 1, 128),
           (1, 100, 2, 2, 64), (2, 600, 8, 2, 128), (2, 777, 4, 2, 256), (1, 100, 2, 2, 256),
-          (2, 777, 4, 2, 96), (1, 300, 2, 2, 192)]
+          (2, 777, 4, 2, 96), (1, 300, 2, 2, 192), (2, 500, 8, 2, 64)]
 
 
 def _heads_major(x):
@@ -222,13 +222,16 @@ def test_gluon_forward_variants_match_reference(B, N, H, HKV, D, causal, window,
 
 
 @needs_hopper
-@pytest.mark.parametrize("D", configs.GLUON_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("D", (64, *configs.GLUON_FWD_HEAD_DIMS), ids=lambda d: f"d{d}")
 def test_attention_forward_runs_gluon_where_it_fits(monkeypatch, D):
-    """flash_attention on Hopper at the head dims of configs.GLUON_FWD_HEAD_DIMS runs the
-    Gluon forward (its replay on the second call), the backward on its output and LSE;
-    FLASHTRITON_GLUON=0 or a variant runs the Triton forward; both against the float64
-    reference, gradients included."""
+    """flash_attention on Hopper at the head dims of configs.GLUON_FWD_HEAD_DIMS (and head dim
+    64 from its GLUON_FWD_MIN_SEQLEN, lowered here: 192-row programs) runs the Gluon forward
+    (its replay on the second call), the backward on its output and LSE; FLASHTRITON_GLUON=0
+    or a variant runs the Triton forward; both against the float64 reference, gradients
+    included."""
     monkeypatch.setattr(runtime, "_CALLS", {})  # no replay of another test's calls
+    if D in configs.GLUON_FWD_MIN_SEQLEN:
+        monkeypatch.setitem(configs.GLUON_FWD_MIN_SEQLEN, D, 512)
     calls = []
     real = launch._gluon_forward
     monkeypatch.setattr(launch, "_gluon_forward", lambda *a: calls.append(1) or real(*a))
@@ -683,7 +686,7 @@ def test_padded_head_dims_run_gluon(monkeypatch, D):
     too."""
     monkeypatch.setattr(runtime, "_CALLS", {})
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
-    monkeypatch.setitem(configs.GLUON_PADDED_FWD_MIN_SEQLEN, D, 512)
+    monkeypatch.setitem(configs.GLUON_FWD_MIN_SEQLEN, D, 512)
     monkeypatch.setitem(configs.GLUON_PADDED_BWD_MIN_SEQLEN, D, 512)
     calls = []
     for name in ("_gluon_forward", "_gluon_backward"):

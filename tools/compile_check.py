@@ -250,9 +250,9 @@ def gluon_judge(dim):
 
 # The Gluon forward (kernels/gluon/fwd.py): it exists for the softmax running while the P V
 # product does, so at D=128 each consumer's loop must keep its exp2s (64 x 128 per 4-warp
-# consumer: 64 a thread) between the two waits. At D=64 (not routed) and 256 (routed: 0.96-1.12x
-# cuDNN on an H100 all the same, docs/perf.md) ptxas waits for P V before the exp2s: reported,
-# not failed.
+# consumer: 64 a thread) between the two waits. At D=64 (192-row programs, routed from 2K
+# tokens) and 256 (routed: 0.96-1.12x cuDNN on an H100 all the same, docs/perf.md) ptxas waits
+# for P V before the exp2s: reported, not failed.
 for dim in (64, 128, 256):
     for causal in (False, True):
         check(f"gluon-fwd D{dim} causal={causal}", lambda: compile_gluon_fwd(dim, causal=causal),

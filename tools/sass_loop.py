@@ -114,12 +114,13 @@ def compile_gluon_fwd(dim=128, causal=False, stages=None, lower=False, upper=Fal
 
     from flashtriton import configs
     from flashtriton.kernels.gluon import fwd
-    q_desc = _gluon_desc([configs.GLUON_FWD_BLOCK_M, dim], torch.bfloat16, 16 * dim)
-    kv_desc = _gluon_desc([configs.gluon_fwd_block_n(dim), dim], torch.bfloat16, 16 * dim)
+    bm = configs.gluon_fwd_block_m(dim, mask_mod is not None)
+    q_desc = _gluon_desc([configs.gluon_fwd_q_block(bm), dim], torch.bfloat16, 16 * dim)
+    kv_desc = _gluon_desc([configs.gluon_fwd_block_n(dim, bm), dim], torch.bfloat16, 16 * dim)
     consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages or configs.GLUON_FWD_STAGES,
                   HAS_LOWER=lower, HAS_UPPER=upper, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
                   LISTED=mask_mod is not None, MASK_MOD=mask_mod, HAS_SINK=sinks,
-                  **{**configs.gluon_fwd_options(lower), **options})
+                  CONSUMERS=bm // 64, **{**configs.gluon_fwd_options(lower, bm), **options})
     return _gluon_compile(fwd._attn_fwd_gluon_kernel, consts, dict(
         q_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
         BMASK="*i32", SINK="*fp32", qk_scale="fp32", cap2="fp32"))
@@ -142,7 +143,7 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
                   **{**configs.gluon_bwd_options(upper or causal, lower, bool(alibi), dim),
                      **options})
     bm, bn = configs.GLUON_BWD_BLOCK_M, configs.gluon_bwd_block_n(dim)
-    q_desc = _gluon_desc([bm, dim], torch.bfloat16, 16 * dim)
+    q_desc = _gluon_desc([configs.gluon_fwd_q_block(bm), dim], torch.bfloat16, 16 * dim)
     kv_desc = _gluon_desc([bn, dim], torch.bfloat16, 16 * dim)
     dq_desc = (None if configs.gluon_bwd_split(dim)  # (no dQ there)
                else _gluon_desc([bm, dim // 2], torch.float32, 16 * dim))

@@ -48,7 +48,7 @@ def forward_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Va
     if not configs.gluon_forward_first(D, SQ, variant.causal):
         return "triton", [f"gluon: the forward takes it at head dims {configs.GLUON_FWD_HEAD_DIMS}"
                           f" and causal sequences over {configs.GLUON_FWD_CAUSAL_MAX_TRITON}, "
-                          f"padded head dims from configs.GLUON_PADDED_FWD_MIN_SEQLEN (configs), "
+                          f"head dim 64 and padded ones from configs.GLUON_FWD_MIN_SEQLEN, "
                           f"got head dim {D}, {SQ} queries, causal={variant.causal}"]
     reason = gluon_misfit(q, k, v, variant, varlen, variants=configs.GLUON_VARIANTS)
     if reason is not None:

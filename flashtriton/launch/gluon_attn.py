@@ -169,8 +169,11 @@ def _gluon_forward_launch(q, k, v, out, lse, variant: Variant) -> GluonReplay:
     arguments come from _common (the Triton kernels' definitions)."""
     from ..kernels.gluon import fwd
     B, N, H, D = q.shape
-    bm, bn = configs.GLUON_FWD_BLOCK_M, configs.gluon_fwd_block_n(D)
-    descs, rows = zip(*(_gluon_descriptor(t, [b, D]) for t, b in ((q, bm), (k, bn), (v, bn))))
+    listed = variant.kv_blocks is not None
+    bm = configs.gluon_fwd_block_m(D, listed)
+    bn = configs.gluon_fwd_block_n(D, bm)
+    descs, rows = zip(*(_gluon_descriptor(t, [b, D]) for t, b in
+                        ((q, configs.gluon_fwd_q_block(bm)), (k, bn), (v, bn))))
     views = tuple((list(d.shape), list(d.strides)) for d in descs)
     common, _ = _common(q, None, N, N, variant)
     alibi, stride_ab, stride_ah = _alibi_args(variant)
@@ -187,8 +190,8 @@ def _gluon_forward_launch(q, k, v, out, lse, variant: Variant) -> GluonReplay:
                   HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
                   HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=_gluon_alibi(common, alibi),
                   LISTED=bmask is not None, MASK_MOD=variant.mask_mod,
-                  HAS_SINK=variant.sinks is not None,
-                  **configs.gluon_fwd_options(common["HAS_LOWER"]))
+                  HAS_SINK=variant.sinks is not None, CONSUMERS=bm // 64,
+                  **configs.gluon_fwd_options(common["HAS_LOWER"], bm))
     grid = (configs.cdiv(N, bm), B * H, 1)
     kernel = fwd._attn_fwd_gluon_kernel
     compiled = kernel[grid](*descs, out, lse, alibi, bmask, variant.sinks, *args, **consts)

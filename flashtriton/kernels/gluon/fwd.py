@@ -11,7 +11,8 @@ NUM_STAGES slots, each with a "full" mbarrier.
 The kernel is warp-specialized (FA3's layout): a producer partition (4 warps, few registers)
 streams Q, then K and V into the ring; two consumer warpgroups own 64 rows each (_attend) and
 release a slot through its "empty" mbarrier, so while one consumer runs its softmax the other
-can use the tensor cores. (A plain 8-warp kernel with the same body, each warp refilling the
+can use the tensor cores. At head dim 64 three consumers share a program's 192 rows over key
+blocks of 64 (CONSUMERS; a 64 x 128 S at 160 registers a thread spills). (A plain 8-warp kernel with the same body, each warp refilling the
 slots itself, ran 5-20% slower at D=128 on the H200: docs/journal/perf-journal.md.)
 
 Scope: bf16 / fp16, head dims 64, 128 and 256, (B, N, H, D) tensors whose token rows form a 2-D
@@ -20,8 +21,8 @@ plain or causal, and (launch.attention_forward_gluon, or attention_forward with
 launch.GLUON_VARIANTS) windows, softcap, ALiBi and block masks of 128-blocks (not at head dim
 256). launch.attention_forward runs it where a call fits (Hopper, configs.GLUON_FWD_HEAD_DIMS:
 launch.gluon_misfit) and launch.attention_forward_gluon raises for anything else; the kernel
-static_asserts its tiles (128 x 128, 128 x 64 at head dim 256, 4-warp partitions;
-configs.GLUON_FWD_BLOCK_M and configs.gluon_fwd_block_n hold them for the launcher).
+static_asserts its tiles (128 x 128, 128 x 64 at head dim 256, 192 x 64 at head dim 64, 4-warp
+partitions; configs.gluon_fwd_block_m and configs.gluon_fwd_block_n hold them for the launcher).
 The mask is kernels.mask.visible_by_row (beside the Triton kernels' visible); the slots of
 its scalar tuple are kernels/gluon/common.py's. Gluon does not run in the interpreter:
 tools/compile_check.py compiles it for sm_90 on any machine, and tests/test_gluon.py runs it
@@ -274,13 +275,19 @@ def _bounds(start_m, SEQ, LOWER, UPPER, BLOCK_M: gl.constexpr, BLOCK_N: gl.const
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty,
              v_empty, q_row, q_col, row0, col, tile, NUM_STAGES: gl.constexpr,
-             LISTED: gl.constexpr):
+             LISTED: gl.constexpr, BLOCK_M: gl.constexpr):
     """The producer partition: Q of the program's query block, then K and V of its key blocks
     0 .. n_blocks - 1 (block j from row row0 + _first_key(j)) into the ring, each slot once
     both consumers have released it (the empty barriers start released)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    mbarrier.expect(q_full, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_full, q_smem)
+    # Q's BLOCK_M rows in loads of the descriptor's block (TMA boxes are powers of two: 192
+    # rows take three)
+    Q_BLOCK: gl.constexpr = q_desc.block_type.shape[0]
+    Q_LOADS: gl.constexpr = BLOCK_M // Q_BLOCK
+    mbarrier.expect(q_full, Q_LOADS * q_desc.block_type.nbytes)
+    for i in gl.static_range(Q_LOADS):
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * Q_BLOCK, q_col], q_full,
+                                        q_smem.slice(i * Q_BLOCK, Q_BLOCK, dim=0))
     blocks, lst, var = tile
     n_blocks, _, _ = blocks
     for j in range(n_blocks):
@@ -302,7 +309,8 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
                            HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            HEAVY_FIRST: gl.constexpr, ORDER: gl.constexpr,
-                           HAS_SINK: gl.constexpr, num_warps: gl.constexpr):
+                           HAS_SINK: gl.constexpr, CONSUMERS: gl.constexpr,
+                           num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
     (B, H, N, D) memory: rb H * N, rh N, ch 0). num_warps (4) is the first consumer's
@@ -316,15 +324,19 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
     of this query block lists its full then partial key blocks; MASK_MOD(b, h, i, j) on the
     partial ones); HAS_SINK: one sink logit a query head at SINK (_attend). The launch
     constants (CONSUMER_REGS .. ORDER, num_warps): configs.gluon_fwd_options."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    ROWS: gl.constexpr = 64  # a consumer's rows (one wgmma M of its 4 warps)
+    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    HALF: gl.constexpr = BLOCK_M // 2
     # The tiles the kernel is written for (configs.GLUON_FWD_BLOCK_M / _N).
     gl.static_assert(num_warps == 4, "the Gluon forward: num_warps 4 (the first consumer)")
-    gl.static_assert(BLOCK_M == 128, "the Gluon forward: 128 query rows a program (two "
-                     "consumers of 64)")
-    gl.static_assert(BLOCK_N == LIST_BLOCK or (HEAD_DIM == 256 and BLOCK_N == 64 and not LISTED),
+    gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and HEAD_DIM == 64 and not LISTED),
+                     "the Gluon forward: 128 query rows a program (two consumers of 64), or 192 "
+                     "(three) at head dim 64 without a block mask")
+    gl.static_assert(BLOCK_M % q_desc.block_type.shape[0] == 0,
+                     "the Gluon forward: Q's descriptor blocks tile the query block")
+    gl.static_assert(BLOCK_N == LIST_BLOCK or ((HEAD_DIM == 256 or CONSUMERS == 3) and
+                                               BLOCK_N == 64 and not LISTED),
                      "the Gluon forward: key blocks of 128 (a block mask's blocks), or of 64 "
                      "at head dim 256 without a block mask")
     gl.static_assert(HEAD_DIM == 64 or HEAD_DIM == 128 or HEAD_DIM == 256,
@@ -374,7 +386,9 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
                           sink2))
     row0 = off_b * kv_rb + off_hk * kv_rh
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    # (a power of two of rows: 256 for a 192-row block, its last 64 unused)
+    Q_ROWS: gl.constexpr = 4 * ROWS if CONSUMERS == 3 else BLOCK_M
+    q_smem = gl.allocate_shared_memory(dtype, [Q_ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -386,22 +400,45 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
-        mbarrier.init(v_empty.index(i), count=2)
-        mbarrier.arrive(k_empty.index(i), count=2)  # every slot starts released (phase 0)
-        mbarrier.arrive(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # released by every consumer
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        mbarrier.arrive(k_empty.index(i), count=CONSUMERS)  # every slot starts released
+        mbarrier.arrive(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
 
-    gl.warp_specialize(
-        [(_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
-                    off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
-                    SEQ, qk_scale, 0, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
-         (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
-                    off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
-                    SEQ, qk_scale, 1, HALF, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                    HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
-         (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
-                     k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
-                     off_h * q_ch, row0, col, tile, NUM_STAGES, LISTED))],
-        [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+    # (the partitions written out per consumer count: warp_specialize takes its list as
+    # written, and a tuple built in a kernel would turn the constexprs into tensors)
+    if CONSUMERS == 3:
+        gl.warp_specialize(
+            [(_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
+                        off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
+                        SEQ, qk_scale, 0, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+             (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
+                        off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
+                        SEQ, qk_scale, 1, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+             (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
+                        off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
+                        SEQ, qk_scale, 2, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+             (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
+                         k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
+                         off_h * q_ch, row0, col, tile, NUM_STAGES, LISTED,
+                         BLOCK_M))],
+            [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize(
+            [(_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
+                        off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
+                        SEQ, qk_scale, 0, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+             (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
+                        off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
+                        SEQ, qk_scale, 1, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+             (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
+                         k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
+                         off_h * q_ch, row0, col, tile, NUM_STAGES, LISTED,
+                         BLOCK_M))],
+            [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
