@@ -13,7 +13,7 @@ from .launch.calls import key_counts
 from .validation import (_contents as validation_contents, check_alibi, check_block_table,
                          check_cache_indices, check_cu_seqlens, check_deterministic,
                          check_dropout, check_flag, check_index_tensor, check_max_seqlen, check_out,
-                         check_qkv, check_scale, check_sinks, check_softcap,
+                         check_qkv, check_scale, check_seqused_k, check_sinks, check_softcap,
                          check_varlen_indices, check_window, describe, unit_last)
 
 
@@ -118,8 +118,10 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     max_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
     check_varlen_indices(cu_q, cu_k, q.shape[0], None if paged else k.shape[0], max_q, max_k)
-    if paged:
-        check_block_table(block_table, k.shape[1], B, q.device)
+    if not paged:
+        check_seqused_k(seqused_k, cu_k)
+    else:
+        block_table = check_block_table(block_table, k.shape[1], B, q.device)
         lengths, lengths_name = seqused_k, "seqused_k"
         if lengths is None and validation_contents(cu_k, block_table):  # (no sync otherwise)
             lengths, lengths_name = cu_k[1:] - cu_k[:-1], "the lengths in cu_seqlens_k: k"
@@ -143,8 +145,8 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     if (paged and max_q == 1 and q.shape[0] == B and not dropout_p and not batch_invariant
             and v.shape[-1] == q.shape[-1]):
         # a decoding batch (one query a sequence): the KV-cache path's split kernel
-        return _paged_decode(q, k, v, cu_k, seqused_k, block_table, scale, causal, (left, right),
-                             softcap, alibi_slopes, sinks, out)
+        return _paged_decode(q, unit_last(k), unit_last(v), cu_k, seqused_k, block_table, scale,
+                             causal, (left, right), softcap, alibi_slopes, sinks, out)
     out, lse = attention(unit_last(q), unit_last(k), unit_last(v), cu_q, cu_k, max_q, max_k,
                          alibi_slopes, None, scale, bool(causal), left, right, softcap,
                          dropout_p, seed, None, None, 128, 0, check_deterministic(deterministic),

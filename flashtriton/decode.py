@@ -14,8 +14,8 @@ from .api import AttentionOutput
 from .launch import decode as decode_launch
 from .launch.decode import append_kv, merge_partials, step_signature
 from .validation import (check_alibi, check_block_table, check_cache_indices, check_flag,
-                         check_index_tensor, check_qkv, check_scale, check_sinks, check_softcap,
-                         check_window, describe)
+                         check_index_tensor, check_num_splits, check_qkv, check_scale,
+                         check_sinks, check_softcap, check_unit_stride, check_window, describe)
 
 __all__ = ["attention_with_kvcache", "append_kv", "apply_rotary", "merge_attention_states",
            "merge_partials", "step_signature", "PagedKVCache"]
@@ -70,7 +70,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            (chunked prefill, ``configs.kvcache_prefill``) run the prefill forward kernel.
         k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged:
            (num_blocks, page_size, nheads_k, headdim) with ``block_table``; any strides
-           with a unit stride on headdim (e.g. K and V as views of one buffer). In q's
+           with a unit stride on headdim (e.g. K and V as views of one buffer; another
+           head-dim stride is refused, as the kernels write and read them in place). In q's
            dtype, or fp8 (float8_e4m3fn / float8_e5m2, both the same) holding
            value / descale, with ``k_descale`` and ``v_descale``.
         k, v: (batch, seqlen_new, nheads_k, headdim) or None: written into the cache at
@@ -91,8 +92,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            the new k at positions cache_seqlens[b] + i and to q at the same positions if
            causal or windowed, else at cache_seqlens[b] for every query token (flash-attn's
            rule: cache indices, left padding included); rotary_interleaved as in flash-attn.
-        num_splits: KV splits per sequence (0: enough to fill the GPU); partial results
-           are merged by their LSEs.
+        num_splits: KV splits per sequence, an int >= 0 (0: enough to fill the GPU);
+           partial results are merged by their LSEs.
         return_lse: False: no LSE is stored or allocated (lse None), a step's host time ~2 us
            shorter (as flash-attn's ``return_softmax_lse=False``).
         sinks: attention sinks (nheads,), as in ``flash_attention``: one logit a query head
@@ -114,26 +115,28 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns ``AttentionOutput(out, lse)``: out (batch, seqlen_q, nheads, headdim), lse
     (batch, nheads, seqlen_q) float32 or None. Not differentiable.
 
-    Index tensors are checked as ``flashtriton.validation`` says (their contents on the host
+    Index tensors may be views of any layout (the checks copy them contiguous, on their
+    device), and are checked as ``flashtriton.validation`` says (their contents on the host
     in validation mode, or when they live on the CPU); whatever they hold, nothing outside
     the caches is read or written: a sequence whose length, row or left padding lies outside
     its cache sees no keys (out 0, lse -inf), keys in pages outside the pool are not
-    attended, and appends outside the cache are dropped.
+    attended, and appends outside the cache are dropped. Every argument is checked before
+    the append writes: a refused call leaves the caches as they were.
     """
     if q_descale is not None or getattr(q, "dtype", None) in validation.FP8_DTYPES:
         q = _dequantized_q(q, q_descale, k_cache)
     # A plain step (no append, no rotary, per-sequence lengths) whose arguments match an
     # earlier call's in everything but the data replays that call's launches before the
     # checks, which the earlier call passed with the same shapes, strides, dtypes, devices
-    # and settings.
+    # and settings. Its small tensors must be contiguous: the checks hand the launches
+    # contiguous copies of views, and a replay reads the tensors it is given.
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+               alibi_slopes, sinks, k_descale, v_descale)
     step = (k is None and rotary_cos is None and isinstance(cache_seqlens, torch.Tensor)
             and isinstance(q, torch.Tensor) and q.stride(-1) == 1
             and type(window_size) is tuple and decode_launch.TIMELINE is None
-            and not validation.validating()
-            and (sinks is None or isinstance(sinks, torch.Tensor) and sinks.stride(-1) == 1)
-            and type(batch_invariant) is bool)
-    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
-               alibi_slopes, sinks, k_descale, v_descale)
+            and not validation.validating() and type(batch_invariant) is bool
+            and _contiguous(tensors[3:9]))
     signature = None
     if step:
         try:
@@ -149,7 +152,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     checked = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                           cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, causal,
                           window_size, k_descale, v_descale)
-    cache_seqlens = checked.cache_seqlens
+    cache_seqlens, block_table = checked.cache_seqlens, checked.block_table
+    cache_batch_idx, cache_leftpad = checked.cache_batch_idx, checked.cache_leftpad
     B, SQ, H, D = q.shape
     scale = check_scale(softmax_scale, D)
     left, right = checked.window
@@ -158,6 +162,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     alibi = check_alibi(alibi_slopes, B, H, q.device)
     sinks = check_sinks(sinks, H, q.device)
     batch_invariant = check_flag("batch_invariant", batch_invariant)
+    num_splits = check_num_splits(num_splits)
+    return_lse = check_flag("return_lse", return_lse)
     if batch_invariant and block_table is not None and cache_leftpad is not None:
         raise ValueError("batch_invariant: cache_leftpad over a paged cache is not supported "
                          "(left-pad a contiguous cache, or start each sequence at page 0)")
@@ -178,6 +184,15 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                 cache_batch_idx, cache_leftpad, alibi, scale, causal, left, right,
                                 softcap, num_splits, return_lse, signature, step, sinks,
                                 batch_invariant, checked.descales)
+
+
+def _contiguous(tensors) -> bool:
+    """Whether each of ``tensors`` is None or a contiguous tensor (a loop: a generator costs a
+    step ~0.5 us more)."""
+    for x in tensors:
+        if x is not None and not (isinstance(x, torch.Tensor) and x.is_contiguous()):
+            return False
+    return True
 
 
 def _dequantized_q(q, q_descale, k_cache) -> torch.Tensor:
@@ -204,6 +219,9 @@ class _Checked(NamedTuple):
     cache_seqlens: torch.Tensor  # (B,) int32 on q's device
     window: Tuple[int, int]
     descales: tuple  # an fp8 cache's (k_descale, v_descale) as (B, HKV) views, else Nones
+    block_table: Optional[torch.Tensor]  # the index tensors, contiguous
+    cache_batch_idx: Optional[torch.Tensor]
+    cache_leftpad: Optional[torch.Tensor]
 
 
 def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
@@ -233,11 +251,13 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
     # dtypes, devices, heads and head dim of q against the cache (whose batch may differ)
     fp8 = k_cache.dtype if k_cache.dtype in validation.FP8_DTYPES else None
     check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), same_batch=False, kv_dtype=fp8)
+    check_unit_stride("k_cache", k_cache)
+    check_unit_stride("v_cache", v_cache)
     descales = validation.check_descales(k_cache, v_cache, k_descale, v_descale, B, q.device)
     HKV = k_cache.shape[2]
     page_size = k_cache.shape[1]
     if paged:
-        check_block_table(block_table, page_size, B, q.device)
+        block_table = check_block_table(block_table, page_size, B, q.device)
         capacity = block_table.shape[1] * page_size
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx applies to contiguous caches, not paged ones")
@@ -250,11 +270,12 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
         cache_seqlens = capacity
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    check_index_tensor("cache_seqlens", cache_seqlens, q.device, (B,), what=" (or an int)")
+    cache_seqlens = check_index_tensor("cache_seqlens", cache_seqlens, q.device, (B,),
+                                       what=" (or an int)")
     if cache_batch_idx is not None:
-        check_index_tensor("cache_batch_idx", cache_batch_idx, q.device, (B,))
+        cache_batch_idx = check_index_tensor("cache_batch_idx", cache_batch_idx, q.device, (B,))
     if cache_leftpad is not None:
-        check_index_tensor("cache_leftpad", cache_leftpad, q.device, (B,))
+        cache_leftpad = check_index_tensor("cache_leftpad", cache_leftpad, q.device, (B,))
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     if (rotary_cos is None) != (rotary_sin is None):
@@ -281,7 +302,7 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
         rotary_len = (rotary_cos.shape[0], max(s_new, SQ if local else 1))
     check_cache_indices(cache_seqlens, s_new, capacity, k_cache.shape[0], block_table,
                         page_size, cache_batch_idx, cache_leftpad, rotary_len)
-    return _Checked(cache_seqlens, window, descales)
+    return _Checked(cache_seqlens, window, descales, block_table, cache_batch_idx, cache_leftpad)
 
 
 def merge_attention_states(outs, lses) -> AttentionOutput:
@@ -394,8 +415,9 @@ class PagedKVCache:
                                             block_table=self.block_table(seq_ids),
                                             return_lse=False, k_descale=self.k_descale,
                                             v_descale=self.v_descale, **options)
-        except BaseException:  # the call's checks refused it: give the new pages back
-            for s, n in pages.items():
+        except BaseException:  # the call's checks refused it: give the new pages back, the
+            # last taken first, so the pool's order is what it was
+            for s, n in reversed(pages.items()):
                 self._free.extend(reversed(self._pages[s][n:]))
                 del self._pages[s][n:]
             raise

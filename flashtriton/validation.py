@@ -216,9 +216,9 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
         return _qkv_reason(q, k, v, names, same_batch, layout, own_v_dim)
     if unit_stride:
         for name, x in zip(names, (q, k, v)):
-            if x.stride(-1) != 1:
-                return Reason(f"{name} must have a unit stride on headdim; got strides "
-                              f"{x.stride()} ({describe(x)})")
+            reason = _stride_reason(name, x)
+            if reason is not None:
+                return reason
     if attn_mask is not None:
         seq = 3 - h  # the seqlen axis
         target = (q.shape[0], q.shape[h], q.shape[seq], k.shape[seq])
@@ -272,6 +272,23 @@ def check_flag(name: str, value) -> bool:
     if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool:
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _stride_reason(name: str, x: torch.Tensor) -> Optional[Reason]:
+    """Why the kernels cannot read or write x in place: a stride on headdim other than 1
+    (they load and store a head's elements as one vector)."""
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return Reason(f"{name} must have a unit stride on headdim; got strides {x.stride()} "
+                      f"({describe(x)})")
+    return None
+
+
+def check_unit_stride(name: str, x: torch.Tensor) -> None:
+    """ValueError naming x and its strides where its stride on headdim is not 1: for tensors
+    the kernels write or read in place (KV caches), which a copy would detach."""
+    reason = _stride_reason(name, x)
+    if reason is not None:
+        raise ValueError(f"{reason}: the kernels read and write it in place")
 
 
 def unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -346,6 +363,8 @@ def check_softcap(softcap) -> float:
 
 
 def check_alibi(alibi_slopes, B: int, H: int, device) -> Optional[torch.Tensor]:
+    """ALiBi slopes: None, or float32 (nheads,) or (batch, nheads) on q's device (returned
+    contiguous: a view's strides never reach the kernels)."""
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, torch.Tensor):
@@ -358,7 +377,7 @@ def check_alibi(alibi_slopes, B: int, H: int, device) -> Optional[torch.Tensor]:
                          f"({B}, {H}); got {describe(alibi_slopes)}")
     if alibi_slopes.device != device:
         raise ValueError(f"alibi_slopes must be on q's device {device}; got {describe(alibi_slopes)}")
-    return alibi_slopes
+    return alibi_slopes.contiguous()
 
 
 def check_sinks(sinks, H: int, device, name: str = "sinks") -> Optional[torch.Tensor]:
@@ -376,7 +395,7 @@ def check_sinks(sinks, H: int, device, name: str = "sinks") -> Optional[torch.Te
                          f"got {describe(sinks)}")
     if sinks.device != device:
         raise ValueError(f"{name} must be on q's device {device}; got {describe(sinks)}")
-    return sinks if sinks.stride(0) == 1 else sinks.contiguous()
+    return sinks.contiguous()
 
 
 def check_descale(name: str, d, B: int, HKV: int, device) -> torch.Tensor:
@@ -451,9 +470,28 @@ def check_max_seqlen(name, value) -> int:
     return int(value)
 
 
+def check_num_splits(num_splits) -> int:
+    """KV splits a sequence: an int >= 0 (0: as many as fill the GPU); bools are refused."""
+    if not (isinstance(num_splits, bool) or type(num_splits).__name__ == "bool_"):
+        try:
+            value = operator.index(num_splits)
+        except TypeError:
+            pass
+        else:
+            if value < 0:
+                raise ValueError(f"num_splits must be >= 0 (0: as many as fill the GPU), got "
+                                 f"{value}")
+            return value
+    shown = describe(num_splits) if isinstance(num_splits, torch.Tensor) else repr(num_splits)
+    raise TypeError(f"num_splits must be an int >= 0 (0: as many as fill the GPU), got "
+                    f"{type(num_splits).__name__} {shown:.80}")
+
+
 def check_index_tensor(name: str, x, device, shape: Optional[tuple] = None, dims: int = 1,
                        what: str = "") -> torch.Tensor:
-    """An int32 index tensor on ``device`` (of ``shape`` if given, else ``dims``-D)."""
+    """An int32 index tensor on ``device`` (of ``shape`` if given, else ``dims``-D), returned
+    contiguous: the kernels index its storage as a dense array, so a strided view (``t[::2]``,
+    a column, a transposed table) is copied (on its device: no synchronisation)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype != torch.int32 or (shape is not None and tuple(x.shape) != tuple(shape)) \
@@ -462,7 +500,7 @@ def check_index_tensor(name: str, x, device, shape: Optional[tuple] = None, dims
         raise ValueError(f"{name} must be an int32 tensor of {want}{what}; got {describe(x)}")
     if x.device != device:
         raise ValueError(f"{name} must be on q's device {device}; got {describe(x)}")
-    return x
+    return x.contiguous()
 
 
 def check_cu_seqlens(name, cu, device) -> torch.Tensor:
@@ -492,15 +530,16 @@ def check_out(out, q: torch.Tensor, head_dim: Optional[int] = None) -> torch.Ten
 
 def check_block_table(block_table, page_size: int, B: int, device) -> torch.Tensor:
     """A paged cache's block table: (batch, max_pages) int32 on q's device, pages of a power
-    of two >= 8 tokens (k_cache.shape[1])."""
+    of two >= 8 tokens (k_cache.shape[1]); returned contiguous (``check_index_tensor``)."""
     if page_size < 8 or page_size & (page_size - 1):
         raise ValueError(f"page_size (k_cache.shape[1]) must be a power of two >= 8; got "
                          f"{page_size}")
-    check_index_tensor("block_table", block_table, device, dims=2, what=" (batch, max_blocks)")
-    if block_table.shape[0] != B:
+    table = check_index_tensor("block_table", block_table, device, dims=2,
+                               what=" (batch, max_blocks)")
+    if table.shape[0] != B:
         raise ValueError(f"block_table must be (batch, max_blocks) int32 with batch {B}; "
                          f"got {describe(block_table)}")
-    return block_table
+    return table
 
 
 def _contents(*tensors) -> bool:
@@ -534,6 +573,19 @@ def check_varlen_indices(cu_q: torch.Tensor, cu_k: Optional[torch.Tensor], total
                 raise ValueError(f"sequence {b - 1} has {entries[b] - entries[b - 1]} tokens "
                                  f"({name}[{b}] - {name}[{b - 1}]), more than max_seqlen_{side} "
                                  f"= {longest}")
+
+
+def check_seqused_k(seqused_k: Optional[torch.Tensor], cu_k: Optional[torch.Tensor]) -> None:
+    """Packed keys (no pages): sequence b uses seqused_k[b] of its cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] keys, so 0 <= seqused_k[b] <= that length (validation mode or CPU
+    tensors)."""
+    if seqused_k is None or cu_k is None or not _contents(seqused_k, cu_k):
+        return
+    ends = cu_k.tolist()
+    for b, n in enumerate(seqused_k.tolist()):
+        if not 0 <= n <= ends[b + 1] - ends[b]:
+            raise ValueError(f"seqused_k[{b}] = {n} is outside [0, {ends[b + 1] - ends[b]}], the "
+                             f"keys of sequence {b} (cu_seqlens_k[{b + 1}] - cu_seqlens_k[{b}])")
 
 
 def check_cache_indices(cache_seqlens: torch.Tensor, s_new: int, capacity: int, rows: int,

@@ -480,3 +480,91 @@ def test_compiled_decoding_steps_on_the_split_route(mode):
     for _ in range(4):
         assert_rule("compiled KV-cache step", cached(q, k, v).clone(), ref, low, 2,
                     torch.bfloat16)
+
+
+def _same_results(results, what):
+    """Each call's (out, lse, caches...) bitwise the first's (the contiguous call's)."""
+    for i, got in enumerate(results[1:], 1):
+        for j, (a, b) in enumerate(zip(got, results[0])):
+            assert (a is None and b is None) or torch.equal(a, b), f"{what}: call {i}, item {j}"
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["step", "append"])
+@pytest.mark.parametrize("paged", [0, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("route", ["split", "split-alibi", "prefill"])
+def test_kvcache_index_views_equal_contiguous_copies(route, paged, append):
+    """cache_seqlens, cache_batch_idx, cache_leftpad, block_table (transposed in memory),
+    sinks and ALiBi slopes as strided views, on the split kernel and the prefill route, where
+    plain steps replay their launches: a call with views after the contiguous call of the
+    same shapes (whose record it must not replay with the views' storage) and again (its own
+    record, if any), each with new data, give bitwise the contiguous call's output, LSE and
+    caches."""
+    from flashtriton.decode import attention_with_kvcache
+    from test_index_layouts import _dense, _strided
+    gen = torch.Generator().manual_seed(31)
+    B, HKV, G, D, cap = 3, 2, 4, 128, 2048
+    SQ = 256 if route == "prefill" else 1
+    assert configs.kvcache_prefill(G, SQ) == (route == "prefill")
+    rand = lambda *shape: torch.randn(*shape, generator=gen).cuda().bfloat16()  # noqa: E731
+    rows = B + 1
+    if paged:
+        n = cap // paged
+        k_cache, v_cache = rand(rows * n, paged, HKV, D), rand(rows * n, paged, HKV, D)
+    else:
+        k_cache, v_cache = rand(rows, cap, HKV, D), rand(rows, cap, HKV, D)
+    for call in range(3):
+        lens = [1000 + 300 * call, 17, 1900 - 200 * call]
+        args = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32).cuda(), causal=True,
+                    sinks=torch.randn(HKV * G, generator=gen).cuda())
+        if route == "split-alibi":
+            args["alibi_slopes"] = torch.rand(B, HKV * G, generator=gen).cuda() * 0.1
+        if paged:
+            args["block_table"] = torch.randperm(rows * n, generator=gen)[:B * n].view(B, n) \
+                .to(torch.int32).cuda()
+        else:
+            args["cache_batch_idx"] = torch.tensor([(call + b) % rows for b in range(B)],
+                                                   dtype=torch.int32).cuda()
+            args["cache_leftpad"] = torch.tensor([3 * call, 0, 100], dtype=torch.int32).cuda()
+        views = {name: _strided(x) if isinstance(x, torch.Tensor) else x
+                 for name, x in args.items()}
+        q = rand(B, SQ, HKV * G, D)
+        new = (rand(B, 8, HKV, D), rand(B, 8, HKV, D)) if append else (None, None)
+        results = []
+        for a in (_dense(views), views, views):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            out, lse = attention_with_kvcache(q, kc, vc, *new, **a)
+            results.append((out, lse, kc, vc))
+        _same_results(results, f"call {call}")
+
+
+@pytest.mark.parametrize("case", ["packed", "paged", "paged-decode"])
+def test_varlen_seqused_k_views_equal_contiguous_copies(case):
+    """flash_attention_varlen with seqused_k, cu_seqlens_q / _k and block_table (transposed in
+    memory) as strided views: bitwise the contiguous call's, twice with new data."""
+    from flashtriton import flash_attention_varlen_with_lse
+    from test_index_layouts import _dense, _strided
+    gen = torch.Generator().manual_seed(32)
+    H, HKV, D, page = 8, 2, 128, 16
+    lens_q = [1, 1, 1] if case == "paged-decode" else [300, 1, 57]
+    lens_k = [900, 300, 1500]
+    cu = lambda lens: torch.tensor([0, *lens]).cumsum(0).to(torch.int32).cuda()  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=gen).cuda().bfloat16()  # noqa: E731
+    for call in range(2):
+        q = rand(sum(lens_q), H, D)
+        args = dict(cu_seqlens_q=cu(lens_q), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                    causal=True, seqused_k=torch.tensor([n - 5 * (call + 1) for n in lens_k],
+                                                        dtype=torch.int32).cuda())
+        if case == "packed":
+            k, v = rand(sum(lens_k), HKV, D), rand(sum(lens_k), HKV, D)
+            args["cu_seqlens_k"] = cu(lens_k)
+        else:
+            n = -(-max(lens_k) // page)
+            k, v = rand(3 * n + 2, page, HKV, D), rand(3 * n + 2, page, HKV, D)
+            args["cu_seqlens_k"] = None
+            args["block_table"] = torch.randperm(3 * n + 2, generator=gen)[:3 * n].view(3, n) \
+                .to(torch.int32).cuda()
+        views = {name: _strided(x) if isinstance(x, torch.Tensor) else x
+                 for name, x in args.items()}
+        results = [tuple(flash_attention_varlen_with_lse(q, k, v, **a))
+                   for a in (_dense(views), views, views)]
+        _same_results(results, f"{case} call {call}")

@@ -307,13 +307,18 @@ def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
     prefill route over a contiguous cache, _paged_prefill over pages without left padding)
     or the split kernel (always over an fp8 cache); a plain step (``step``) is remembered
     under ``signature``."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if batch_invariant and block_table is None:  # refused before the append writes
+        misfit = _packed_misfit(q, k_cache, v_cache)
+        if misfit is not None:
+            raise ValueError(f"batch_invariant runs the forward kernel over packed views: "
+                             f"{misfit}")
     s_new = 0
     if k is not None:
         s_new = k.shape[1]
         append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, descales)
     seqlens = cache_seqlens if s_new == 0 else (cache_seqlens + s_new).to(torch.int32)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     variant = Variant(scale, causal, left, right, softcap, alibi, sinks=sinks,
                       batch_invariant=batch_invariant)
     prefill = (configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1])
@@ -325,11 +330,6 @@ def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
                            variant, return_lse, signature, step)
         if prefill is not None:
             return prefill
-        if batch_invariant:
-            raise ValueError("batch_invariant: k_cache / v_cache must hold each row's "
-                             "positions at one stride (row stride = seqlen_cache x token "
-                             f"stride) and fewer than 2**31 tokens; got {tuple(k_cache.shape)} "
-                             f"with strides {k_cache.stride()}")
     return _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
                    alibi, scale, left, right, softcap, num_splits, return_lse, signature, step,
                    sinks, descales)
@@ -345,8 +345,7 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
     instead)."""
     B, SQ, H, D = q.shape
     rows, S = k_cache.shape[0], k_cache.shape[1]
-    if (q.stride(0) != SQ * q.stride(1) or rows * S >= 2**31
-            or any(c.stride(0) != S * c.stride(1) for c in (k_cache, v_cache))):
+    if _packed_misfit(q, k_cache, v_cache) is not None:
         return None
     if variant.alibi_slopes is not None:
         signature = None
@@ -376,6 +375,24 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
         Varlen(spans[:B + 1], spans[seg:seg + B], SQ, S, spans[2 * seg:2 * seg + B]))
     _remember(signature, PrefillRoute(run_spans, run_fwd, seg))
     return AttentionOutput(out, lse if return_lse else None)
+
+
+def _packed_misfit(q, k_cache, v_cache) -> Optional[str]:
+    """Why the prefill route cannot see q as (B * SQ, H, D) and a contiguous cache as
+    (rows * S, HKV, D) token rows (None: it can)."""
+    B, SQ = q.shape[:2]
+    rows, S = k_cache.shape[:2]
+    if q.stride(0) != SQ * q.stride(1):
+        return (f"q must hold its batch's tokens at one stride (batch stride = seqlen_q x token "
+                f"stride); got shape {tuple(q.shape)}, strides {q.stride()}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(0) != S * c.stride(1):
+            return (f"{name} must hold each row's positions at one stride (row stride = "
+                    f"seqlen_cache x token stride); got shape {tuple(c.shape)}, strides "
+                    f"{c.stride()}")
+    if rows * S >= 2**31:
+        return f"k_cache must hold fewer than 2**31 tokens; got shape {tuple(k_cache.shape)}"
+    return None
 
 
 def _paged_prefill(q, k_cache, v_cache, seqlens, block_table, variant,
