@@ -3,11 +3,12 @@
 Layout is flash-attn's: (batch, seqlen, nheads, headdim).
 """
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 
-from .autograd import AttentionOutput, attention, register_mods
+from .autograd import AttentionOutput, NoBackward, attention, register_mods
 from .block_mask import BlockMask, create_block_mask
 from .launch.calls import key_counts
 from .validation import (_contents as validation_contents, check_alibi, check_block_table,
@@ -138,21 +139,26 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         check_out(out, q, v.shape[-1])
     forward_only = [name for name, x in (("seqused_k", seqused_k), ("block_table", block_table),
                                          ("out", out)) if x is not None]
-    if forward_only and torch.is_grad_enabled() and any(
-            x.requires_grad for x in (q, k, v, sinks) if x is not None):
-        raise ValueError(f"{' / '.join(forward_only)}: inference only (no backward); call "
-                         f"under torch.no_grad() or with inputs that do not require grad")
-    if (paged and max_q == 1 and q.shape[0] == B and not dropout_p and not batch_invariant
-            and v.shape[-1] == q.shape[-1]):
-        # a decoding batch (one query a sequence): the KV-cache path's split kernel
-        return _paged_decode(q, unit_last(k), unit_last(v), cu_k, seqused_k, block_table, scale,
-                             causal, (left, right), softcap, alibi_slopes, sinks, out)
-    out, lse = attention(unit_last(q), unit_last(k), unit_last(v), cu_q, cu_k, max_q, max_k,
-                         alibi_slopes, None, scale, bool(causal), left, right, softcap,
-                         dropout_p, seed, None, None, 128, 0, check_deterministic(deterministic),
-                         check_flag("batch_invariant", batch_invariant), sinks=sinks,
-                         seqused_k=seqused_k, block_table=block_table, out=out)
-    return AttentionOutput(out, lse)
+    grads = [x for x in (q, k, v, sinks) if x is not None and x.requires_grad] \
+        if forward_only and torch.is_grad_enabled() else []
+    deterministic = check_deterministic(deterministic)
+    batch_invariant = check_flag("batch_invariant", batch_invariant)
+    with torch.no_grad() if grads else contextlib.nullcontext():
+        if (paged and max_q == 1 and q.shape[0] == B and not dropout_p and not batch_invariant
+                and v.shape[-1] == q.shape[-1]):
+            # a decoding batch (one query a sequence): the KV-cache path's split kernel
+            res = _paged_decode(q, unit_last(k), unit_last(v), cu_k, seqused_k, block_table, scale, causal,
+                                (left, right), softcap, alibi_slopes, sinks, out)
+        else:
+            res = AttentionOutput(*attention(
+                unit_last(q), unit_last(k), unit_last(v), cu_q, cu_k, max_q, max_k,
+                alibi_slopes, None, scale, bool(causal), left, right, softcap, dropout_p, seed,
+                None, None, 128, 0, deterministic, batch_invariant, sinks=sinks,
+                seqused_k=seqused_k, block_table=block_table, out=out))
+    if grads:  # flash-attn's behaviour: the forward runs, its output requires grad, no backward
+        res = AttentionOutput(NoBackward.apply(res.out, " / ".join(forward_only), *grads),
+                              res.lse)
+    return res
 
 
 def _paged_decode(q, k, v, cu_k, seqused_k, block_table, scale, causal, window, softcap,
@@ -316,7 +322,9 @@ _VARLEN_DOC = """
            the pool is not read: its keys count as zeros, or, for the split kernel, are
            left out).
         out: (total_q, nheads, headdim of v) in q's dtype: the output is written there.
-        seqused_k, block_table and out are for inference (no backward).
+        seqused_k, block_table and out have no backward: as in flash-attn, the forward runs
+           with inputs that require grad and its output requires grad, but a backward that
+           reaches it raises NotImplementedError.
         batch_invariant: as in ``flash_attention`` (a decode batch over pages then stays on
            the forward kernel).
 """

@@ -169,6 +169,25 @@ class FlashAttnFunction(torch.autograd.Function):
         return dq, dk, dv, None if sinks is None else dsinks, None
 
 
+class NoBackward(torch.autograd.Function):
+    """``NoBackward.apply(out, options, *inputs)``: ``out`` (computed without autograd) as the
+    output of a call whose inputs require grad but that has no backward (varlen with
+    block_table / seqused_k / out=): it requires grad, as flash-attn's does, and a backward
+    that reaches it raises NotImplementedError naming ``options``."""
+
+    @staticmethod
+    def forward(ctx, out, options, *inputs):
+        ctx.options = options
+        return out.view_as(out)  # a view: out= callers keep their buffer's storage
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"flashtriton: the backward of a varlen call with {ctx.options} is not supported "
+            "(flash-attn has none either): gradients do not flow into a paged KV cache, "
+            "seqused_k or out=; for training, pass k and v packed with cu_seqlens_k")
+
+
 def register_mods(score_mod, score_mod_grad, mask_mod) -> int:
     """The integer key that the custom ops carry for the user's ``@triton.jit`` modifiers
     (0: none); their schemas cannot hold functions (``launch.calls._MODS`` maps it back)."""

@@ -568,3 +568,46 @@ def test_varlen_seqused_k_views_equal_contiguous_copies(case):
         results = [tuple(flash_attention_varlen_with_lse(q, k, v, **a))
                    for a in (_dense(views), views, views)]
         _same_results(results, f"{case} call {call}")
+
+
+@pytest.mark.parametrize("page", [16, 256], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (3, 799), (113, 203), (256, 512),
+                                               (799, 3)], ids=lambda s: str(s))
+def test_paged_varlen_forward_with_grad_as_flash_attn(seqlen_q, seqlen_k, page):
+    """flash-attn's test_flash_attn_varlen_causal with a paged KV cache (batch 8, 9 heads,
+    D=128, bf16, random padding): q requires grad, the forward runs (the output requires grad
+    and matches the float64 reference), and, as flash-attn has no backward for it, a backward
+    raises naming block_table."""
+    from accuracy import assert_rule
+    from flashtriton.compat import flash_attn as fa
+    from flashtriton.reference import attention_reference
+    gen = torch.Generator().manual_seed(seqlen_q * 1000 + seqlen_k + page)
+    B, H, D, dtype = 8, 9, 128, torch.bfloat16
+    lens_q = torch.randint(max(1, seqlen_q // 2), seqlen_q + 1, (B,), generator=gen)
+    lens_k = torch.randint(max(1, seqlen_k // 2), seqlen_k + 1, (B,), generator=gen)
+    width = -(-seqlen_k // page)
+    n_blocks = 3 * B * width
+    k_cache = torch.randn(n_blocks, page, H, D, generator=gen).to("cuda", dtype)
+    v_cache = torch.randn(n_blocks, page, H, D, generator=gen).to("cuda", dtype)
+    table = torch.randperm(n_blocks, generator=gen)[:B * width].view(B, width).to(
+        "cuda", torch.int32)
+    q = torch.randn(int(lens_q.sum()), H, D, generator=gen).to("cuda", dtype).requires_grad_()
+    cu = [torch.cat([torch.zeros(1, dtype=torch.int32), x.cumsum(0).to(torch.int32)]).cuda()
+          for x in (lens_q, lens_k)]
+    out = fa.flash_attn_varlen_func(q, k_cache, v_cache, cu[0], cu[1], seqlen_q, seqlen_k, 0.0,
+                                    causal=True, block_table=table)
+    assert out.requires_grad and out.shape == q.shape
+    with torch.no_grad():
+        assert torch.equal(out, fa.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu[0], cu[1], seqlen_q, seqlen_k, 0.0, causal=True,
+            block_table=table))
+    for b in range(B):
+        rows = slice(int(cu[0][b]), int(cu[0][b + 1]))
+        pages = table[b].long()
+        ks, vs = (x[pages].flatten(0, 1)[None, :int(lens_k[b])] for x in (k_cache, v_cache))
+        qs = q[rows].detach()[None]
+        ref = attention_reference(qs, ks, vs, causal=True)
+        pt = attention_reference(qs, ks, vs, causal=True, dtype=dtype)
+        assert_rule(f"out[{b}]", out[rows].detach()[None], ref.out, pt.out, 2, dtype)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        out.backward(torch.randn_like(out))

@@ -231,12 +231,10 @@ def test_bad_input_raises_naming_it(edit, error, match):
 @pytest.mark.parametrize("edit,match", [
     (dict(page=12), "power of two"),
     (dict(dims=3), "pages"),
-    (dict(grad=True), "inference only"),
 ])
 def test_bad_pages_raise(edit, match):
     page = edit.get("page", 16)
-    q = torch.randn(5, H, D, device=DEVICE, dtype=torch.float16,
-                    requires_grad=edit.get("grad", False))
+    q = torch.randn(5, H, D, device=DEVICE, dtype=torch.float16)
     k = torch.randn(3, page, HKV, D, device=DEVICE, dtype=torch.float16)
     if edit.get("dims"):
         k = k.flatten(0, 1)
@@ -245,3 +243,48 @@ def test_bad_pages_raise(edit, match):
         flash_attention_varlen(q, k, k, _cu([3, 2]), None, 3, 20, block_table=table,
                                seqused_k=torch.tensor([20, 9], dtype=torch.int32,
                                                       device=DEVICE))
+
+
+def _forward_only_call(form, q, k, v):
+    """flash_attn_varlen_func with block_table (prefill and decode routes), seqused_k over
+    packed keys, or out= (a fresh buffer); (call, its keywords, the option the backward
+    names)."""
+    lens_q = [1, 1, 1] if form == "decode" else [3, 1, 2]
+    lens_k = [20, 9, 17]
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    kw = dict(causal=True)
+    if form == "seqused_k":
+        kw.update(seqused_k=torch.tensor([15, 9, 3], dtype=torch.int32, device=DEVICE))
+    else:
+        kw.update(block_table=v)
+    if form == "out":
+        kw.update(out=torch.full((sum(lens_q), H, D), 7.0, device=DEVICE, dtype=q.dtype))
+
+    def call(q, k, v):
+        return fa.flash_attn_varlen_func(q[:sum(lens_q)], k, v if form == "seqused_k" else k,
+                                         cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+    return call, kw, "seqused_k" if form == "seqused_k" else "block_table"
+
+
+@pytest.mark.parametrize("form", ["block_table", "decode", "seqused_k", "out"])
+def test_forward_with_grad_as_flash_attn(form):
+    """flash-attn 2.6+ runs a paged varlen forward whose inputs require grad (its
+    test_flash_attn_varlen_causal does, and skips the backward): the same bits as the call
+    without grad, an output that requires grad, and a backward that raises naming the option.
+    (k and v here: the pages and the block table, or packed keys with seqused_k.)"""
+    q = torch.randn(6, H, D, device=DEVICE, dtype=torch.float16)
+    if form == "seqused_k":
+        k, v = (torch.randn(46, HKV, D, device=DEVICE, dtype=torch.float16) for _ in "kv")
+    else:
+        k, _, v, _ = paged_case([20, 9, 17], 8)   # v: the block table
+    call, kw, option = _forward_only_call(form, q, k, v)
+    want = call(q, k, v).clone()
+    leaves = [q.clone().requires_grad_(), k.clone().requires_grad_()]
+    got = call(*leaves, v if form != "seqused_k" else v.clone().requires_grad_())
+    assert got.requires_grad and torch.equal(got, want)
+    if form == "out":  # the result is the caller's buffer
+        assert got.data_ptr() == kw["out"].data_ptr()
+    assert not call(q, k, v).requires_grad
+    with pytest.raises(NotImplementedError, match=f"backward .*{option}.* not supported"):
+        got.float().sum().backward()
+    assert all(x.grad is None for x in leaves)

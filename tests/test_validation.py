@@ -303,7 +303,10 @@ def _flat(C_q=2 * 16, C_kv=None, N=16, M=16, dtype=torch.float16):
 COMFY_REFUSED = [
     pytest.param(lambda: _flat(dtype=torch.float64), dict(heads=2), "q has unsupported dtype",
                  id="fp64"),
-    pytest.param(lambda: _flat(2 * 16, 2 * 32), dict(heads=2), "headdim mismatch", id="channels"),
+    pytest.param(lambda: _flat(2 * 16, 4 * 16), dict(heads=2),
+                 "nheads of q (2) must be a multiple of nheads of k (4)", id="kv-more-heads"),
+    pytest.param(lambda: _flat(2 * 16, 24), dict(heads=2),
+                 "k's 24 channels do not split into heads of q's head dim 16", id="kv-channels"),
     pytest.param(lambda: _flat(MAX_HEAD_DIM + 16), dict(heads=1),
                  f"headdim must be in 1..{MAX_HEAD_DIM}", id="d-too-big"),
     pytest.param(lambda: _flat(33), dict(heads=2), "q's 33 channels do not split into 2 heads",

@@ -155,7 +155,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     ``flash_attn_func``. vLLM's keywords: ``seqused_k`` (batch,) int32 key counts
     (cu_seqlens_k then optional with block_table), ``out`` (written in place),
     ``return_softmax_lse``; decode rows (one query) and prefill rows mix in one call
-    (``flashtriton.flash_attention_varlen`` says more). Returns out (total_q, nheads,
+    (``flashtriton.flash_attention_varlen`` says more). With block_table, seqused_k or out,
+    inputs that require grad run the forward as in flash-attn (the output requires grad) and
+    a backward through the call raises NotImplementedError. Returns out (total_q, nheads,
     headdim); with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with
     softmax_lse (nheads, total_q) float32; with ``return_softmax_lse=True``,
     ``(out, softmax_lse)``.

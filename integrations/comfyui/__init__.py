@@ -2,9 +2,15 @@
 
 Install: pip install flashtriton (or this repository) into ComfyUI's Python, then link or copy
 this folder into ComfyUI/custom_nodes/. Wire MODEL -> Patch attention (flashtriton) -> KSampler.
+The node sets the model's attention override, replacing any override that a node before it set
+(another attention patch, "Model attention backend"); calls the kernels cannot run go to
+ComfyUI's own attention. Importing this folder also registers the function as "flashtriton"
+with ComfyUI's attention registry (newer ComfyUI), where other nodes can select it by name.
 """
 
-from flashtriton.integrations.comfyui import attention_flashtriton, attention_override
+from flashtriton.integrations.comfyui import attention_override, register
+
+register()
 
 
 class PatchAttentionFlashtriton:
@@ -17,16 +23,14 @@ class PatchAttentionFlashtriton:
     FUNCTION = "patch"
     CATEGORY = "model_patches"
     DESCRIPTION = ("Runs the model's attention on flashtriton's Triton kernels; calls they do not "
-                   "support go to ComfyUI's own attention.")
+                   "support go to ComfyUI's own attention. Replaces any attention override set "
+                   "by a node before it.")
 
     def patch(self, model, enabled=True):
+        """A clone of model whose transformer_options["optimized_attention_override"] is
+        flashtriton's (whatever override the model had before is replaced)."""
         if not enabled:
             return (model,)
-        try:  # newer ComfyUI: make the function selectable by name too
-            from comfy.ldm.modules.attention import register_attention_function
-            register_attention_function("flashtriton", attention_flashtriton)
-        except (ImportError, ValueError):
-            pass
         patched = model.clone()
         options = patched.model_options.setdefault("transformer_options", {})
         options["optimized_attention_override"] = attention_override
