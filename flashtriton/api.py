@@ -147,8 +147,8 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         if (paged and max_q == 1 and q.shape[0] == B and not dropout_p and not batch_invariant
                 and v.shape[-1] == q.shape[-1]):
             # a decoding batch (one query a sequence): the KV-cache path's split kernel
-            res = _paged_decode(q, unit_last(k), unit_last(v), cu_k, seqused_k, block_table, scale, causal,
-                                (left, right), softcap, alibi_slopes, sinks, out)
+            res = _paged_decode(q, unit_last(k), unit_last(v), cu_k, seqused_k, block_table,
+                                scale, causal, (left, right), softcap, alibi_slopes, sinks, out)
         else:
             res = AttentionOutput(*attention(
                 unit_last(q), unit_last(k), unit_last(v), cu_q, cu_k, max_q, max_k,
