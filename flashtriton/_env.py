@@ -13,6 +13,8 @@
 |                             |                              | kernels on Hopper and newer                                 |
 | ``FLASHTRITON_GLUON``       | ``1`` (default) / ``0``      | ``0``: no Gluon forward on Hopper (the Triton kernel runs   |
 |                             |                              | every forward)                                              |
+| ``FLASHTRITON_COMPILE_``    | ``1`` (default) / ``0``      | ``0``: the Gluon backward's kernels compile on the first    |
+| ``AHEAD``                   |                              | backward, not beside the first forward that needs them      |
 | ``FLASHTRITON_VALIDATE``    | ``0`` (default) / ``1``      | ``1``: validation mode, every call checks the contents of   |
 |                             |                              | its index tensors on the host (one sync a call; CPU index   |
 |                             |                              | tensors are always checked): ``validation.set_validation``  |
@@ -43,6 +45,7 @@ TMA: bool = _flag("FLASHTRITON_TMA", True)
 FAST_LAUNCH: bool = _flag("FLASHTRITON_FAST_LAUNCH", True)
 PDL: bool = _flag("FLASHTRITON_PDL", True)
 GLUON: bool = _flag("FLASHTRITON_GLUON", True)
+COMPILE_AHEAD: bool = _flag("FLASHTRITON_COMPILE_AHEAD", True)
 VALIDATE: bool = _flag("FLASHTRITON_VALIDATE", False)
 LOG_LEVEL: str = os.environ.get("FLASHTRITON_LOG", "").strip().lower()
 

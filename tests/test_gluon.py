@@ -763,3 +763,78 @@ def test_gluon_alibi_form_follows_the_switch_and_the_mask(monkeypatch):
     monkeypatch.setattr(configs, "GLUON_ALIBI_ONE_SIDED", True)
     assert form(causal=True) == 2 and form(window_left=30, window_right=0) == 2
     assert form() == 1 and form(window_left=30, window_right=5) == 1
+
+
+def test_backward_ahead_compiles_on_meta_tensors_and_launches_nothing(monkeypatch):
+    """gluon_backward_ahead hands both backward kernels (the prep kernel and the Gluon
+    kernel) to Triton's warmup, never to a launch, with meta tensors for everything but the
+    variant's: no allocation, no device work (it runs beside the forward's compile); dQ's
+    buffer in q's layout (tokens-major here, heads-major for SDPA's layout)."""
+    from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
+    from flashtriton.kernels.gluon import bwd
+    warmed = []
+    for kernel, name in ((_attn_bwd_prep_kernel, "prep"), (bwd._attn_bwd_gluon_kernel, "bwd")):
+        monkeypatch.setattr(kernel, "warmup",
+                            lambda *a, name=name, **kw: warmed.append((name, a, kw)))
+        monkeypatch.setattr(kernel, "run", lambda *a, **kw: pytest.fail("launched"))
+    for layout in ("tokens", "heads"):
+        warmed.clear()
+        strides = ((256 * 512, 512, 128, 1) if layout == "tokens"
+                   else (4 * 256 * 128, 128, 256 * 128, 1))
+        q, k, v = (torch.empty_strided((2, 256, 4, 128), strides, dtype=torch.bfloat16,
+                                       device="meta") for _ in range(3))
+        variant = Variant(0.1, True, -1, -1, 0.0, None)
+        launch.gluon_attn.gluon_backward_ahead(q, k, v, variant)
+        assert [w[0] for w in warmed] == ["prep", "bwd"]
+        tensors = [a for _, args, _ in warmed for a in args if isinstance(a, torch.Tensor)]
+        assert tensors and all(t.device.type == "meta" for t in tensors)
+        dq_acc = warmed[0][1][5]
+        assert dq_acc.dtype == torch.float32 and dq_acc.shape == q.shape
+        assert (_token_rows(dq_acc)[1] == 0) == (layout == "tokens")
+        descs = warmed[1][1][:7]
+        assert [list(d.block_shape) for d in descs[:4]] == [[64, 128], [128, 128], [128, 128],
+                                                             [64, 128]]
+
+
+def test_backward_ahead_starts_no_thread_where_it_does_not_apply(monkeypatch):
+    """launch.backward_ahead: nothing under the interpreter, with FLASHTRITON_COMPILE_AHEAD=0,
+    on CPU tensors, or for a signature it has seen."""
+    started = []
+    monkeypatch.setattr(launch.threading.Thread, "start", lambda self: started.append(self))
+    monkeypatch.setattr(launch, "_AHEAD", set())
+    q = torch.randn(1, 16, 2, 64)
+    variant = Variant(0.1, True, -1, -1, 0.0, None)
+    launch.backward_ahead(q, q, q, variant)  # CPU tensors (and the interpreter here)
+    monkeypatch.setattr(_env, "COMPILE_AHEAD", False)
+    launch.backward_ahead(q, q, q, variant)
+    assert started == [] and launch._PENDING == []
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_backward_compiled_ahead_is_the_one_the_backward_runs(monkeypatch, D):
+    """The first forward of a training call compiles its Gluon backward in a thread
+    (backward_ahead): with Triton's in-memory caches of both backward kernels emptied, after
+    the forward (and join_ahead) they hold the kernels, and the backward (gradients against
+    the float64 reference) compiles none more."""
+    from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
+    from flashtriton.kernels.gluon import bwd
+    monkeypatch.setattr(runtime, "_CALLS", {})
+    monkeypatch.setattr(runtime, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_AHEAD", set())
+    monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
+    kernels = (_attn_bwd_prep_kernel, bwd._attn_bwd_gluon_kernel)
+    dev = torch.cuda.current_device()
+    for kernel in kernels:
+        kernel.device_caches[dev][0].clear()
+    q, k, v = make_qkv(2, 700, 700, 4, 2, D, torch.bfloat16, "cuda")
+    seen = []
+
+    def fn(q, k, v):
+        res = flash_attention_with_lse(q, k, v, causal=True)
+        launch.join_ahead()
+        seen.append([set(kernel.device_caches[dev][0]) for kernel in kernels])
+        return res
+    check_against_reference(fn, q, k, v, True)
+    assert all(seen[0]), "nothing compiled ahead"
+    assert [set(kernel.device_caches[dev][0]) for kernel in kernels] == seen[0]

@@ -358,6 +358,34 @@ def _gluon_backward_kernels(dout, q, k, v, out, lse, variant: Variant, dq_mode: 
     return dq, dk, dv, delta.view(B, H, pad)[:, :, :N]
 
 
+def gluon_backward_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         variant: Variant) -> None:
+    """Compile (launch nothing) the Gluon backward's kernels for a call of these q, k, v and
+    variant, its other tensors as meta tensors in the layouts the backward gives them
+    (out and dout in q's, dK and dV in k's and v's, the stats flat): no allocation and no
+    device work, so it may run in a thread while the forward's kernels compile (Triton's
+    compiler releases the GIL: launch.backward_ahead). Only the head dims the kernel runs
+    unpadded, and dQ's Triton kernel at a split head dim is left to the backward."""
+    B, N, H, D = q.shape
+
+    def meta(like: torch.Tensor, dtype=None) -> torch.Tensor:
+        return torch.empty_strided(like.shape, like.stride(), dtype=dtype or like.dtype,
+                                   device="meta")
+    out = meta(q)
+    pad = configs.cdiv(N, configs.GLUON_BWD_BLOCK_N) * configs.GLUON_BWD_BLOCK_N
+    stats = torch.empty((B * H * pad,), dtype=torch.float32, device="meta")
+    lse = torch.empty((B, H, N), dtype=torch.float32, device="meta")
+    dq_acc = None
+    if not configs.gluon_bwd_split(D):
+        heads_major = _token_rows(q)[1] != 0
+        dq_acc = (torch.empty((B, H, N, D), dtype=torch.float32, device="meta").transpose(1, 2)
+                  if heads_major else torch.empty((B, N, H, D), dtype=torch.float32,
+                                                  device="meta"))
+    _gluon_bwd_launch(out, out, lse, stats, stats, dq_acc, q, k, v, meta(k), meta(v),
+                      variant.alibi_slopes, variant.q_blocks, variant, 2, None,
+                      compile_only=True)
+
+
 def _dq_buffer(q: torch.Tensor) -> torch.Tensor:
     """The Gluon backward's fp32 dQ buffer, (B, N, H, D) in q's layout (_token_rows: its
     rows and columns are q's, so the kernel's reductions use q's coordinates): tokens-major
@@ -371,9 +399,11 @@ def _dq_buffer(q: torch.Tensor) -> torch.Tensor:
 
 
 def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alibi, bmask,
-                      variant: Variant, dq_mode, timeline) -> Optional[GluonBwdReplay]:
+                      variant: Variant, dq_mode, timeline,
+                      compile_only: bool = False) -> Optional[GluonBwdReplay]:
     """_gluon_backward's launches through Triton's launchers; their GluonBwdReplay where both
-    can be replayed."""
+    can be replayed. compile_only: compile both kernels for these arguments (Triton's
+    warmup; tensors may be meta tensors, whose data pointer 0 is aligned), launch nothing."""
     from ..kernels.gluon import bwd
     B, N, H, D = q.shape
     bm, bn = configs.GLUON_BWD_BLOCK_M, configs.gluon_bwd_block_n(D)
@@ -382,11 +412,16 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
     _, *bmask_args = _block_args(variant.q_blocks)
     pad = lse2.numel() // (B * H)
     dq_strides = (0, 0, 0) if dq_acc is None else dq_acc.stride()[:3]
-    prep = launch_jit(
-        _attn_bwd_prep_kernel, (pad // bm, B * H), out, dout, lse, lse2, delta, dq_acc,
-        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), lse.stride(0), lse.stride(1), *dq_strides, H, N, pad, HEAD_DIM=D,
-        BLOCK_M=bm, num_warps=4)
+    prep_args = (out, dout, lse, lse2, delta, dq_acc, out.stride(0), out.stride(1),
+                 out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0),
+                 lse.stride(1), *dq_strides, H, N, pad)
+    prep_consts = dict(HEAD_DIM=D, BLOCK_M=bm, num_warps=4)
+    prep_grid = (pad // bm, B * H)
+    if compile_only:
+        _attn_bwd_prep_kernel.warmup(*prep_args, grid=prep_grid, **prep_consts)
+        prep = None
+    else:
+        prep = launch_jit(_attn_bwd_prep_kernel, prep_grid, *prep_args, **prep_consts)
     q_desc, q_rows = _gluon_descriptor(q, [bm, D])
     do_desc, do_rows = _gluon_descriptor(dout, [bm, D])
     k_desc, kv_rows = _gluon_descriptor(k, [bn, D])
@@ -407,6 +442,9 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
                                               alibi is not None, D))
     grid = (configs.cdiv(N, bn), B * k.shape[2], 1)
     kernel = bwd._attn_bwd_gluon_kernel
+    if compile_only:
+        kernel.warmup(*descs, dk, dv, alibi, bmask, *args, grid=grid, **consts)
+        return None
     compiled = kernel[grid](*descs, dk, dv, alibi, bmask, *args, **consts)
     if prep is None or not hasattr(compiled, "packed_metadata"):
         return None

@@ -12,8 +12,9 @@ The kernel is warp-specialized (FA3's layout): a producer partition (4 warps, fe
 streams Q, then K and V into the ring; two consumer warpgroups own 64 rows each (_attend) and
 release a slot through its "empty" mbarrier, so while one consumer runs its softmax the other
 can use the tensor cores. At head dim 64 three consumers share a program's 192 rows over key
-blocks of 64 (CONSUMERS; a 64 x 128 S at 160 registers a thread spills). (A plain 8-warp kernel with the same body, each warp refilling the
-slots itself, ran 5-20% slower at D=128 on the H200: docs/journal/perf-journal.md.)
+blocks of 64 (CONSUMERS; a 64 x 128 S at 160 registers a thread spills). (A plain 8-warp
+kernel with the same body, each warp refilling the slots itself, ran 5-20% slower at D=128
+on the H200: docs/journal/perf-journal.md.)
 
 Scope: bf16 / fp16, head dims 64, 128 and 256, (B, N, H, D) tensors whose token rows form a 2-D
 (B * N) x (heads * D) view with any row stride, GQA (K and V with H / GROUP heads), SQ == SK;
