@@ -13,9 +13,10 @@ from .block_mask import BlockMask, create_block_mask
 from .launch.calls import key_counts
 from .validation import (_contents as validation_contents, check_alibi, check_block_table,
                          check_cache_indices, check_cu_seqlens, check_deterministic,
-                         check_dropout, check_flag, check_index_tensor, check_max_seqlen, check_out,
-                         check_qkv, check_scale, check_seqused_k, check_sinks, check_softcap,
-                         check_varlen_indices, check_window, describe, unit_last)
+                         check_dropout, check_flag, check_index_tensor, check_max_seqlen,
+                         check_mods, check_out, check_qkv, check_scale, check_seqused_k,
+                         check_sinks, check_softcap, check_varlen_indices, check_window, describe,
+                         unit_last)
 
 
 def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_p, score_mod,
@@ -25,35 +26,13 @@ def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_
         if score_mod_grad is not None:
             raise ValueError("score_mod_grad was given without score_mod")
         return None, None, 128, 0
-    others = dict(causal=bool(causal), window_size=window != (-1, -1), softcap=softcap > 0,
-                  alibi_slopes=alibi_slopes is not None, attn_mask=attn_mask is not None,
-                  dropout_p=dropout_p > 0)
-    clash = [name for name, used in others.items() if used]
-    if clash:
-        raise ValueError(f"score_mod / mask_mod / block_mask cannot be combined with {clash}; "
-                         "express them in the mods (e.g. causal as a mask_mod)")
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    if score_mod is not None and score_mod_grad is None and needs_grad:
-        raise ValueError("score_mod needs score_mod_grad (its derivative with respect to the "
-                         "score, same arguments) for the backward")
     B, SQ, H = q.shape[0], q.shape[1], q.shape[2]
     SK = k.shape[1]
+    check_mods(q, k, (B, H, SQ, SK), causal, window, softcap, alibi_slopes, attn_mask, dropout_p,
+               score_mod, score_mod_grad, mask_mod, block_mask)
     if block_mask is None and mask_mod is not None:
         block_mask = create_block_mask(mask_mod, B, H, SQ, SK, q.device)
     if block_mask is not None:
-        if not isinstance(block_mask, BlockMask):
-            raise TypeError(f"block_mask must be a BlockMask (create_block_mask), got "
-                            f"{type(block_mask).__name__}")
-        if mask_mod is not None and mask_mod is not block_mask.mask_mod:
-            raise ValueError("mask_mod differs from block_mask.mask_mod; pass one of them")
-        Bm, Hm = block_mask.kv_blocks.shape[:2]
-        if (block_mask.seqlen_q, block_mask.seqlen_k) != (SQ, SK) or Bm not in (1, B) \
-                or Hm not in (1, H):
-            raise ValueError(f"block_mask was made for (B, H, seqlen_q, seqlen_k) = ({Bm}, {Hm}, "
-                             f"{block_mask.seqlen_q}, {block_mask.seqlen_k}); q {describe(q)}, "
-                             f"k {describe(k)}")
-        if block_mask.kv_blocks.device != q.device:
-            raise ValueError(f"block_mask is on {block_mask.kv_blocks.device}, q on {q.device}")
         mask_mod = block_mask.mask_mod
         blocks = (block_mask.kv_blocks, block_mask.q_blocks, block_mask.block_size)
     else:
@@ -67,6 +46,9 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
          deterministic=False, sinks=None, batch_invariant=False) -> AttentionOutput:
     """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
     check_qkv(q, k, v, names, own_v_dim=True)
+    causal = check_flag("causal", causal)
+    deterministic = check_deterministic(deterministic)
+    batch_invariant = check_flag("batch_invariant", batch_invariant)
     scale = check_scale(softmax_scale, q.shape[-1])
     left, right = check_window(window_size)
     softcap = check_softcap(softcap)
@@ -76,9 +58,8 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
     blocks = _check_mods(q, k, causal, (left, right), softcap, alibi_slopes, attn_mask, dropout_p,
                          score_mod, score_mod_grad, mask_mod, block_mask)
     out, lse = attention(unit_last(q), unit_last(k), unit_last(v), None, None, 0, 0,
-                         alibi_slopes, attn_mask, scale, bool(causal), left, right, softcap,
-                         dropout_p, seed, *blocks, check_deterministic(deterministic),
-                         check_flag("batch_invariant", batch_invariant), sinks=sinks)
+                         alibi_slopes, attn_mask, scale, causal, left, right, softcap,
+                         dropout_p, seed, *blocks, deterministic, batch_invariant, sinks=sinks)
     return AttentionOutput(out, lse)
 
 
@@ -87,6 +68,9 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 dropout_p=0.0, names=("q", "k", "v"), deterministic=False,
                 sinks=None, seqused_k=None, block_table=None, out=None,
                 batch_invariant=False) -> AttentionOutput:
+    causal = check_flag("causal", causal)
+    deterministic = check_deterministic(deterministic)
+    batch_invariant = check_flag("batch_invariant", batch_invariant)
     paged = block_table is not None
     for name, x in zip(names, (q, k, v)):
         if not isinstance(x, torch.Tensor):
@@ -141,8 +125,6 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          ("out", out)) if x is not None]
     grads = [x for x in (q, k, v, sinks) if x is not None and x.requires_grad] \
         if forward_only and torch.is_grad_enabled() else []
-    deterministic = check_deterministic(deterministic)
-    batch_invariant = check_flag("batch_invariant", batch_invariant)
     with torch.no_grad() if grads else contextlib.nullcontext():
         if (paged and max_q == 1 and q.shape[0] == B and not dropout_p and not batch_invariant
                 and v.shape[-1] == q.shape[-1]):
@@ -152,7 +134,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         else:
             res = AttentionOutput(*attention(
                 unit_last(q), unit_last(k), unit_last(v), cu_q, cu_k, max_q, max_k,
-                alibi_slopes, None, scale, bool(causal), left, right, softcap, dropout_p, seed,
+                alibi_slopes, None, scale, causal, left, right, softcap, dropout_p, seed,
                 None, None, 128, 0, deterministic, batch_invariant, sinks=sinks,
                 seqused_k=seqused_k, block_table=block_table, out=out))
     if grads:  # flash-attn's behaviour: the forward runs, its output requires grad, no backward
@@ -231,6 +213,11 @@ _OPTIONS_DOC = """
            flash-attn, the backward may add dQ in an order that varies from run to run
            (the Gluon backward on Hopper at head dims 64 and 128; the Triton kernels that run
            everything else are repeatable either way).
+        sinks: attention sinks (gpt-oss), float (nheads,): one logit a query head that joins
+           every row's softmax denominator without a value, p_j = exp(s_j) / (exp(sink) +
+           sum_j' exp(s_j')); differentiable (sinks get a gradient). The LSE includes it: a
+           row that sees no key gets output 0 and LSE the sink's logit (log(exp(sink))),
+           not -inf.
         batch_invariant: the forward's bits for a row depend only on the row, its keys and
            the options: not on the rest of the batch, the row's place among the query
            tokens, seqlen_q or the grid (one fixed tile, no autotuning, every key tile
@@ -287,7 +274,7 @@ flash_attention_with_lse.__doc__ = """``flash_attention`` that also returns the 
         ``AttentionOutput(out, lse)``: out as ``flash_attention``; lse (batch,
         nheads, seqlen_q) float32, the natural log of the softmax denominator of
         each row (of the final scores, after softcap and ALiBi), -inf for rows
-        that see no key. lse is not differentiable.
+        that see no key (with sinks: the sink's logit). lse is not differentiable.
 """
 
 
@@ -373,5 +360,6 @@ flash_attention_varlen.__doc__ = """``flash_attention`` on packed sequences; ret
 flash_attention_varlen_with_lse.__doc__ = """``flash_attention_varlen`` that also returns the LSE.
 """ + _VARLEN_DOC + """
     Returns ``AttentionOutput(out, lse)`` with lse (nheads, total_q) float32
-    (flash-attn's varlen layout), -inf for rows that see no key.
+    (flash-attn's varlen layout), -inf for rows that see no key (with sinks: the sink's
+    logit).
 """

@@ -77,7 +77,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k, v: (batch, seqlen_new, nheads_k, headdim) or None: written into the cache at
            positions cache_seqlens[b] ... (in place, also into pages), then attended. Into
            an fp8 cache: in q's dtype, quantised on the way (value / descale, saturated to
-           the fp8 range, rounded to nearest), or already in the cache's fp8 (copied).
+           the fp8 range, rounded to nearest, ties to even, as torch's cast), or already in
+           the cache's fp8 (copied).
         cache_seqlens: int or (batch,) int32: keys in the cache before the append
            (None: the whole cache).
         block_table: (batch, max_blocks) int32 page indices, in any order; page_size a
@@ -97,7 +98,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return_lse: False: no LSE is stored or allocated (lse None), a step's host time ~2 us
            shorter (as flash-attn's ``return_softmax_lse=False``).
         sinks: attention sinks (nheads,), as in ``flash_attention``: one logit a query head
-           in every row's softmax denominator (the LSE includes it).
+           in every row's softmax denominator (the LSE includes it: a row that sees no key,
+           e.g. of an empty cache, gets out 0 and lse the sink's logit).
         batch_invariant: a sequence's output does not depend on the rest of the batch, on
            the grid or on num_splits, and equals bitwise ``flash_attention(q, k, v,
            batch_invariant=True)`` over the same keys (and a training forward's rows at the
@@ -113,15 +115,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            bfloat16.
 
     Returns ``AttentionOutput(out, lse)``: out (batch, seqlen_q, nheads, headdim), lse
-    (batch, nheads, seqlen_q) float32 or None. Not differentiable.
+    (batch, nheads, seqlen_q) float32 or None, -inf for a row that sees no key (with sinks:
+    the sink's logit). Not differentiable.
 
     Index tensors may be views of any layout (the checks copy them contiguous, on their
     device), and are checked as ``flashtriton.validation`` says (their contents on the host
     in validation mode, or when they live on the CPU); whatever they hold, nothing outside
     the caches is read or written: a sequence whose length, row or left padding lies outside
-    its cache sees no keys (out 0, lse -inf), keys in pages outside the pool are not
-    attended, and appends outside the cache are dropped. Every argument is checked before
-    the append writes: a refused call leaves the caches as they were.
+    its cache sees no keys (out 0, lse -inf or the sink's logit), keys in pages outside the
+    pool are not attended, and appends outside the cache are dropped. Every argument is
+    checked before the append writes: a refused call leaves the caches as they were.
     """
     if q_descale is not None or getattr(q, "dtype", None) in validation.FP8_DTYPES:
         q = _dequantized_q(q, q_descale, k_cache)
@@ -135,8 +138,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     step = (k is None and rotary_cos is None and isinstance(cache_seqlens, torch.Tensor)
             and isinstance(q, torch.Tensor) and q.stride(-1) == 1
             and type(window_size) is tuple and decode_launch.TIMELINE is None
-            and not validation.validating() and type(batch_invariant) is bool
-            and _contiguous(tensors[3:9]))
+            and not validation.validating() and type(causal) is bool
+            and type(return_lse) is bool and type(batch_invariant) is bool
+            and type(rotary_interleaved) is bool and _contiguous(tensors[3:9]))
     signature = None
     if step:
         try:
@@ -149,6 +153,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         replayed = decode_launch.replay_step(signature, tensors, return_lse)
         if replayed is not None:
             return replayed
+    causal, return_lse, rotary_interleaved, batch_invariant = (
+        check_flag(name, flag) for name, flag in (
+            ("causal", causal), ("return_lse", return_lse),
+            ("rotary_interleaved", rotary_interleaved), ("batch_invariant", batch_invariant)))
     checked = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                           cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, causal,
                           window_size, k_descale, v_descale)
@@ -161,9 +169,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     softcap = check_softcap(softcap)
     alibi = check_alibi(alibi_slopes, B, H, q.device)
     sinks = check_sinks(sinks, H, q.device)
-    batch_invariant = check_flag("batch_invariant", batch_invariant)
     num_splits = check_num_splits(num_splits)
-    return_lse = check_flag("return_lse", return_lse)
     if batch_invariant and block_table is not None and cache_leftpad is not None:
         raise ValueError("batch_invariant: cache_leftpad over a paged cache is not supported "
                          "(left-pad a contiguous cache, or start each sequence at page 0)")

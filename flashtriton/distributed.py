@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from . import launch
 from .api import AttentionOutput
-from .validation import (check_deterministic, check_qkv, check_scale, check_softcap,
-                         check_window, unit_last)
+from .validation import (check_deterministic, check_flag, check_qkv, check_scale,
+                         check_softcap, check_window, unit_last)
 from .launch import Variant
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -237,12 +237,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     nheads, seqlen_local) float32). Differentiable in q, k and v; every rank must
     call it (and its backward) in the same order.
     """
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    deterministic = check_deterministic(deterministic)
     ring = _check_ring(q, k, v, group, layout)
     left, right = check_window(window_size)
     if causal:
         right = 0
     base = Variant(check_scale(softmax_scale, q.shape[-1]), softcap=check_softcap(softcap),
-                   deterministic=check_deterministic(deterministic))
+                   deterministic=deterministic)
     q, k, v = unit_last(q), unit_last(k), unit_last(v)
     out, lse = _RingAttention.apply(q, k, v, ring, layout, base, left, right)
     return AttentionOutput(out, lse) if return_lse else out
@@ -250,6 +253,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _flash_attn_style(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, group, layout):
+    return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
     if dropout_p:
         raise ValueError("ring attention does not support dropout (dropout_p must be 0)")
     if alibi_slopes is not None:

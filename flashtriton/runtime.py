@@ -3,6 +3,7 @@ compiled kernels and of whole calls, the device guard, output allocation and the
 TMA and PDL settings. The launchers (flashtriton.launch) build on it."""
 
 import functools
+import inspect
 import logging
 import operator
 from typing import NamedTuple, Optional, Tuple
@@ -310,9 +311,16 @@ def remember(signature, *entries) -> None:
 def on_device_of(fn):
     """``fn`` run with the current CUDA device set to its first argument's: Triton launches on
     the current device, while flash-attn and SDPA run on their inputs' device whatever is
-    current (a guard, as flash-attn's CUDAGuard)."""
+    current (a guard, as flash-attn's CUDAGuard). The first argument may come by its keyword
+    (``q=...``)."""
+    first = next(iter(inspect.signature(fn).parameters))
+
     @functools.wraps(fn)
-    def run(x, *args, **kwargs):
+    def run(x=_BY_KEYWORD, *args, **kwargs):
+        if x is _BY_KEYWORD:  # the first argument by its keyword (then args is empty)
+            if first not in kwargs:
+                return fn(*args, **kwargs)  # (fn raises: a missing argument)
+            x = kwargs.pop(first)
         get_device = getattr(x, "get_device", None)  # not a tensor: fn's checks raise
         index = get_device() if get_device is not None else -1  # -1: CPU (interpreter)
         if index >= 0 and index != torch.cuda.current_device():
@@ -320,6 +328,9 @@ def on_device_of(fn):
                 return fn(x, *args, **kwargs)
         return fn(x, *args, **kwargs)
     return run
+
+
+_BY_KEYWORD = object()  # on_device_of's mark of a first argument given by keyword
 
 
 def _cfg_tuple(cfg) -> Tuple[int, int, int, int]:

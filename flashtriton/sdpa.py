@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from . import _env
 from .api import _run
-from .validation import supported
+from .validation import check_flag, supported
 
 # torch's own function, captured at import: the fall-back target, also while patched.
 _TORCH_SDPA = F.scaled_dot_product_attention
@@ -61,6 +61,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     ``torch.nn.functional.scaled_dot_product_attention`` with the same arguments, so
     behaviour matches torch's, errors included.
     """
+    is_causal = check_flag("is_causal", is_causal)
+    enable_gqa = check_flag("enable_gqa", enable_gqa)
     reason = sdpa_misfit(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, scale)
     if reason is not None:
         _env.logger.debug("scaled_dot_product_attention falls back to torch's: %s", reason)

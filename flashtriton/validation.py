@@ -128,21 +128,25 @@ def _qkv_reason(q, k, v, names, same_batch: bool, layout: str,
                  if k.shape[:3] == v.shape[:3] else " but for the head dim")
         return Reason(f"{nk} and {nv} must have the same shape{other}; got {nk} {describe(k)} "
                       f"and {nv} {describe(v)}")
+    if same_batch and k.shape[0] != q.shape[0]:
+        return Reason(f"batch mismatch: {nq} {describe(q)}, {nk} {describe(k)}")
+    D = q.shape[3]  # head dims: q's first, then k's against it, then v's
+    if not 1 <= D <= MAX_HEAD_DIM:
+        return Reason(f"{nq}'s headdim must be in 1..{MAX_HEAD_DIM}; got {D} "
+                      f"({nq} {describe(q)})")
+    if k.shape[3] != D:
+        return Reason(f"headdim mismatch: {nq} {describe(q)}, {nk} {describe(k)}")
     if not 1 <= v.shape[3] <= MAX_HEAD_DIM:
         return Reason(f"{nv}'s headdim must be in 1..{MAX_HEAD_DIM}; got {v.shape[3]} "
                       f"({nv} {describe(v)})")
-    if same_batch and k.shape[0] != q.shape[0]:
-        return Reason(f"batch mismatch: {nq} {describe(q)}, {nk} {describe(k)}")
-    D = q.shape[3]
-    if k.shape[3] != D:
-        return Reason(f"headdim mismatch: {nq} {describe(q)}, {nk} {describe(k)}")
-    if not 1 <= D <= MAX_HEAD_DIM:
-        return Reason(f"headdim must be in 1..{MAX_HEAD_DIM}; got {D} ({nq} {describe(q)})")
     H, HKV = q.shape[h], k.shape[h]
-    if HKV == 0 or H % HKV != 0:
+    if HKV == 0 and H:
+        return Reason(f"{nk} has no heads (nheads_k = 0) for the {H} heads of {nq}; "
+                      f"{nq} {describe(q)}, {nk} {describe(k)}")
+    if HKV and H % HKV != 0:
         return Reason(f"nheads of {nq} ({H}) must be a multiple of nheads of {nk} ({HKV}); "
                       f"{nq} {describe(q)}, {nk} {describe(k)}")
-    return None
+    return None  # (no heads in q and k: empty results)
 
 
 def _mask_reason(mask, name: str, target: tuple, device) -> Optional[Reason]:
@@ -180,7 +184,9 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
               same_batch: bool = True, own_v_dim: bool = False, unit_stride: bool = False,
               attn_mask=None,
               mask_name: str = "attn_mask", dropout_p=None, softmax_scale=None, window_size=None,
-              softcap=None, alibi_slopes=None) -> Optional[Reason]:
+              softcap=None, alibi_slopes=None, causal=None, deterministic=None,
+              batch_invariant=None, sinks=None, score_mod=None, score_mod_grad=None,
+              mask_mod=None, block_mask=None) -> Optional[Reason]:
     """Whether the kernels can run this call: None, or why not -- a ``Reason`` (a str naming
     the argument, with the exception class ``check_qkv`` raises in ``reason.error``). Reads
     tensor metadata only (a tensor-valued scalar option is read on the host).
@@ -202,8 +208,12 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
         (batch, nheads, seqlen_q, seqlen_k) broadcast view: a tensor, bool or floating, on
         q's device, 1..4 dims broadcastable to that shape, not requiring grad.
       dropout_p: a real number in [0, 1).
-      softmax_scale, window_size, softcap, alibi_slopes: as ``check_scale``,
-        ``check_window``, ``check_softcap`` and ``check_alibi`` accept them.
+      softmax_scale, window_size, softcap, alibi_slopes, sinks: as ``check_scale``,
+        ``check_window``, ``check_softcap``, ``check_alibi`` and ``check_sinks`` accept them.
+      causal, deterministic, batch_invariant: flags (``check_flag``).
+      score_mod, score_mod_grad, mask_mod, block_mask: as ``check_mods`` accepts them with
+        the other options.
+    Every keyword option of ``flash_attention`` is one of these.
 
     The drop-ins add their own conventions on top (``sdpa.sdpa_misfit``:
     ``enable_gqa``, a mask in query's dtype, no mask with ``is_causal``;
@@ -213,7 +223,9 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
     except KeyError:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}") from None
     if not _fits(q, k, v, same_batch, h, own_v_dim):
-        return _qkv_reason(q, k, v, names, same_batch, layout, own_v_dim)
+        reason = _qkv_reason(q, k, v, names, same_batch, layout, own_v_dim)
+        if reason is not None:
+            return reason
     if unit_stride:
         for name, x in zip(names, (q, k, v)):
             reason = _stride_reason(name, x)
@@ -229,16 +241,34 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
         reason = _option_reason(_dropout_p, dropout_p)
         if reason is not None:
             return reason
+    mods = (score_mod, score_mod_grad, mask_mod, block_mask)
+    has_mods = any(m is not None for m in mods)
     if softmax_scale is None and window_size is None and softcap is None \
-            and alibi_slopes is None:
+            and alibi_slopes is None and causal is None and deterministic is None \
+            and batch_invariant is None and sinks is None and not has_mods:
         return None
+    for name, flag in (("causal", causal), ("deterministic", deterministic),
+                       ("batch_invariant", batch_invariant)):
+        if flag is not None:
+            reason = _option_reason(check_flag, name, flag)
+            if reason is not None:
+                return reason
     for check, args in ((check_scale, (softmax_scale, q.shape[3])),
                         (check_window, (window_size,)), (check_softcap, (softcap,)),
-                        (check_alibi, (alibi_slopes, q.shape[0], q.shape[h], q.device))):
+                        (check_alibi, (alibi_slopes, q.shape[0], q.shape[h], q.device)),
+                        (check_sinks, (sinks, q.shape[h], q.device))):
         if args[0] is not None:
             reason = _option_reason(check, *args)
             if reason is not None:
                 return reason
+    if has_mods:  # (every other option is valid here)
+        seq = 3 - h
+        dims = (q.shape[0], q.shape[h], q.shape[seq], k.shape[seq])
+        return _option_reason(
+            check_mods, q, k, dims, causal is not None and check_flag("causal", causal),
+            (-1, -1) if window_size is None else check_window(window_size),
+            0.0 if softcap is None else check_softcap(softcap), alibi_slopes, attn_mask,
+            0.0 if dropout_p is None else _dropout_p(dropout_p), *mods)
     return None
 
 
@@ -261,17 +291,29 @@ def check_qkv(q, k, v, names=("q", "k", "v"), same_batch: bool = True,
 
 
 def check_deterministic(deterministic) -> bool:
-    """A bitwise-repeatable backward: asked for, or torch.use_deterministic_algorithms(True)."""
-    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    """A bitwise-repeatable backward: asked for (a flag, ``check_flag``), or
+    torch.use_deterministic_algorithms(True)."""
+    return check_flag("deterministic", deterministic) \
+        or torch.are_deterministic_algorithms_enabled()
 
 
 def check_flag(name: str, value) -> bool:
-    """A switch: a bool (or numpy bool / 0-d tensor that converts); anything else a TypeError."""
-    if isinstance(value, (bool, numbers.Integral)) and value in (0, 1):
+    """A switch: a bool, a numpy bool or a 0-d bool tensor on the CPU; anything else (None,
+    strings, numbers, a tensor on a GPU, whose value would cost a device sync) a TypeError
+    naming it. Reads types only, but for the CPU tensor's one element."""
+    if value is True or value is False:
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
         return bool(value)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool:
-        return bool(value)
-    raise TypeError(f"{name} must be a bool, got {value!r}")
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool and value.dim() == 0 and value.device.type == "cpu":
+            return bool(value)
+        raise TypeError(f"{name} must be a bool (or a 0-d bool tensor on the CPU); got a tensor "
+                        f"of {describe(value)}")
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise TypeError(f"{name} must be a bool, got {kind.__name__} {shown}")
 
 
 def _stride_reason(name: str, x: torch.Tensor) -> Optional[Reason]:
@@ -396,6 +438,46 @@ def check_sinks(sinks, H: int, device, name: str = "sinks") -> Optional[torch.Te
     if sinks.device != device:
         raise ValueError(f"{name} must be on q's device {device}; got {describe(sinks)}")
     return sinks.contiguous()
+
+
+def check_mods(q, k, dims: Tuple[int, int, int, int], causal, window, softcap, alibi_slopes,
+               attn_mask, dropout_p, score_mod, score_mod_grad, mask_mod, block_mask) -> None:
+    """The user's modifiers, given at least one of score_mod / mask_mod / block_mask (or
+    score_mod_grad, which needs score_mod): alone
+    (not with causal, a window, softcap, ALiBi, a mask or dropout: those go into the mods),
+    score_mod with score_mod_grad where a gradient flows, and a ``BlockMask`` made for
+    (batch, nheads, seqlen_q, seqlen_k) = ``dims`` (or 1 for batch / nheads) on q's device
+    whose mask_mod is mask_mod's. The other options as checked values."""
+    if score_mod is None and score_mod_grad is not None:
+        raise ValueError("score_mod_grad was given without score_mod")
+    others = dict(causal=causal, window_size=window != (-1, -1), softcap=softcap > 0,
+                  alibi_slopes=alibi_slopes is not None, attn_mask=attn_mask is not None,
+                  dropout_p=dropout_p > 0)
+    clash = [name for name, used in others.items() if used]
+    if clash:
+        raise ValueError(f"score_mod / mask_mod / block_mask cannot be combined with {clash}; "
+                         "express them in the mods (e.g. causal as a mask_mod)")
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    if score_mod is not None and score_mod_grad is None and needs_grad:
+        raise ValueError("score_mod needs score_mod_grad (its derivative with respect to the "
+                         "score, same arguments) for the backward")
+    if block_mask is None:
+        return
+    from .block_mask import BlockMask
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask (create_block_mask), got "
+                        f"{type(block_mask).__name__}")
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError("mask_mod differs from block_mask.mask_mod; pass one of them")
+    B, H, SQ, SK = dims
+    Bm, Hm = block_mask.kv_blocks.shape[:2]
+    if (block_mask.seqlen_q, block_mask.seqlen_k) != (SQ, SK) or Bm not in (1, B) \
+            or Hm not in (1, H):
+        raise ValueError(f"block_mask was made for (B, H, seqlen_q, seqlen_k) = ({Bm}, {Hm}, "
+                         f"{block_mask.seqlen_q}, {block_mask.seqlen_k}); q {describe(q)}, "
+                         f"k {describe(k)}")
+    if block_mask.kv_blocks.device != q.device:
+        raise ValueError(f"block_mask is on {block_mask.kv_blocks.device}, q on {q.device}")
 
 
 def check_descale(name: str, d, B: int, HKV: int, device) -> torch.Tensor:

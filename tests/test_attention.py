@@ -196,6 +196,53 @@ def test_zero_sizes(shape, causal):
         assert x.grad.shape == x.shape and torch.equal(x.grad, torch.zeros_like(x.grad))
 
 
+def test_no_heads_give_empty_results():
+    """nheads = 0 in q and k (the README's zero-size inputs): empty outputs, LSEs and gradients
+    from the native API and the drop-ins, no launch; 0 KV heads for query heads is refused
+    naming k."""
+    from flashtriton import flash_attention_varlen_with_lse, scaled_dot_product_attention
+    from flashtriton.compat import flash_attn as fa
+    from flashtriton.decode import attention_with_kvcache
+    q, k, v = make_qkv(2, 4, 5, 0, 0, 16, torch.float16, DEVICE)
+    out, lse = flash_attention_with_lse(q, k, v, causal=True)
+    assert out.shape == (2, 4, 0, 16) and lse.shape == (2, 0, 4)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    res = fa.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert res[0].shape == q.shape and res[1].shape == (2, 0, 4)
+    assert fa.flash_attn_qkvpacked_func(torch.stack((q, k[:, :4], v[:, :4]), 2)).shape == q.shape
+    sdpa = scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
+    assert sdpa.shape == (2, 0, 4, 16)
+    assert torch.autograd.grad(sdpa.sum(), q)[0].shape == q.shape
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    qv, kv = (torch.randn(8, 0, 16, dtype=torch.float16, device=DEVICE, requires_grad=True)
+              for _ in range(2))
+    out, lse = flash_attention_varlen_with_lse(qv, kv, kv, cu, cu, 5, 5, causal=True)
+    assert out.shape == qv.shape and lse.shape == (0, 8)
+    assert torch.autograd.grad(out.sum(), kv)[0].shape == kv.shape
+    assert fa.flash_attn_varlen_func(qv, kv, kv, cu, cu, 5, 5).shape == qv.shape
+    with torch.no_grad():
+        cache = torch.randn(2, 8, 0, 16, dtype=torch.float16, device=DEVICE)
+        pages = torch.randn(4, 8, 0, 16, dtype=torch.float16, device=DEVICE)
+        table = torch.tensor([[1], [2]], dtype=torch.int32, device=DEVICE)
+        one = q[:, :1].detach()
+        for kw in (dict(k_cache=cache, v_cache=cache, k=one, v=one),
+                   dict(k_cache=cache, v_cache=cache, batch_invariant=True),
+                   dict(k_cache=pages, v_cache=pages, block_table=table)):
+            out, lse = attention_with_kvcache(one, cache_seqlens=3, **kw)
+            assert out.shape == one.shape and lse.shape == (2, 0, 1), kw
+        assert fa.flash_attn_with_kvcache(one, cache, cache, cache_seqlens=3).shape == one.shape
+        ones = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+        out, lse = flash_attention_varlen_with_lse(
+            qv[:2], pages, pages, ones, None, 1, 8, block_table=table, seqused_k=ones[1:])
+        assert out.shape == (2, 0, 16) and lse.shape == (0, 2)
+    q4 = torch.randn(2, 4, 2, 16, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="^k has no heads .* for the 2 heads of q"):
+        flash_attention(q4, k, v)
+    with pytest.raises(ValueError, match="^k_cache has no heads"):
+        attention_with_kvcache(q4[:, :1], cache, cache, cache_seqlens=3)
+
+
 @pytest.fixture
 def tma(monkeypatch):
     """The tensor-descriptor (TMA) kernels on any device: the interpreter runs descriptor

@@ -109,6 +109,28 @@ def test_packed_and_dense_forwards_agree_bitwise():
         at += m
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_sliced_q_runs(paged):
+    """q as a slice of a longer query buffer (its rows do not flatten): run, bitwise what its
+    contiguous copy gives, on every call (none replays the slice's first call)."""
+    cache = _cache(paged)
+    k, v, table = cache
+    lens = torch.tensor(LENS, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        buf = torch.randn(len(LENS), 6, H, D, device=DEVICE, dtype=DT)
+        q = buf[:, 1:4]
+        assert not q.is_contiguous()
+        got = attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                     causal=True, batch_invariant=True)
+        want = attention_with_kvcache(q.contiguous(), k, v, cache_seqlens=lens,
+                                      block_table=table, causal=True, batch_invariant=True)
+        assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+        ref = attention_reference(q[:1], k[:1, :LENS[0]], v[:1, :LENS[0]], causal=True) \
+            if not paged else None
+        if ref is not None:
+            torch.testing.assert_close(got.out[:1].double(), ref.out, atol=2e-2, rtol=0)
+
+
 def test_bad_options_raise():
     k, v, table = _cache(True)
     q = torch.randn(len(LENS), 1, H, D, device=DEVICE, dtype=DT)

@@ -4,7 +4,7 @@ import torch
 
 import flashtriton
 from conftest import DEVICE
-from flashtriton import configs, runtime
+from flashtriton import _env, configs, runtime
 
 
 def _qkv(N=64, D=128, dtype=torch.float32):
@@ -84,3 +84,58 @@ def test_padded_head_dims_take_the_gluon_backward_from_their_length():
                for r in e.reasons)
     e = flashtriton.explain(*_qkv(N=least, D=96, dtype=torch.bfloat16))
     assert not any("GLUON_PADDED_BWD_MIN_SEQLEN" in r for r in e.reasons)
+
+
+def _keywords(fn):
+    import inspect
+    return {name for name, p in inspect.signature(fn).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def test_explain_and_supported_take_every_option_of_flash_attention():
+    """explain and validation.supported describe flash_attention's calls: every keyword
+    option it takes, they take (compared by signature, so a new option cannot be missed)."""
+    from flashtriton.validation import supported
+    options = _keywords(flashtriton.flash_attention)
+    assert options == _keywords(flashtriton.flash_attention_with_lse)
+    assert options <= _keywords(flashtriton.explain), options - _keywords(flashtriton.explain)
+    assert options <= _keywords(supported), options - _keywords(supported)
+
+
+def test_explain_and_supported_check_sinks_and_mods():
+    """sinks, causal and the mods as flash_attention checks them; explain launches nothing
+    for a mask_mod (no block mask is built)."""
+    import triton
+
+    from flashtriton.validation import supported
+
+    @triton.jit
+    def everything(b, h, q_idx, kv_idx):
+        return q_idx >= 0
+
+    q, k, v = _qkv(N=16, D=16)
+    sinks = torch.zeros(2, device=DEVICE)
+    assert supported(q, k, v, causal=True, sinks=sinks) is None
+    e = flashtriton.explain(q, k, v, causal=True, sinks=sinks)
+    assert (e.forward, e.backward) == flashtriton.explain(q, k, v, causal=True)[:2]
+    for bad in (torch.zeros(3, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE)):
+        with pytest.raises((ValueError, TypeError), match="^sinks must"):
+            flashtriton.explain(q, k, v, sinks=bad)
+        assert supported(q, k, v, sinks=bad).startswith("sinks must")
+    reason = supported(q, k, v, causal=True, mask_mod=everything)
+    assert reason is not None and "cannot be combined with ['causal']" in reason
+    with pytest.raises(ValueError, match=r"cannot be combined with \['causal'\]"):
+        flashtriton.explain(q, k, v, causal=True, mask_mod=everything)
+    assert "score_mod_grad was given without score_mod" in supported(
+        q, k, v, score_mod_grad=everything)
+    assert supported(q, k, v, mask_mod=everything) is None
+    e = flashtriton.explain(q, k, v, mask_mod=everything)
+    assert e.forward == "triton"
+
+
+def test_explain_says_when_the_interpreter_runs_the_call():
+    e = flashtriton.explain(*_qkv())
+    assert e.interpreted is _env.INTERPRET
+    assert ("interpreter" in str(e)) is _env.INTERPRET
+    if _env.INTERPRET:
+        assert "TRITON_INTERPRET=1" in str(e).splitlines()[2]

@@ -2,6 +2,8 @@
 k_descale / v_descale): decoding against the float64 reference over the same dequantised
 values, appends that quantise in place, FA3's fp8 q, and the checks of the new arguments."""
 
+import pathlib
+
 import pytest
 import torch
 
@@ -142,6 +144,32 @@ def test_appends_quantise_into_the_cache_in_place(paged):
     assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
     assert float(got_k[0, 13, 0, 0]) == 448.0 and float(got_k[0, 13, 0, 1]) == -448.0
     _check(out, lse, q, _dequantize(got_k, kd), _dequantize(got_v, vd), lens + new, True)
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_appends_round_ties_to_even_as_documented(fp8):
+    """Every midpoint between neighbouring finite fp8 values (subnormals and the carry into
+    the next power of two included) rounds to the one of even mantissa, as torch's cast does
+    and the README and attention_with_kvcache say."""
+    values = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    grid = values[values.isfinite() & (values >= 0)].unique()  # sorted, +0 first
+    mids = (grid[:-1] + grid[1:]) / 2
+    mids = torch.cat([mids, -mids])
+    D = 16
+    n = -(-mids.numel() // D)
+    new = torch.cat([mids, mids.new_zeros(n * D - mids.numel())]).view(1, n, 1, D)
+    assert torch.equal(new.to(DT).float(), new)  # the midpoints exact in q's dtype
+    cache = torch.zeros(1, CAP, 1, D, dtype=fp8, device=DEVICE)
+    ones = torch.ones(1, device=DEVICE)
+    q = torch.zeros(1, 1, 1, D, dtype=DT, device=DEVICE)
+    attention_with_kvcache(q, cache, cache.clone(), new.to(DEVICE, DT), new.to(DEVICE, DT),
+                           cache_seqlens=0, k_descale=ones, v_descale=ones)
+    want = new.to(fp8)
+    assert torch.equal(cache[:, :n].cpu().view(torch.uint8), want.view(torch.uint8))
+    assert (want.float().view(-1)[:mids.numel()] != mids).all()  # (ties all, none exact)
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    for doc in (attention_with_kvcache.__doc__, readme.read_text()):
+        assert "rounded to nearest, ties to even" in " ".join(doc.split())
 
 
 def test_fp8_new_rows_are_copied_as_they_are():

@@ -459,6 +459,21 @@ def test_decode_tile_is_tuned_per_grid_waves(monkeypatch):
     assert (keys[0][2], keys[1][2]) == (2, 4), keys  # waves
 
 
+def test_every_argument_by_keyword():
+    """q (the argument on_device_of reads the device from) by its keyword too, in any order;
+    a missing q is Python's own TypeError naming it."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 4, 32, generator=gen).to(DEVICE, DT)
+    cache = torch.randn(1, CAP, 2, 32, generator=gen).to(DEVICE, DT)
+    lens = torch.tensor([CAP // 2], dtype=torch.int32, device=DEVICE)
+    want = attention_with_kvcache(q, cache, cache, cache_seqlens=lens)
+    for got in (attention_with_kvcache(q=q, k_cache=cache, v_cache=cache, cache_seqlens=lens),
+                attention_with_kvcache(cache_seqlens=lens, v_cache=cache, k_cache=cache, q=q)):
+        assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'q'"):
+        attention_with_kvcache(k_cache=cache, v_cache=cache, cache_seqlens=lens)
+
+
 @pytest.mark.parametrize("bad", ["k_cache", "block_table", "cache_seqlens", "k_cache_none"])
 def test_non_tensor_arguments_raise_type_errors(bad):
     # A list where a tensor belongs is a TypeError naming the argument, also for a call that

@@ -3,6 +3,7 @@ call hands the compiled kernel what Triton's JITFunction.run would (every argume
 kernel's order, this call's grid, the current stream). A fake kernel stands in for Triton's
 here; tests/test_attention.py::test_repeated_calls runs the real kernels through the path."""
 
+import inspect
 import types
 
 import pytest
@@ -425,6 +426,32 @@ def test_repeated_decode_step_replays_before_the_checks(fake_attention, monkeypa
         except Exception:
             pass  # the fakes cannot run every variant; what matters is that it was checked
         assert len(checks) > before, kw
+    # flags equal to the remembered step's but not bools (0 == False): refused, not replayed
+    runs = len(split.fn.compiled[0].runs)
+    for flag, value in (("causal", 0), ("return_lse", 1), ("rotary_interleaved", "x"),
+                        ("batch_invariant", 0)):
+        with pytest.raises(TypeError, match=f"^{flag} must be a bool"):
+            step(**{flag: value})
+    assert len(split.fn.compiled[0].runs) == runs
+
+
+def test_on_device_of_takes_the_first_argument_by_keyword():
+    """Every function on_device_of wraps takes its first argument by its keyword too."""
+    @runtime.on_device_of
+    def first(x, y=1, *, z=2):
+        return x, y, z
+    assert first(0) == (0, 1, 2) and first(x=0, z=3) == (0, 1, 3) and first(y=4, x=0)[1] == 4
+    with pytest.raises(TypeError, match="'x'"):
+        first(y=4)
+    assert next(iter(inspect.signature(first).parameters)) == "x"  # (functools.wraps)
+    q, k, v = (torch.randn(1, 4, 1, 16) for _ in range(3))
+    variant = launch.Variant(0.25)
+    want = launch.attention_forward(q, k, v, variant)
+    got = launch.attention_forward(v=v, variant=variant, k=k, q=q)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    grads = launch.attention_backward(dout=torch.ones_like(q), q=q, k=k, v=v, out=want[0],
+                                      lse=want[1], variant=variant)
+    assert grads[0].shape == q.shape
 
 
 def test_descriptor_scratch_is_not_kept_between_launches():

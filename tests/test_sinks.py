@@ -240,3 +240,61 @@ def test_no_keys_at_all():
                                                cu_q, cu_k, 5, 0, sinks=sinks.detach())
     assert (out == 0).all()
     torch.testing.assert_close(lse, sinks.detach()[:, None].expand(2, 5))
+
+
+def test_learnable_sink_after_the_rank_of_q():
+    """A q of the wrong rank beside learnable_sink is named (q), not the sink checked against
+    the wrong axis."""
+    from flashtriton.compat import flash_attn as fa
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 16, torch.float16, DEVICE, requires_grad=False)
+    sink = torch.zeros(2, device=DEVICE)
+    for bad in (q[0], q[:, None]):  # 3-D; 5-D with 8 on the heads axis
+        with pytest.raises(ValueError, match="^q must be 4-D"):
+            fa.flash_attn_func(bad, k, v, learnable_sink=sink)
+        with pytest.raises(ValueError, match="^q must be a 4-D"):
+            fa.flash_attn_with_kvcache(bad, k, v, cache_seqlens=8, learnable_sink=sink)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="^q must be 3-D"):
+        fa.flash_attn_varlen_func(q, k[0], v[0], cu, cu, 8, 8, learnable_sink=sink)
+
+
+def test_rows_without_keys_get_the_sinks_logit_in_every_api():
+    """A row that sees no key: output 0 and LSE the sink's logit (log(exp(sink))) in each API
+    with sinks; without sinks -inf natively and from flash_attn_with_kvcache, +inf from
+    flash_attn_func / flash_attn_varlen_func (flash-attn's), as their docstrings say."""
+    from flashtriton.compat import flash_attn as fa
+    from flashtriton.decode import attention_with_kvcache
+    q, k, v = make_qkv(1, 4, 2, 2, 2, 16, torch.float32, DEVICE, requires_grad=False)
+    sinks = torch.tensor([0.5, -1.25], device=DEVICE)
+    empty = sinks.view(2, 1).expand(2, 2)  # the first two (causal) rows of each head
+    inf = torch.full((2, 2), float("inf"), device=DEVICE)
+    for with_lse, no_sink in ((lambda **o: flash_attention_with_lse(q, k, v, causal=True, **o),
+                               -inf),
+                              (lambda **o: fa.flash_attn_func(
+                                  q, k, v, causal=True, return_attn_probs=True,
+                                  **({"learnable_sink": o["sinks"]} if o else {}))[:2], inf)):
+        out, lse = with_lse(sinks=sinks)
+        assert torch.equal(lse[0, :, :2], empty) and not out[0, :2].any()
+        assert torch.equal(with_lse()[1][0, :, :2], no_sink)
+    cu_q = torch.tensor([0, 1, 3], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 0, 2], dtype=torch.int32, device=DEVICE)  # sequence 0: no key
+    out, lse = flash_attention_varlen_with_lse(q[0, :3], k[0], v[0], cu_q, cu_k, 2, 2,
+                                               sinks=sinks)
+    assert torch.equal(lse[:, 0], sinks) and not out[0].any()
+    lse = fa.flash_attn_varlen_func(q[0, :3], k[0], v[0], cu_q, cu_k, 2, 2,
+                                    learnable_sink=sinks, return_attn_probs=True)[1]
+    assert torch.equal(lse[:, 0], sinks)
+    lse = fa.flash_attn_varlen_func(q[0, :3], k[0], v[0], cu_q, cu_k, 2, 2,
+                                    return_attn_probs=True)[1]
+    assert torch.equal(lse[:, 0], inf[:, 0])
+    cache = torch.randn(1, 8, 2, 16, device=DEVICE)
+    for opts, want in ((dict(sinks=sinks), sinks), ({}, -inf[:, 0])):
+        out, lse = attention_with_kvcache(q[:, :1], cache, cache, cache_seqlens=0, **opts)
+        assert torch.equal(lse[0, :, 0], want) and not out.any()
+        fa_opts = {"learnable_sink": opts["sinks"]} if opts else {}
+        lse = fa.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=0,
+                                         return_softmax_lse=True, **fa_opts)[1]
+        assert torch.equal(lse[0, :, 0], want)
+    for fn in (flash_attention_with_lse, flash_attention_varlen_with_lse, attention_with_kvcache,
+               fa.flash_attn_func, fa.flash_attn_varlen_func, fa.flash_attn_with_kvcache):
+        assert "the sink's logit" in " ".join(fn.__doc__.split()), fn.__name__

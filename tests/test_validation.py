@@ -72,12 +72,15 @@ REFUSED = [
     pytest.param(lambda: _qkv((1, 16, 2, MAX_HEAD_DIM + 16)), {}, ValueError,
                  [f"headdim must be in 1..{MAX_HEAD_DIM}", str(MAX_HEAD_DIM + 16)], id="d-too-big"),
     pytest.param(lambda: _qkv((1, 16, 2, 0)), {}, ValueError, ["headdim must be in"], id="d0"),
+    pytest.param(lambda: _qkv((1, 16, 2, 300)), {}, ValueError,
+                 [f"q's headdim must be in 1..{MAX_HEAD_DIM}", "got 300", "q shape (1, 16, 2, 300)"],
+                 id="d300-everywhere-names-q"),
     pytest.param(lambda: _qkv((1, 16, 2, 16), (1, 16, 2, 32)), {}, ValueError,
                  ["headdim mismatch"], id="d-mismatch"),
     pytest.param(lambda: _qkv((1, 16, 3, 16), (1, 16, 2, 16)), {}, ValueError,
                  ["nheads of q (3) must be a multiple of nheads of k (2)"], id="heads-indivisible"),
     pytest.param(lambda: _qkv((1, 16, 2, 16), (1, 16, 0, 16)), {}, ValueError,
-                 ["nheads of k (0)"], id="no-kv-heads"),
+                 ["k has no heads", "the 2 heads of q"], id="no-kv-heads"),
     pytest.param(lambda: (_t(1, 16, 2, 16), _t(1, 16, 2, 16), _t(1, 9, 2, 16)), {}, ValueError,
                  ["k and v must have the same shape"], id="kv-shapes"),
     pytest.param(lambda: _qkv((1, 16, 2, 16), (2, 16, 2, 16)), {}, ValueError,
@@ -206,6 +209,139 @@ def test_mask_target_follows_the_layout():
     assert "(1, 2, 16, 9)" in supported(q, k, v, layout="bhsd", attn_mask=_mask(2, 9))
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # the same call in (B, N, H, D)
     assert supported(q, k, v, attn_mask=_mask(16, 9)) is None
+
+
+# -- flags: bool, numpy bool or a 0-d bool CPU tensor, else a TypeError naming them ------------
+
+def test_check_flag_takes_bools_only():
+    np = pytest.importorskip("numpy")
+    for value, want in ((True, True), (False, False), (np.bool_(True), True),
+                        (np.False_, False), (torch.tensor(True), True),
+                        (torch.tensor(False), False)):
+        assert validation.check_flag("causal", value) is want
+    for bad in ("yes", None, 1, 0, 1.0, torch.tensor([True]), torch.tensor(1),
+                torch.tensor(True, device="meta")):  # (meta: a device tensor, read = a sync)
+        with pytest.raises(TypeError, match="^causal must be a bool"):
+            validation.check_flag("causal", bad)
+
+
+def _flag_calls():
+    """Each public entry point with flags: (its flags, a function calling it with one flag's
+    value, the tensors and host state an error must leave unchanged)."""
+    from flashtriton import (distributed, explain, flash_attention, flash_attention_varlen,
+                             flash_attention_varlen_with_lse, flash_attention_with_lse,
+                             scaled_dot_product_attention)
+    from flashtriton.compat import flash_attn as fa
+    from flashtriton.decode import PagedKVCache, attention_with_kvcache
+    torch.manual_seed(0)  # the same tensors on every call
+    q, k, v = _qkv((1, 4, 2, 16))
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    out = _t(4, 2, 16)
+    cache = _t(1, 16, 2, 16), _t(1, 16, 2, 16)
+    new = _t(1, 1, 2, 16), _t(1, 1, 2, 16)
+    lens = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    paged = PagedKVCache(num_pages=4, page_size=8, num_kv_heads=2, head_dim=16,
+                         dtype=torch.float16, device=DEVICE)
+    paged.add(0)
+    kv, qkv = torch.stack((k, v), 2), torch.stack((q, k, v), 2)
+    dense = ("causal", "deterministic", "batch_invariant")
+    fa_dense = ("causal", "deterministic", "return_attn_probs")
+    kvcache = ("causal", "return_lse", "rotary_interleaved", "batch_invariant")
+    ring = ("causal", "return_lse", "deterministic")
+    return {
+        "flash_attention": (dense, lambda **f: flash_attention(q, k, v, **f), ()),
+        "flash_attention_with_lse": (dense, lambda **f: flash_attention_with_lse(q, k, v, **f),
+                                     ()),
+        "flash_attention_varlen": (dense, lambda **f: flash_attention_varlen(
+            q[0], k[0], v[0], cu, cu, 4, 4, out=out, **f), (out,)),
+        "flash_attention_varlen_with_lse": (dense, lambda **f: flash_attention_varlen_with_lse(
+            q[0], k[0], v[0], cu, cu, 4, 4, **f), ()),
+        "attention_with_kvcache": (kvcache, lambda **f: attention_with_kvcache(
+            q[:, :1], *cache, *new, cache_seqlens=lens, **f), cache),
+        "PagedKVCache.attend": (("causal", "rotary_interleaved", "batch_invariant"),
+                                lambda **f: paged.attend(q[:, :1], *new, [0], **f),
+                                (paged.k, paged.v, paged._free, paged._pages)),
+        "flash_attn_func": (fa_dense, lambda **f: fa.flash_attn_func(q, k, v, **f), ()),
+        "flash_attn_kvpacked_func": (fa_dense, lambda **f: fa.flash_attn_kvpacked_func(
+            q, kv, **f), ()),
+        "flash_attn_qkvpacked_func": (fa_dense, lambda **f: fa.flash_attn_qkvpacked_func(
+            qkv, **f), ()),
+        "flash_attn_varlen_func": (fa_dense + ("return_softmax_lse",),
+                                   lambda **f: fa.flash_attn_varlen_func(
+                                       q[0], k[0], v[0], cu, cu, 4, 4, **f), ()),
+        "flash_attn_varlen_kvpacked_func": (fa_dense, lambda **f:
+                                            fa.flash_attn_varlen_kvpacked_func(
+                                                q[0], kv[0], cu, cu, 4, 4, **f), ()),
+        "flash_attn_varlen_qkvpacked_func": (fa_dense, lambda **f:
+                                             fa.flash_attn_varlen_qkvpacked_func(
+                                                 qkv[0], cu, 4, **f), ()),
+        "flash_attn_with_kvcache": (("causal", "rotary_interleaved", "return_softmax_lse"),
+                                    lambda **f: fa.flash_attn_with_kvcache(
+                                        q[:, :1], *cache, *new, cache_seqlens=lens, **f),
+                                    cache),
+        "scaled_dot_product_attention": (("is_causal", "enable_gqa"), lambda **f:
+                                         scaled_dot_product_attention(
+                                             q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), **f), ()),
+        "explain": (dense, lambda **f: explain(q, k, v, **f), ()),
+        "ring_attention": (ring, lambda **f: distributed.ring_attention(q, k, v, **f), ()),
+        "ring_flash_attn_func": (fa_dense, lambda **f: distributed.ring_flash_attn_func(
+            q, k, v, **f), ()),
+        "zigzag_ring_flash_attn_func": (fa_dense, lambda **f:
+                                        distributed.zigzag_ring_flash_attn_func(q, k, v, **f),
+                                        ()),
+    }
+
+
+def _snapshot(state):
+    return [x.clone() if isinstance(x, torch.Tensor) else repr(x) for x in state]
+
+
+FLAG_ENTRIES = [pytest.param(name, id=name) for name in (
+    "flash_attention", "flash_attention_with_lse", "flash_attention_varlen",
+    "flash_attention_varlen_with_lse", "attention_with_kvcache", "PagedKVCache.attend",
+    "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
+    "scaled_dot_product_attention", "explain", "ring_attention", "ring_flash_attn_func",
+    "zigzag_ring_flash_attn_func")]
+
+
+@pytest.mark.parametrize("entry", FLAG_ENTRIES)
+def test_every_flag_refuses_what_is_not_a_bool(entry):
+    """Each flag of each entry point: a string, None, an int or a 1-element tensor raises
+    TypeError naming the flag, before any launch or write (caches, out=, the page pool)."""
+    flags, call, state = _flag_calls()[entry]
+    before = _snapshot(state)
+    for flag in flags:
+        for bad in ("yes", None, 1, torch.tensor([True])):
+            with pytest.raises(TypeError, match=f"^{flag} must be a bool"):
+                call(**{flag: bad})
+    after = _snapshot(state)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(before, after))
+
+
+def test_supported_refuses_flags_that_are_not_bools():
+    q, k, v = _qkv()
+    for flag in ("causal", "deterministic", "batch_invariant"):
+        reason = supported(q, k, v, **{flag: "yes"})
+        assert reason.error is TypeError and reason.startswith(f"{flag} must be a bool")
+        assert supported(q, k, v, **{flag: True}) is None
+
+
+@pytest.mark.parametrize("entry,flag", [("flash_attention", "causal"),
+                                        ("attention_with_kvcache", "causal"),
+                                        ("scaled_dot_product_attention", "is_causal")])
+def test_numpy_and_cpu_tensor_flags_act_as_bools(entry, flag):
+    np = pytest.importorskip("numpy")
+    _, call, _ = _flag_calls()[entry]
+    want = call(**{flag: True})
+    want = want[0] if isinstance(want, tuple) else want
+    for value in (np.bool_(True), torch.tensor(True)):
+        got = _flag_calls()[entry][1](**{flag: value})  # (fresh caches: the append again)
+        got = got[0] if isinstance(got, tuple) else got
+        assert torch.equal(got, want), value
 
 
 # -- the drop-ins agree with supported --------------------------------------------------------

@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from ..api import _run, _run_varlen
-from ..validation import check_sinks
+from ..validation import check_flag, check_sinks
 
 # The flash-attn release whose Python interface this module speaks (``flash_attn.__version__``
 # after install()).
@@ -50,14 +50,16 @@ def _returns(out, lse, return_attn_probs):
 
 
 def _sink(learnable_sink, q, heads_dim):
-    """FlashAttention-4's learnable_sink (nheads,), checked under its name."""
-    if learnable_sink is None or not isinstance(q, torch.Tensor) or q.dim() <= heads_dim:
+    """FlashAttention-4's learnable_sink (nheads,), checked under its name where q has its
+    rank (heads on axis heads_dim, head dim last); else q's own checks raise first."""
+    if learnable_sink is None or not isinstance(q, torch.Tensor) or q.dim() != heads_dim + 2:
         return learnable_sink
     return check_sinks(learnable_sink, q.shape[heads_dim], q.device, "learnable_sink")
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, names, learnable_sink=None):
+    return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
     out, lse = _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
                     dropout_p, names, deterministic=deterministic,
                     sinks=_sink(learnable_sink, q, 2))
@@ -71,6 +73,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is None:
             raise TypeError(f"flash_attn_varlen_func() missing argument {name!r}")
+    return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
     out, lse = _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                            names, deterministic, sinks=_sink(learnable_sink, q, 1),
@@ -104,7 +107,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     Returns out (batch, seqlen_q, nheads, headdim of v); with
     ``return_attn_probs=True``, ``(out, softmax_lse, None)`` where softmax_lse
-    is (batch, nheads, seqlen_q) float32 (+inf for rows that see no key).
+    is (batch, nheads, seqlen_q) float32 (+inf for rows that see no key, as
+    flash-attn's; with learnable_sink the sink's logit, the row's softmax being the
+    sink's alone; out 0 either way).
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, ("q", "k", "v"),
@@ -159,9 +164,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     inputs that require grad run the forward as in flash-attn (the output requires grad) and
     a backward through the call raises NotImplementedError. Returns out (total_q, nheads,
     headdim); with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with
-    softmax_lse (nheads, total_q) float32; with ``return_softmax_lse=True``,
-    ``(out, softmax_lse)``.
+    softmax_lse (nheads, total_q) float32 (rows that see no key as in ``flash_attn_func``:
+    +inf, or the sink's logit); with ``return_softmax_lse=True``, ``(out, softmax_lse)``.
     """
+    return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
+    return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     res = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                             deterministic, return_attn_probs or return_softmax_lse, block_table,
@@ -207,9 +214,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     new k as flash-attn does; learnable_sink as in ``flash_attn_func``. FP8 caches as
     FlashAttention-3's: float8_e4m3fn (or e5m2) k_cache / v_cache with float32 k_descale /
     v_descale (batch, nheads_k), q in bf16 / fp16 or in fp8 with q_descale (out bf16).
-    Returns out, or (out, softmax_lse) with ``return_softmax_lse=True``.
+    Returns out, or (out, softmax_lse) with ``return_softmax_lse=True``: softmax_lse
+    (batch, nheads, seqlen_q), as ``attention_with_kvcache``'s: -inf for a row that sees no
+    key (not flash_attn_func's +inf), the sink's logit with learnable_sink.
     """
     from ..decode import attention_with_kvcache
+    return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     out, lse = attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                       block_table=block_table, cache_batch_idx=cache_batch_idx,
                                       cache_leftpad=cache_leftpad,

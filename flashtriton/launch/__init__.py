@@ -112,7 +112,7 @@ def _paged_singles(q, v, variant: Variant, varlen: Optional[Varlen]) -> bool:
 def _dense_split(q, k, v, variant: Variant, varlen: Optional[Varlen]) -> bool:
     """Whether a dense call runs the split-KV kernel (configs.dense_split), which computes
     this variant."""
-    return (varlen is None and q.dim() == 4
+    return (varlen is None and q.dim() == 4 and k.shape[2] > 0  # (no heads: empty)
             and configs.dense_split(q.shape[2] // k.shape[2], q.shape[1], k.shape[1])
             and _split_computes(q, v, variant))
 

@@ -256,7 +256,7 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
     (kernels.decode._kv_append_kernel). An fp8 cache takes k, v in its dtype as they are, or
     quantises them by ``descales`` (k's and v's factors, (B, HKV) float32 views)."""
     B, S_new, HKV, D = k.shape
-    if B * S_new == 0:
+    if B * S_new * HKV == 0:
         return
     paged = block_table is not None
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
@@ -310,7 +310,7 @@ def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
     if q.stride(-1) != 1:
         q = q.contiguous()
     if batch_invariant and block_table is None:  # refused before the append writes
-        misfit = _packed_misfit(q, k_cache, v_cache)
+        misfit = _packed_misfit(k_cache, v_cache)
         if misfit is not None:
             raise ValueError(f"batch_invariant runs the forward kernel over packed views: "
                              f"{misfit}")
@@ -321,7 +321,8 @@ def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
     seqlens = cache_seqlens if s_new == 0 else (cache_seqlens + s_new).to(torch.int32)
     variant = Variant(scale, causal, left, right, softcap, alibi, sinks=sinks,
                       batch_invariant=batch_invariant)
-    prefill = (configs.kvcache_prefill(q.shape[2] // k_cache.shape[2], q.shape[1])
+    group = q.shape[2] // max(k_cache.shape[2], 1)  # (no heads: empty results)
+    prefill = (configs.kvcache_prefill(group, q.shape[1])
                and descales[0] is None)
     if block_table is not None and (batch_invariant or prefill and cache_leftpad is None):
         return _paged_prefill(q, k_cache, v_cache, seqlens, block_table, variant, return_lse)
@@ -342,11 +343,15 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
     seqlens[b] - leftpad[b] rows from cache_row(b) * S + leftpad[b] on, Varlen's seqused_k,
     computed on the device by _cache_spans_kernel), two launches that a later call with the
     same signature replays. None where q or the cache do not flatten (the split kernel runs
-    instead)."""
+    instead), but under batch_invariant a q whose rows do not flatten is copied."""
     B, SQ, H, D = q.shape
     rows, S = k_cache.shape[0], k_cache.shape[1]
-    if _packed_misfit(q, k_cache, v_cache) is not None:
+    if _packed_misfit(k_cache, v_cache) is not None:
         return None
+    if q.stride(0) != SQ * q.stride(1):  # (a slice of a longer q)
+        if not variant.batch_invariant:
+            return None
+        q, signature = q.contiguous(), None  # (a replay would read the slice's pointer)
     if variant.alibi_slopes is not None:
         signature = None
     elif not step:  # appends, rotary: the same call but for the data replays its launches
@@ -355,6 +360,8 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
             seqlens, cache_batch_idx, cache_leftpad, variant.sinks)
     out = runtime._empty(q.shape, q.dtype, q.device)
     lse = runtime._empty((B, H, SQ), torch.float32, q.device)
+    if out.numel() == 0:
+        return AttentionOutput(out, lse if return_lse else None)
     tensors = (q, k_cache, v_cache, seqlens, None, cache_batch_idx, cache_leftpad, None,
                variant.sinks, None, None)
     known = remembered(signature)
@@ -377,14 +384,10 @@ def _prefill(q, k_cache, v_cache, seqlens, cache_batch_idx, cache_leftpad, varia
     return AttentionOutput(out, lse if return_lse else None)
 
 
-def _packed_misfit(q, k_cache, v_cache) -> Optional[str]:
-    """Why the prefill route cannot see q as (B * SQ, H, D) and a contiguous cache as
-    (rows * S, HKV, D) token rows (None: it can)."""
-    B, SQ = q.shape[:2]
+def _packed_misfit(k_cache, v_cache) -> Optional[str]:
+    """Why the prefill route cannot see a contiguous cache as (rows * S, HKV, D) token rows
+    (None: it can; a q whose rows do not flatten is _prefill's to handle)."""
     rows, S = k_cache.shape[:2]
-    if q.stride(0) != SQ * q.stride(1):
-        return (f"q must hold its batch's tokens at one stride (batch stride = seqlen_q x token "
-                f"stride); got shape {tuple(q.shape)}, strides {q.stride()}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.stride(0) != S * c.stride(1):
             return (f"{name} must hold each row's positions at one stride (row stride = "
