@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from flashtriton import configs, flash_attention_varlen_with_lse, flash_attention_with_lse
+from flashtriton import (configs, flash_attention_varlen_with_lse, flash_attention_with_lse,
+                         validation)
 from flashtriton.compat import flash_attn as fa
 from flashtriton.decode import PagedKVCache, attention_with_kvcache
 
@@ -326,9 +327,11 @@ def test_paged_kv_cache_refused_call_changes_nothing(bad):
 
 @pytest.mark.parametrize("used,where", [(-1, 0), (10, 0), (15, 1)],
                          ids=["negative", "past-its-keys", "past-the-last"])
-def test_varlen_seqused_k_out_of_range_is_refused(used, where):
+def test_varlen_seqused_k_out_of_range_is_refused(used, where, monkeypatch):
     """Packed keys: seqused_k[b] outside [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]] is refused
-    naming it (as the paged call refuses lengths past its pages), out= left alone."""
+    naming it (as the paged call refuses lengths past its pages), out= left alone. (Entries
+    are read on the host: CPU tensors always, GPU ones in validation mode.)"""
+    monkeypatch.setattr(validation, "_VALIDATE", True)
     gen = torch.Generator().manual_seed(23)
     args = _varlen_call(False, gen)
     args["seqused_k"][where] = used

@@ -637,3 +637,28 @@ def test_kvcache_step_under_torch_compile_equals_the_eager_call(seqlens):
     ref = attention_reference(q.double(), k.double(), v.double(), causal=True).out
     low = attention_reference(q, k, v, causal=True, dtype=DT).out
     assert_rule("compiled KV-cache step", eager, ref, low, 2, DT)
+
+
+def test_eager_kvcache_and_dense_split_calls_import_no_dynamo():
+    """In a fresh process, an eager KV-cache step and a dense call on the split route leave
+    torch._dynamo unimported: importing it (what making a torch.compiler.disable wrapper
+    does) cost 5-6 s on an H100 machine's first such call of a process, a generation's first
+    step after its prompt."""
+    import subprocess
+    import sys
+    code = """
+import sys, torch
+from flashtriton import configs, flash_attention
+from flashtriton.decode import attention_with_kvcache
+configs.DENSE_SPLIT_MIN_KEYS = 32
+q = torch.randn(1, 1, 2, 16)
+k, v = (torch.randn(1, 64, 2, 16) for _ in range(2))
+flash_attention(q, k, v, causal=True)
+attention_with_kvcache(q, k, v, cache_seqlens=40)
+print("torch._dynamo" in sys.modules)
+"""
+    env = dict(__import__("os").environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "False"

@@ -293,11 +293,23 @@ def _strides(descale) -> Tuple[int, int]:
     return (0, 0) if descale is None else descale.stride()
 
 
-# torch.compile does not trace the KV-cache API's launches: traced, a compiled step over 8K keys
-# was wrong (tests/test_gpu.py::test_compiled_decoding_steps_on_the_split_route); they run
-# eagerly at a graph break.
-@torch.compiler.disable
-def attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
+def attend(*args, **kwargs) -> AttentionOutput:
+    """_attend; under torch.compile, outside the graph: traced, a compiled step over 8K keys
+    was wrong (tests/test_gpu.py::test_compiled_decoding_steps_on_the_split_route), so the
+    launches run eagerly at a graph break. The torch.compiler.disable wrapper is made on the
+    first compiled call: making it imports torch._dynamo, 5-6 s on an H100 machine's first
+    KV-cache or dense split call of a process."""
+    if torch.compiler.is_compiling():
+        return _attend_outside_graphs()(*args, **kwargs)
+    return _attend(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _attend_outside_graphs():
+    return torch.compiler.disable(_attend)
+
+
+def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
            cache_leftpad, alibi, scale, causal, left, right, softcap, num_splits, return_lse,
            signature, step, sinks=None, batch_invariant=False,
            descales=(None, None)) -> AttentionOutput:
