@@ -409,9 +409,13 @@ class PagedKVCache:
         """Append k, v (batch, n_new, nheads_k, headdim) to the sequences ``seq_ids`` (one per
         batch row) and attend q (batch, seqlen_q, nheads, headdim) over their caches.
         ``options`` go to ``attention_with_kvcache`` (causal, window_size, softcap, ...)."""
-        n_new = 0 if k is None else k.shape[1]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must name each sequence once, got {list(seq_ids)!r}")
+        for name, x in (("q", q), ("k", k), ("v", v)):  # (before any page is taken)
+            if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[0] != len(seq_ids):
+                raise ValueError(f"{name} has a batch of {x.shape[0]} for {len(seq_ids)} "
+                                 f"seq_ids; got {name} {describe(x)}")
+        n_new = 0 if k is None else k.shape[1]
         pages = {s: len(self._pages[self._known(s)]) for s in seq_ids}
         self._reserve(seq_ids, n_new)
         try:

@@ -35,7 +35,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     (TRITON_INTERPRET=1, as CPU tensors need). Takes every option flash_attention takes and
     checks its arguments as flash_attention does (ValueError / TypeError); launches nothing
     (a mask_mod without block_mask is routed as the block mask flash_attention would make)."""
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, own_v_dim=True)
     causal = check_flag("causal", causal)
     left, right = check_window(window_size)
     softcap = check_softcap(softcap)

@@ -181,7 +181,7 @@ def _option_reason(check, *args) -> Optional[Reason]:
 
 
 def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout: str = "bshd",
-              same_batch: bool = True, own_v_dim: bool = False, unit_stride: bool = False,
+              same_batch: bool = True, own_v_dim: bool = True, unit_stride: bool = False,
               attn_mask=None,
               mask_name: str = "attn_mask", dropout_p=None, softmax_scale=None, window_size=None,
               softcap=None, alibi_slopes=None, causal=None, deterministic=None,
@@ -194,9 +194,9 @@ def supported(q, k, v, *, names: Tuple[str, str, str] = ("q", "k", "v"), layout:
     q, k, v: 4-D tensors in ``layout`` ("bshd": (batch, seqlen, nheads, headdim), the native
     API's; "bhsd": (batch, nheads, seqlen, headdim), torch SDPA's), float16 / bfloat16 /
     float32 of one dtype, on one CUDA device (or the CPU under TRITON_INTERPRET=1); k and v
-    of one shape with q's head dim (1..MAX_HEAD_DIM) and batch (any batch with
-    ``same_batch=False``: KV caches; ``own_v_dim=True``: v's head dim may differ, as MLA's,
-    1..MAX_HEAD_DIM); q's heads a multiple of k's (GQA/MQA). ``names``: the arguments' names
+    of one shape but v's head dim, which may differ (as MLA's, 1..MAX_HEAD_DIM: flash_attention
+    takes it; ``own_v_dim=False``: v's as k's), with q's head dim (1..MAX_HEAD_DIM) and batch
+    (any batch with ``same_batch=False``: KV caches); q's heads a multiple of k's (GQA/MQA). ``names``: the arguments' names
     in the messages.
 
     Any strides: the entry points copy a tensor whose stride on headdim is not 1

@@ -353,15 +353,57 @@ def test_varlen_seqused_k_at_the_bounds_runs():
     assert not out.isnan().any()
 
 
-def test_batch_invariant_cache_misfit_is_refused_before_the_append():
+def test_batch_invariant_over_a_cache_whose_rows_do_not_flatten():
     """batch_invariant over a contiguous cache that the forward cannot see as packed token rows
-    (a cache sliced on its positions) is refused, naming k_cache, before the append."""
+    (caches sliced on their positions) runs on contiguous copies after the append: out, LSE
+    and the caches bitwise those of the same call over dense caches, the buffers' other
+    positions untouched; twice (no replay of a record made on the copies)."""
     gen = torch.Generator().manual_seed(25)
     args = _cache_call(False, gen)
-    buf = _rand(3, 2 * CAP, HKV, D, gen=gen)
-    before = buf.clone()
-    args.update(k_cache=buf[:, :CAP], cache_leftpad=None)
-    with pytest.raises(ValueError, match="k_cache must hold each row's positions at one stride"):
-        attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
-                               args.pop("k"), args.pop("v"), batch_invariant=True, **args)
-    assert torch.equal(buf, before)
+    args.update(cache_leftpad=None, batch_invariant=True)
+    bufs = {n: _rand(3, 2 * CAP, HKV, D, gen=gen) for n in ("k_cache", "v_cache")}
+    for n, buf in bufs.items():
+        buf[:, :CAP] = args[n]
+    before = {n: buf[:, CAP:].clone() for n, buf in bufs.items()}
+    for _ in range(2):
+        want, caches = _kvcache(args)
+        whole = {n: buf.clone() for n, buf in bufs.items()}
+        views = {n: buf[:, :CAP] for n, buf in whole.items()}
+        rest = {n: x for n, x in args.items() if n not in ("q", "k", "v", "k_cache", "v_cache")}
+        got = attention_with_kvcache(args["q"], views["k_cache"], views["v_cache"], args["k"],
+                                     args["v"], **rest)
+        _assert_same(got, want, "batch_invariant over sliced caches")
+        for n in views:
+            assert torch.equal(views[n], caches[n]), n
+            assert torch.equal(whole[n][:, CAP:], before[n]), n
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_left_padding_values_are_never_read(num_splits):
+    """NaN in a cache's left padding (positions before cache_leftpad[b]) changes nothing: the
+    split kernel's key blocks that start in the padding take its values as 0 (0 x NaN is NaN
+    in P V), at one split and merged splits."""
+    gen = torch.Generator().manual_seed(31)
+    args = _cache_call(False, gen)
+    args.update(num_splits=num_splits, k=None, v=None)
+    want, _ = _kvcache(args)
+    for n, pad in ((2, 1), (0, 3)):  # cache rows of the two sequences, their left padding
+        for cache in ("k_cache", "v_cache"):
+            args[cache] = args[cache].clone()
+            args[cache][n, :pad] = float("nan")
+    got, _ = _kvcache(args)
+    assert not got.out.isnan().any()
+    _assert_same(got, want, "NaN in the left padding")
+
+
+def test_varlen_gradients_of_rows_past_the_sequences_are_zero():
+    """Packed rows past cu_seqlens[-1] (q's and k / v's) belong to no sequence: their
+    gradients are 0, not what the allocator held."""
+    gen = torch.Generator().manual_seed(33)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    q, k, v = (_rand(15, H if i == 0 else HKV, D, gen=gen).requires_grad_() for i in range(3))
+    out, _ = flash_attention_varlen_with_lse(q, k, v, cu, cu, 7, 7, causal=True)
+    out[:12].float().sum().backward()
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        assert torch.equal(x.grad[12:], torch.zeros_like(x.grad[12:])), name
+        assert x.grad[:12].abs().sum() > 0, name

@@ -187,6 +187,8 @@ def _attn_decode_kernel(
         if UPCAST or FP8:  # fp8 bytes converted in registers (exactly): products in q's dtype
             k = k.to(q.dtype)
             v = v.to(q.dtype)
+        if HAS_LEFTPAD:  # the padding's values, whatever they hold, add nothing (0 x NaN is NaN)
+            v = tl.where((cols >= first)[:, None], v, tl.zeros_like(v))
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
         s, _ = scores(qk, t, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
         if PAGED:  # a key of a page outside the pool: past hi for the mask

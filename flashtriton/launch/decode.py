@@ -321,15 +321,18 @@ def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_i
     under ``signature``."""
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if batch_invariant and block_table is None:  # refused before the append writes
-        misfit = _packed_misfit(k_cache, v_cache)
-        if misfit is not None:
-            raise ValueError(f"batch_invariant runs the forward kernel over packed views: "
-                             f"{misfit}")
+    # batch_invariant runs the forward kernel over packed views of a contiguous cache: one
+    # whose rows do not flatten is read through contiguous copies after the append (not
+    # remembered: a replay would read the cache itself), one too large is refused before it
+    copies = batch_invariant and block_table is None and _packed_misfit(k_cache, v_cache)
+    if copies and k_cache.shape[0] * k_cache.shape[1] >= 2**31:
+        raise ValueError(f"batch_invariant runs the forward kernel over packed views: {copies}")
     s_new = 0
     if k is not None:
         s_new = k.shape[1]
         append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, descales)
+    if copies:
+        k_cache, v_cache, signature, step = k_cache.contiguous(), v_cache.contiguous(), None, False
     seqlens = cache_seqlens if s_new == 0 else (cache_seqlens + s_new).to(torch.int32)
     variant = Variant(scale, causal, left, right, softcap, alibi, sinks=sinks,
                       batch_invariant=batch_invariant)

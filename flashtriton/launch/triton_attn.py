@@ -94,6 +94,11 @@ def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[
     B, SQ, SK, H, HKV, D = _dims(q, k, varlen)
     dq = runtime._empty_like(q)
     dk, dv = (runtime._empty_like(k), runtime._empty_like(v)) if dkdv else (None, None)
+    if varlen is not None:  # packed rows past the last sequence get no program: their gradient
+        # is 0 (the last offset is on the device: no slice of the rows without a sync)
+        for g in (dq, dk, dv):
+            if g is not None:
+                g.zero_()
     lse = lse.contiguous()  # delta below shares its strides
     # The dQ kernel also computes delta = rowsum(dO * O) of its rows for the dK/dV kernel
     # (launched after it on the same stream).
