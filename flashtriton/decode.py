@@ -12,7 +12,7 @@ import torch
 from . import configs, runtime, validation
 from .api import AttentionOutput
 from .launch import decode as decode_launch
-from .launch.decode import append_kv, merge_partials, step_signature
+from .launch.decode import merge_partials, step_signature
 from .validation import (check_alibi, check_block_table, check_cache_indices, check_flag,
                          check_index_tensor, check_num_splits, check_qkv, check_scale,
                          check_sinks, check_softcap, check_unit_stride, check_window, describe)
@@ -309,6 +309,21 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
     check_cache_indices(cache_seqlens, s_new, capacity, k_cache.shape[0], block_table,
                         page_size, cache_batch_idx, cache_leftpad, rotary_len)
     return _Checked(cache_seqlens, window, descales, block_table, cache_batch_idx, cache_leftpad)
+
+
+def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              cache_seqlens: Union[int, torch.Tensor], block_table: Optional[torch.Tensor] = None,
+              cache_batch_idx: Optional[torch.Tensor] = None,
+              descales: tuple = (None, None)) -> None:
+    """attention_with_kvcache's append alone: k, v (batch, seqlen_new, nheads_k, headdim) into
+    the caches at positions cache_seqlens[b] + i, in place (into pages with block_table; cache
+    rows cache_batch_idx[b]); the caches and index tensors as attention_with_kvcache takes
+    them, checked as it checks them, before anything is written. An fp8 cache takes k, v in
+    its dtype as they are, or quantises them by ``descales`` = (k_descale, v_descale)."""
+    checked = _check_call(k, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                          cache_batch_idx, None, None, None, False, (-1, -1), *descales)
+    decode_launch.append_kv(k_cache, v_cache, k, v, checked.cache_seqlens, checked.block_table,
+                            checked.cache_batch_idx, checked.descales)
 
 
 def merge_attention_states(outs, lses) -> AttentionOutput:

@@ -193,7 +193,7 @@ def test_append_kv_into_fp8_takes_descales():
     kc, vc, kd, vd, _, _ = _cache(B, HKV, D, E4M3, "heads", gen)
     k_new = (3 * torch.randn(B, 3, HKV, D, generator=gen)).to(DEVICE, DT)
     lens = torch.tensor([5, 40], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="descales"):
+    with pytest.raises(ValueError, match="k_descale is needed"):  # descales[0]
         append_kv(kc, vc, k_new, k_new, lens)
     append_kv(kc, vc, k_new, k_new, lens, descales=(kd, vd))
     assert torch.equal(kc[0, 5:8].view(torch.uint8),

@@ -407,3 +407,24 @@ def test_varlen_gradients_of_rows_past_the_sequences_are_zero():
     for name, x in (("q", q), ("k", k), ("v", v)):
         assert torch.equal(x.grad[12:], torch.zeros_like(x.grad[12:])), name
         assert x.grad[:12].abs().sum() > 0, name
+
+
+def test_public_append_kv_checks_before_it_writes():
+    """flashtriton.decode.append_kv reads strided index tensors as attention_with_kvcache
+    does (the append lands in the rows the view names) and refuses a cache with a head-dim
+    stride or an out-of-range length before writing anything."""
+    from flashtriton.decode import append_kv
+    gen = torch.Generator().manual_seed(37)
+    k_new, v_new = (_rand(2, 1, HKV, D, gen=gen) for _ in range(2))
+    caches = [_rand(3, CAP, HKV, D, gen=gen) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    lens = torch.tensor([4, 9, 2, 9], dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([2, 1, 0, 1], dtype=torch.int32, device=DEVICE)
+    append_kv(*want, k_new, v_new, lens[::2].contiguous(), cache_batch_idx=rows[::2].contiguous())
+    append_kv(*caches, k_new, v_new, lens[::2], cache_batch_idx=rows[::2])
+    assert all(torch.equal(a, b) for a, b in zip(caches, want))
+    wide = _rand(3, CAP, HKV, 2 * D, gen=gen)
+    before = wide.clone()
+    with pytest.raises(ValueError, match="k_cache"):
+        append_kv(wide[..., ::2], wide[..., ::2], k_new, v_new, lens[::2])
+    assert torch.equal(wide, before)
