@@ -1,26 +1,26 @@
 """The one place that reads flashtriton's environment variables.
 
-| variable                    | values                       | effect                                                      |
-|-----------------------------|------------------------------|-------------------------------------------------------------|
-| ``TRITON_INTERPRET``        | ``1`` / unset                | run the kernels on the CPU through Triton's interpreter     |
-| ``FLASHTRITON_AUTOTUNE``    | ``0`` (default) / ``1``      | ``1``: autotune each kernel's tile per tuning key instead   |
-|                             |                              | of taking it from the tuning tables (flashtriton.tuning)    |
-| ``FLASHTRITON_TUNING_FILE`` | paths, ``os.pathsep``-joined | tuning tables to load (``flashtriton.tuning.save`` wrote    |
-|                             |                              | them) above the shipped one; the last named wins            |
-| ``FLASHTRITON_TMA``         | ``1`` (default) / ``0``      | ``0``: no tensor-descriptor (TMA) loads on Hopper and newer |
-| ``FLASHTRITON_FAST_LAUNCH`` | ``1`` (default) / ``0``      | ``0``: every launch through Triton's ``JITFunction.run``    |
-| ``FLASHTRITON_PDL``         | ``1`` (default) / ``0``      | ``0``: no programmatic dependent launch of the decoding     |
-|                             |                              | kernels on Hopper and newer                                 |
-| ``FLASHTRITON_GLUON``       | ``1`` (default) / ``0``      | ``0``: no Gluon forward on Hopper (the Triton kernel runs   |
-|                             |                              | every forward)                                              |
-| ``FLASHTRITON_COMPILE_``    | ``1`` (default) / ``0``      | ``0``: the Gluon backward's kernels compile on the first    |
-| ``AHEAD``                   |                              | backward, not beside the first forward that needs them      |
-| ``FLASHTRITON_VALIDATE``    | ``0`` (default) / ``1``      | ``1``: validation mode, every call checks the contents of   |
-|                             |                              | its index tensors on the host (one sync a call; CPU index   |
-|                             |                              | tensors are always checked): ``validation.set_validation``  |
-| ``FLASHTRITON_LOG``         | ``debug`` / ``info`` / unset | log through ``logging`` (logger ``flashtriton``) to stderr; |
-|                             | (``warning``, ``error`` too) | ``debug`` logs every launch and every autotuning decision;  |
-|                             |                              | any other value: a warning at import, and logging stays off |
+| variable                        | values                       | effect                                                      |
+|---------------------------------|------------------------------|-------------------------------------------------------------|
+| ``TRITON_INTERPRET``            | ``1`` / unset                | run the kernels on the CPU through Triton's interpreter     |
+| ``FLASHTRITON_AUTOTUNE``        | ``0`` (default) / ``1``      | ``1``: autotune each kernel's tile per tuning key instead   |
+|                                 |                              | of taking it from the tuning tables (flashtriton.tuning)    |
+| ``FLASHTRITON_TUNING_FILE``     | paths, ``os.pathsep``-joined | tuning tables to load (``flashtriton.tuning.save`` wrote    |
+|                                 |                              | them) above the shipped one; the last named wins            |
+| ``FLASHTRITON_TMA``             | ``1`` (default) / ``0``      | ``0``: no tensor-descriptor (TMA) loads on Hopper and newer |
+| ``FLASHTRITON_FAST_LAUNCH``     | ``1`` (default) / ``0``      | ``0``: every launch through Triton's ``JITFunction.run``    |
+| ``FLASHTRITON_PDL``             | ``1`` (default) / ``0``      | ``0``: no programmatic dependent launch of the decoding     |
+|                                 |                              | kernels on Hopper and newer                                 |
+| ``FLASHTRITON_GLUON``           | ``1`` (default) / ``0``      | ``0``: no Gluon forward on Hopper (the Triton kernel runs   |
+|                                 |                              | every forward)                                              |
+| ``FLASHTRITON_COMPILE_AHEAD``   | ``1`` (default) / ``0``      | ``0``: the Gluon backward's kernels compile on the first    |
+|                                 |                              | backward, not beside the first forward that needs them      |
+| ``FLASHTRITON_VALIDATE``        | ``0`` (default) / ``1``      | ``1``: validation mode, every call checks the contents of   |
+|                                 |                              | its index tensors on the host (one sync a call; CPU index   |
+|                                 |                              | tensors are always checked): ``validation.set_validation``  |
+| ``FLASHTRITON_LOG``             | ``debug`` / ``info`` / unset | log through ``logging`` (logger ``flashtriton``) to stderr; |
+|                                 | (``warning``, ``error`` too) | ``debug`` logs every launch and every autotuning decision;  |
+|                                 |                              | any other value: a warning at import, and logging stays off |
 
 Read once at import; tests change them with ``monkeypatch``.
 """

@@ -202,8 +202,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *args, sinks: Optional[Tensor] = 
     """(out, lse) = FlashAttnFunction.apply(q, k, v, sinks, args), or, in plain eager mode
     when no gradient can flow (inference, ``torch.no_grad()``), the forward op alone: the
     autograd.Function's bookkeeping costs more host time than a small attention's kernel.
-    seqused_k, block_table and out (written in place) are for the forward alone (the API
-    refuses them where a gradient would flow)."""
+    seqused_k, block_table and out (written in place) are for the forward alone (the API runs
+    such a call without autograd and marks its output NoBackward where a gradient would flow)."""
     if seqused_k is None and block_table is None and out is None:
         if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                          or (sinks is not None and sinks.requires_grad))) \

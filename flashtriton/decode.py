@@ -140,6 +140,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             and type(window_size) is tuple and decode_launch.TIMELINE is None
             and not validation.validating() and type(causal) is bool
             and type(return_lse) is bool and type(batch_invariant) is bool
+            and type(num_splits) is int
             and type(rotary_interleaved) is bool and _contiguous(tensors[3:9]))
     signature = None
     if step:
@@ -317,13 +318,28 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: 
               descales: tuple = (None, None)) -> None:
     """attention_with_kvcache's append alone: k, v (batch, seqlen_new, nheads_k, headdim) into
     the caches at positions cache_seqlens[b] + i, in place (into pages with block_table; cache
-    rows cache_batch_idx[b]); the caches and index tensors as attention_with_kvcache takes
-    them, checked as it checks them, before anything is written. An fp8 cache takes k, v in
-    its dtype as they are, or quantises them by ``descales`` = (k_descale, v_descale)."""
-    checked = _check_call(k, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                          cache_batch_idx, None, None, None, False, (-1, -1), *descales)
-    decode_launch.append_kv(k_cache, v_cache, k, v, checked.cache_seqlens, checked.block_table,
-                            checked.cache_batch_idx, checked.descales)
+    rows cache_batch_idx[b]); positions past a cache's end, pages outside the pool and rows
+    outside the cache are not written. The caches need a unit stride on headdim; index
+    tensors may be views of any layout; both are checked before anything is written. An fp8
+    cache takes k, v in its dtype as they are, or quantises them by ``descales`` = (k's and
+    v's factors, float32 (batch, nheads_k) or (nheads_k,))."""
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor; got "
+                             f"{describe(x) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        validation.check_unit_stride(name, c)
+    B = k.shape[0]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=k.device)
+    cache_seqlens = check_index_tensor("cache_seqlens", cache_seqlens, k.device, (B,),
+                                       what=" (or an int)")
+    if cache_batch_idx is not None:
+        cache_batch_idx = check_index_tensor("cache_batch_idx", cache_batch_idx, k.device, (B,))
+    if block_table is not None:
+        block_table = check_block_table(block_table, k_cache.shape[1], B, k.device)
+    decode_launch.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
+                            descales)
 
 
 def merge_attention_states(outs, lses) -> AttentionOutput:

@@ -193,7 +193,7 @@ def test_append_kv_into_fp8_takes_descales():
     kc, vc, kd, vd, _, _ = _cache(B, HKV, D, E4M3, "heads", gen)
     k_new = (3 * torch.randn(B, 3, HKV, D, generator=gen)).to(DEVICE, DT)
     lens = torch.tensor([5, 40], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="k_descale is needed"):  # descales[0]
+    with pytest.raises(ValueError, match="descales"):
         append_kv(kc, vc, k_new, k_new, lens)
     append_kv(kc, vc, k_new, k_new, lens, descales=(kd, vd))
     assert torch.equal(kc[0, 5:8].view(torch.uint8),
@@ -308,3 +308,16 @@ def test_fp8_bad_input_is_refused_before_any_launch():
         # nothing appended: the checks ran before the append kernel
         assert torch.equal(kc.view(torch.uint8), before[0].view(torch.uint8)), message
         assert torch.equal(vc.view(torch.uint8), before[1].view(torch.uint8)), message
+
+
+def test_append_kv_copies_fp8_values_into_an_fp8_cache():
+    """The public append_kv copies k, v already in the cache's fp8 dtype as they are (no
+    descales needed)."""
+    from flashtriton.decode import append_kv
+    gen = torch.Generator().manual_seed(10)
+    B, HKV, D = 2, 2, 16
+    kc, vc, _, _, _, _ = _cache(B, HKV, D, E4M3, "heads", gen)
+    k_new = torch.randn(B, 3, HKV, D, generator=gen).to(DEVICE, E4M3)
+    lens = torch.tensor([5, 40], dtype=torch.int32, device=DEVICE)
+    append_kv(kc, vc, k_new, k_new, lens)
+    assert torch.equal(kc[1, 40:43].view(torch.uint8), k_new[1].view(torch.uint8))

@@ -432,6 +432,9 @@ def test_repeated_decode_step_replays_before_the_checks(fake_attention, monkeypa
                         ("batch_invariant", 0)):
         with pytest.raises(TypeError, match=f"^{flag} must be a bool"):
             step(**{flag: value})
+    for value in (True, 1.0):  # equal to the remembered num_splits=1, but not an int
+        with pytest.raises(TypeError, match="^num_splits must be an int"):
+            step(num_splits=value)
     assert len(split.fn.compiled[0].runs) == runs
 
 

@@ -143,7 +143,7 @@ def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False
                   **{**configs.gluon_bwd_options(upper or causal, lower, bool(alibi), dim),
                      **options})
     bm, bn = configs.GLUON_BWD_BLOCK_M, configs.gluon_bwd_block_n(dim)
-    q_desc = _gluon_desc([configs.gluon_fwd_q_block(bm), dim], torch.bfloat16, 16 * dim)
+    q_desc = _gluon_desc([bm, dim], torch.bfloat16, 16 * dim)
     kv_desc = _gluon_desc([bn, dim], torch.bfloat16, 16 * dim)
     dq_desc = (None if configs.gluon_bwd_split(dim)  # (no dQ there)
                else _gluon_desc([bm, dim // 2], torch.float32, 16 * dim))

@@ -166,10 +166,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     return out, lse
 
 
-# The signatures whose backward was compiled ahead (backward_ahead), and its threads not yet
-# joined.
+# The signatures whose backward was compiled ahead (backward_ahead; at most _AHEAD_MAX, then
+# forgotten), and its threads not yet joined (under _PENDING_LOCK: backwards of several devices
+# run on autograd's threads).
 _AHEAD = set()
+_AHEAD_MAX = 1024
 _PENDING: List[threading.Thread] = []
+_PENDING_LOCK = threading.Lock()
 
 
 def backward_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant) -> None:
@@ -178,13 +181,17 @@ def backward_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
     meta tensors, no device work) while the forward's compile: Triton's compiler releases
     the GIL, and on an H100 the Gluon forward and backward at D=128 compiled in 4.3-4.5 s
     together against 6.8-7.7 s one after the other. attention_backward joins the thread
-    first. Off with FLASHTRITON_COMPILE_AHEAD=0, under the interpreter, for packed
-    sequences and for calls of no signature (an SDPA mask, dropout, a score_mod)."""
-    if not _env.COMPILE_AHEAD or _env.INTERPRET or not q.is_cuda:
+    first. Off with FLASHTRITON_COMPILE_AHEAD=0, under the interpreter, during a CUDA graph
+    capture, for packed sequences and for calls of no signature (an SDPA mask, dropout, a
+    score_mod; FLASHTRITON_FAST_LAUNCH=0: none)."""
+    if (not _env.COMPILE_AHEAD or _env.INTERPRET or not q.is_cuda
+            or torch.cuda.is_current_stream_capturing()):
         return
     signature = _gluon_signature("bwd_ahead", variant, variant.q_blocks, q, k, v)
     if signature is None or signature in _AHEAD:
         return
+    if len(_AHEAD) >= _AHEAD_MAX:
+        _AHEAD.clear()
     _AHEAD.add(signature)
     if (backward_route(q, k, v, variant)[0] != "gluon"
             or configs.gluon_head_dim(q.shape[-1]) != q.shape[-1]):
@@ -195,8 +202,9 @@ def backward_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
         return
     thread = threading.Thread(target=_compile_ahead, args=(*meta, variant, q.get_device()),
                               name="flashtriton-compile-ahead", daemon=True)
-    _PENDING.append(thread)
     thread.start()
+    with _PENDING_LOCK:
+        _PENDING.append(thread)
 
 
 def _compile_ahead(q, k, v, variant: Variant, device: int) -> None:
@@ -210,8 +218,11 @@ def _compile_ahead(q, k, v, variant: Variant, device: int) -> None:
 
 def join_ahead() -> None:
     """Wait for backward_ahead's threads (the backward's kernels they compile)."""
-    while _PENDING:
-        _PENDING.pop().join()
+    with _PENDING_LOCK:
+        threads = _PENDING[:]
+        _PENDING.clear()
+    for thread in threads:
+        thread.join()
 
 
 @on_device_of

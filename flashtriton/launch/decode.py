@@ -294,11 +294,11 @@ def _strides(descale) -> Tuple[int, int]:
 
 
 def attend(*args, **kwargs) -> AttentionOutput:
-    """_attend; under torch.compile, outside the graph: traced, a compiled step over 8K keys
-    was wrong (tests/test_gpu.py::test_compiled_decoding_steps_on_the_split_route), so the
-    launches run eagerly at a graph break. The torch.compiler.disable wrapper is made on the
-    first compiled call: making it imports torch._dynamo, 5-6 s on an H100 machine's first
-    KV-cache or dense split call of a process."""
+    """_attend; under torch.compile, outside the graph: Dynamo's trace of these launches
+    computes a wrong step over 8K keys (tests/test_gpu.py::
+    test_compiled_decoding_steps_on_the_split_route), so they run eagerly at a graph break.
+    The torch.compiler.disable wrapper is made on the first compiled call: making it imports
+    torch._dynamo (5-6 s on an H100 machine), which eager calls never need."""
     if torch.compiler.is_compiling():
         return _attend_outside_graphs()(*args, **kwargs)
     return _attend(*args, **kwargs)

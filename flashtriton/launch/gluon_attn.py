@@ -219,7 +219,8 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             alibi_slopes: Optional[torch.Tensor] = None, block_mask=None
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The Gluon forward alone (tests and benchmarks; attention_forward chooses it where it
-    fits at configs.GLUON_FWD_HEAD_DIMS, its variants while GLUON_VARIANTS is on): O in q's
+    fits at configs.GLUON_FWD_HEAD_DIMS and, from their GLUON_FWD_MIN_SEQLEN, head dim 64 and
+    the padded ones, its variants while GLUON_VARIANTS is on): O in q's
     layout and the natural-log LSE (B, H, N); head dims configs.GLUON_FWD_KERNEL_HEAD_DIMS
     and configs.GLUON_PADDED_HEAD_DIMS (on zero-padded copies);
     flash-attn's window_size, softcap and alibi_slopes, or a block_mask of 128-blocks
