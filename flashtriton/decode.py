@@ -275,12 +275,7 @@ def _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_bat
                              f"cache_batch_idx or a larger cache")
     if cache_seqlens is None:
         cache_seqlens = capacity
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    cache_seqlens = check_index_tensor("cache_seqlens", cache_seqlens, q.device, (B,),
-                                       what=" (or an int)")
-    if cache_batch_idx is not None:
-        cache_batch_idx = check_index_tensor("cache_batch_idx", cache_batch_idx, q.device, (B,))
+    cache_seqlens, cache_batch_idx = _cache_rows(cache_seqlens, cache_batch_idx, B, q.device)
     if cache_leftpad is not None:
         cache_leftpad = check_index_tensor("cache_leftpad", cache_leftpad, q.device, (B,))
     if (k is None) != (v is None):
@@ -330,16 +325,23 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: 
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         validation.check_unit_stride(name, c)
     B = k.shape[0]
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=k.device)
-    cache_seqlens = check_index_tensor("cache_seqlens", cache_seqlens, k.device, (B,),
-                                       what=" (or an int)")
-    if cache_batch_idx is not None:
-        cache_batch_idx = check_index_tensor("cache_batch_idx", cache_batch_idx, k.device, (B,))
+    cache_seqlens, cache_batch_idx = _cache_rows(cache_seqlens, cache_batch_idx, B, k.device)
     if block_table is not None:
         block_table = check_block_table(block_table, k_cache.shape[1], B, k.device)
     decode_launch.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx,
                             descales)
+
+
+def _cache_rows(cache_seqlens, cache_batch_idx, B: int, device):
+    """cache_seqlens (an int for every sequence, or (B,) int32) and cache_batch_idx (None or
+    (B,) int32) checked, as contiguous int32 tensors on ``device``."""
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=device)
+    cache_seqlens = check_index_tensor("cache_seqlens", cache_seqlens, device, (B,),
+                                       what=" (or an int)")
+    if cache_batch_idx is not None:
+        cache_batch_idx = check_index_tensor("cache_batch_idx", cache_batch_idx, device, (B,))
+    return cache_seqlens, cache_batch_idx
 
 
 def merge_attention_states(outs, lses) -> AttentionOutput:
