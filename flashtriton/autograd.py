@@ -154,9 +154,14 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, rest):
-        if rest[0] is None and _plain_eager(q):  # dense: the backward compiles beside this
-            launch.backward_ahead(q, k, v, _variant(*rest[4:], sinks))
-        out, lse = _forward(q, k, v, *rest, sinks)
+        if _plain_eager(q):  # the backward's kernels may compile beside this forward's
+            launch.TRAINING.on = True
+            try:
+                out, lse = _forward(q, k, v, *rest, sinks)
+            finally:
+                launch.TRAINING.on = False
+        else:
+            out, lse = _forward(q, k, v, *rest, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.rest = rest
         ctx.mark_non_differentiable(lse)

@@ -145,6 +145,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant
     if ptrs is not None:
         replays[0](*ptrs)
         return out, lse
+    if getattr(TRAINING, "on", False) and varlen is None:  # (not on a replay: not a first call)
+        backward_ahead(q, k, v, variant)
     route = forward_route(q, k, v, variant, varlen)[0]
     if route == "gluon":
         remember(signature, _gluon_forward(q, k, v, out, lse, variant))
@@ -173,11 +175,14 @@ _AHEAD = set()
 _AHEAD_MAX = 1024
 _PENDING: List[threading.Thread] = []
 _PENDING_LOCK = threading.Lock()
+# TRAINING.on: the forward being launched has a backward to follow (autograd's forward sets it
+# in plain eager mode; per thread)
+TRAINING = threading.local()
 
 
 def backward_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant) -> None:
-    """On the first forward of a call signature whose backward will follow (autograd) and run
-    the Gluon backward, compile that backward's kernels in a thread (gluon_backward_ahead:
+    """On a forward that is not a replay (the first of its call signature) whose backward will
+    follow (autograd: TRAINING) and run the Gluon backward, compile that backward's kernels in a thread (gluon_backward_ahead:
     meta tensors, no device work) while the forward's compile: Triton's compiler releases
     the GIL, and on an H100 the Gluon forward and backward at D=128 compiled in 4.3-4.5 s
     together against 6.8-7.7 s one after the other. attention_backward joins the thread
