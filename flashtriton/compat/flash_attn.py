@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from ..api import _run, _run_varlen
-from ..validation import check_flag, check_sinks
+from ..validation import check_flag, check_qkv, check_sinks
 
 # The flash-attn release whose Python interface this module speaks (``flash_attn.__version__``
 # after install()).
@@ -49,11 +49,18 @@ def _returns(out, lse, return_attn_probs):
     return out, lse, None
 
 
-def _sink(learnable_sink, q, heads_dim):
-    """FlashAttention-4's learnable_sink (nheads,), checked under its name where q has its
-    rank (heads on axis heads_dim, head dim last); else q's own checks raise first."""
-    if learnable_sink is None or not isinstance(q, torch.Tensor) or q.dim() != heads_dim + 2:
-        return learnable_sink
+def _sink(learnable_sink, q, heads_dim, names=None, k=None, v=None):
+    """FlashAttention-4's learnable_sink (nheads,), checked under its name after q (and, where
+    given, k and v: heads on axis heads_dim, head dim last; a packed varlen form as one
+    batch): their own errors come first."""
+    if learnable_sink is None:
+        return None
+    if k is not None and all(isinstance(x, torch.Tensor) and x.dim() == heads_dim + 2
+                             for x in (q, k, v)):
+        batched = [x if heads_dim == 2 else x.unsqueeze(0) for x in (q, k, v)]
+        check_qkv(*batched, names, own_v_dim=True)
+    if not isinstance(q, torch.Tensor) or q.dim() != heads_dim + 2:
+        return learnable_sink  # (q's own checks raise)
     return check_sinks(learnable_sink, q.shape[heads_dim], q.device, "learnable_sink")
 
 
@@ -62,7 +69,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
     out, lse = _run(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
                     dropout_p, names, deterministic=deterministic,
-                    sinks=_sink(learnable_sink, q, 2))
+                    sinks=_sink(learnable_sink, q, 2, names, k, v))
     return _returns(out, lse, return_attn_probs)
 
 
@@ -76,7 +83,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
     out, lse = _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                           names, deterministic, sinks=_sink(learnable_sink, q, 1),
+                           names, deterministic, sinks=_sink(learnable_sink, q, 1, names, k, v),
                            seqused_k=seqused_k, block_table=block_table, out=out)
     return _returns(out, lse, return_attn_probs)
 
