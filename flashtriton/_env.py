@@ -11,8 +11,8 @@
 | ``FLASHTRITON_FAST_LAUNCH``     | ``1`` (default) / ``0``      | ``0``: every launch through Triton's ``JITFunction.run``    |
 | ``FLASHTRITON_PDL``             | ``1`` (default) / ``0``      | ``0``: no programmatic dependent launch of the decoding     |
 |                                 |                              | kernels on Hopper and newer                                 |
-| ``FLASHTRITON_GLUON``           | ``1`` (default) / ``0``      | ``0``: no Gluon forward on Hopper (the Triton kernel runs   |
-|                                 |                              | every forward)                                              |
+| ``FLASHTRITON_GLUON``           | ``1`` (default) / ``0``      | ``0``: no Gluon kernels on Hopper (the Triton kernels run   |
+|                                 |                              | every forward and backward)                                 |
 | ``FLASHTRITON_COMPILE_AHEAD``   | ``1`` (default) / ``0``      | ``0``: the Gluon backward's kernels compile on the first    |
 |                                 |                              | backward, not beside the first forward that needs them      |
 | ``FLASHTRITON_VALIDATE``        | ``0`` (default) / ``1``      | ``1``: validation mode, every call checks the contents of   |

@@ -1,7 +1,7 @@
 """ComfyUI custom node: "Patch attention (flashtriton)".
 
-Install: pip install flashtriton (or this repository) into ComfyUI's Python, then link or copy
-this folder into ComfyUI/custom_nodes/. Wire MODEL -> Patch attention (flashtriton) -> KSampler.
+Install: this repository into ComfyUI's Python (pip install -e path/to/flashtriton), then link
+or copy this folder into ComfyUI/custom_nodes/. Wire MODEL -> Patch attention (flashtriton) -> KSampler.
 The node sets the model's attention override, replacing any override that a node before it set
 (another attention patch, "Model attention backend"); calls the kernels cannot run go to
 ComfyUI's own attention. Importing this folder also registers the function as "flashtriton"
