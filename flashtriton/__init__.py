@@ -8,6 +8,14 @@ SDPA drop-in), ``flashtriton.compat.flash_attn`` (flash-attn drop-in) and
 ``flashtriton.reference`` (float64 reference).
 """
 
+try:
+    import triton  # noqa: F401  (torch's Linux CUDA wheels bring it; its CPU builds do not)
+except ImportError as _missing:
+    raise ImportError(
+        "flashtriton needs Triton (>= 3.6): torch's Linux CUDA wheels bring it; with a CPU build "
+        "of torch, install the interpreter extra, pip install 'flashtriton[interpreter]' (Triton "
+        "and numpy < 2.4), and run with TRITON_INTERPRET=1") from _missing
+
 from .api import (AttentionOutput, flash_attention, flash_attention_varlen,
                   flash_attention_varlen_with_lse, flash_attention_with_lse)
 from .explain import Explanation, explain

@@ -97,3 +97,13 @@ def test_this_triton_imports_and_compiles_every_version_gated_part():
     assert run.returncode == 0 and "compiled" in run.stdout, (
         f"triton {triton.__version__} cannot run flashtriton:\n{run.stderr[-3000:]}")
 
+
+
+def test_import_without_triton_says_what_to_install():
+    """A CPU build of torch brings no Triton: importing flashtriton then names the extra to
+    install instead of a bare "No module named 'triton'"."""
+    code = "import sys; sys.modules['triton'] = None; import flashtriton"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode != 0
+    assert "flashtriton[interpreter]" in out.stderr, out.stderr[-1000:]
