@@ -277,10 +277,10 @@ GLUON_BWD_KERNEL_HEAD_DIMS = (64, 128, 256)
 # and dO and both consumers' P^T and dS^T (225 KB of shared memory with the rows' LSE and
 # delta); dQ comes from the Triton dQ kernel; no block masks there (their blocks are 128).
 GLUON_BWD_WIDE_BLOCK_N = 64
-# The head dims that the Gluon kernels run on zero-padded copies (launch.gluon_attn._padded) at
-# the kernel head dim gluon_head_dim gives: zero columns add nothing to Q K^T and give O, dQ,
-# dK and dV zero columns, which the copies back drop (the Triton kernels' tiles are padded to a
-# power of two as well: D=96 runs 128-wide tiles).
+# The head dims that the Gluon kernels run in the tiles of the kernel head dim gluon_head_dim
+# gives, TMA filling the columns past the head dim with zeros (launch.gluon_attn._gluon_descriptor):
+# zero columns add nothing to Q K^T, and O, dQ, dK and dV are stored at the head dim (the Triton
+# kernels' tiles are padded to a power of two as well: D=96 runs 128-wide tiles).
 GLUON_PADDED_HEAD_DIMS = (80, 96, 112, 192)
 
 

@@ -80,7 +80,7 @@ def report() -> str:
     lines.append(_path(f"Gluon forward (D={dims(configs.GLUON_FWD_HEAD_DIMS)}{from_len}) and "
                        f"backward "
                        f"(D={dims(configs.GLUON_BWD_HEAD_DIMS)}; "
-                       f"D={dims(configs.GLUON_PADDED_HEAD_DIMS)} on zero-padded copies)",
+                       f"D={dims(configs.GLUON_PADDED_HEAD_DIMS)} in wider tiles)",
                        "FLASHTRITON_GLUON",
                        _env.GLUON, gluon_not))
     lines.append(_path("programmatic dependent launch of the decoding kernels", "FLASHTRITON_PDL",

@@ -110,7 +110,7 @@ def test_report_on_a_gpu_follows_the_switches_and_the_interpreter(monkeypatch, s
     text = report()
     assert _line(text, "Gluon") == ("Gluon forward (D=128, 256; D=64 from 2048 tokens) and "
                                     "backward (D=64, 128, 256; "
-                                    "D=80, 96, 112, 192 on zero-padded copies): "
+                                    "D=80, 96, 112, 192 in wider tiles): "
                                     "off (FLASHTRITON_GLUON=0)")  # configs' head dims
     monkeypatch.setattr(configs, "GLUON_BWD_HEAD_DIMS", (128,))
     assert _line(report(), "Gluon").startswith("Gluon forward (D=128, 256; D=64 from 2048 tokens) "

@@ -90,61 +90,46 @@ def test_gluon_misfit_names_what_it_does_not_take():
     assert "block masks of 128" in launch.gluon_backward_misfit(None, *wide, listed)
     assert "tokens-major" in gluon_misfit(q, k, _heads_major(v), plain)  # k and v differ
     assert "tokens-major" in gluon_misfit(q[..., :64], k[..., :64], v[..., :64], plain)
-    # padded head dims run on copies: any layout
-    narrow = [x[..., :96] for x in (q, k, _heads_major(v))]
+    # head dims under the tiles' width: the same layouts (TMA reads the tensors themselves)
+    narrow = [x[..., :96].contiguous() for x in (q, k, v)]
     assert gluon_misfit(*narrow, plain) == reason
     assert launch.gluon_backward_misfit(narrow[0], *narrow, plain) == reason
+    heads_major = [_heads_major(x) for x in narrow]
+    assert gluon_misfit(*heads_major, plain) == reason
+    assert "tokens-major" in gluon_misfit(*(x[..., :96] for x in (q, k, v)), plain)
     assert "head dims" in gluon_misfit(*(x[..., :72] for x in (q, k, v)), plain)
 
 
-@pytest.mark.parametrize("D,width", [(96, 128), (192, 256)])
-def test_padded_head_dims_copy_in_and_out(monkeypatch, D, width):
-    """At a padded head dim (configs.GLUON_PADDED_HEAD_DIMS) the Gluon launchers hand the
-    kernels zero-padded copies (width wide, q's softmax scale) and return O and the gradients
-    at D in the inputs' layouts: here around a float64 stand-in for the kernels, the inputs
-    heads-major and packed."""
+@pytest.mark.parametrize("D,width", [(80, 128), (96, 128), (112, 128), (192, 256)])
+@pytest.mark.parametrize("layout", ["tokens-major", "heads-major", "packed"])
+def test_head_dims_under_the_width_are_read_in_place(D, width, layout):
+    """At a head dim under the tiles' width (configs.GLUON_PADDED_HEAD_DIMS) the descriptors
+    view the tensors themselves, 3-D (token rows, heads a row, D) in blocks of (rows, 1,
+    width), so that TMA fills the columns past D with zeros: no copies. ch counts heads (1
+    tokens-major, 0 heads-major), the kernels' column coordinate there; the fp32 dQ buffer
+    is read the same way in blocks half the width."""
     from flashtriton.launch import gluon_attn
-    from flashtriton.reference import attention_reference
-    seen = []
-
-    def fwd_kernel(q, k, v, out, lse, variant):
-        seen.append(tuple(t.shape[-1] for t in (q, k, v, out)))
-        assert all(t[..., D:].abs().max() == 0 for t in (q, k, v))
-        r = attention_reference(q, k, v, causal=variant.causal,
-                                softmax_scale=variant.softmax_scale)
-        out.copy_(r.out)
-        lse.copy_(r.lse)
-        return "replay"
-
-    def bwd_kernels(dout, q, k, v, out, lse, variant, dq_mode, timeline):
-        seen.append(tuple(t.shape[-1] for t in (dout, q, k, v, out)))
-        qkv = [t.double().requires_grad_() for t in (q, k, v)]
-        o = attention_reference(*qkv, causal=variant.causal,
-                                softmax_scale=variant.softmax_scale).out
-        grads = torch.autograd.grad(o, qkv, dout.double())
-        delta = (dout.double() * out.double()).sum(-1).transpose(1, 2)
-        return (*(g.to(t.dtype) for g, t in zip(grads, (q, k, v))), delta)
-
-    monkeypatch.setattr(gluon_attn, "_gluon_forward_launch", fwd_kernel)
-    monkeypatch.setattr(gluon_attn, "_gluon_backward_kernels", bwd_kernels)
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 40, 3, D, dtype=torch.float64) for _ in range(3))
-    q, k = _heads_major(q), _packed(k, v, v)[0]
-    variant = Variant(D ** -0.5, causal=True)
-    out, lse = torch.empty_like(q), torch.empty(2, 3, 40, dtype=torch.float64)
-    assert gluon_attn._gluon_forward(q, k, v, out, lse, variant) is None  # no replay
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    ref = attention_reference(*leaves, causal=True)
-    torch.testing.assert_close(out, ref.out.detach())
-    torch.testing.assert_close(lse, ref.lse.detach())
-    dout = torch.randn_like(q)
-    dq, dk, dv, delta = gluon_attn._gluon_backward(dout, q, k, v, out, lse, variant)
-    assert seen == [(width,) * 4, (width,) * 5]
-    for g, t, e in zip((dq, dk, dv), (q, k, v), torch.autograd.grad(ref.out, leaves, dout)):
-        assert g.stride() == runtime.output_like(t).stride()  # q's heads-major, k's dense
-        torch.testing.assert_close(g, e)
-    assert dq.stride() == q.stride()
-    torch.testing.assert_close(delta, (dout * out).sum(-1).transpose(1, 2))
+    assert configs.gluon_head_dim(D) == width
+    x = torch.randn(2, 40, 3, D, dtype=torch.bfloat16, device=DEVICE)
+    x = {"tokens-major": x, "heads-major": _heads_major(x), "packed": _packed(x, x, x)[1]}[layout]
+    rb, rh, ch, rows, columns = _token_rows(x)
+    desc, coords = gluon_attn._gluon_descriptor(x, [64, width], width)
+    assert desc.base is x and desc.block_shape == [64, 1, width]
+    assert desc.shape == [rows, columns // D, D] and desc.strides == [x.stride(1), D, 1]
+    assert coords == (rb, rh, 0 if layout == "heads-major" else 1)
+    if layout == "heads-major":
+        assert desc.shape[1] == 1
+    else:  # head h of token row r: element r * stride(1) + h * D, as the tensor has it
+        assert x.stride(2) == D and desc.shape[1] * D <= x.stride(1)
+    dq = gluon_attn._dq_buffer(x)
+    assert dq.shape == x.shape and dq.dtype == torch.float32
+    dq_desc, _ = gluon_attn._gluon_descriptor(dq, [64, width // 2], width)
+    assert dq_desc.block_shape == [64, 1, width // 2] and dq_desc.shape[2] == D
+    # at the kernels' own head dims: the 2-D view, columns h * ch
+    wide = torch.randn(2, 40, 3, width, dtype=torch.bfloat16, device=DEVICE)
+    desc, coords = gluon_attn._gluon_descriptor(wide, [64, width], width)
+    assert desc.block_shape == [64, width] and desc.shape == [80, 3 * width]
+    assert coords == (40, 0, width)
 
 
 @needs_hopper
@@ -307,17 +292,19 @@ def test_gluon_forward_raises_off_hopper():
         launch.attention_forward_gluon(q, k, v)
 
 
+@pytest.mark.parametrize("D", [64, 80])
 @pytest.mark.parametrize("dq_layout", ["tokens-major", "heads-major"])
-def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer(dq_layout):
+def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer(dq_layout, D):
     """kernels.attn_bwd._attn_bwd_prep_kernel (the Gluon backward's first launch, a Triton
     kernel: runs in the interpreter): the log2 LSE (+inf where it is -inf) and delta =
     rowsum(dO * O) of each head's rows, padded to 128 rows (N = 70: not a multiple of 4, so
     unpadded rows would start off the 16-byte alignment TMA needs) with +inf and 0, and the
     fp32 dQ buffer zeroed in q's layout (launch.gluon_attn._dq_buffer: tokens-major or heads-major; the
     kernel goes by its strides and writes nothing else), from O and dO in any strided (B, N,
-    H, D) layout."""
+    H, D) layout; at a head dim under its tile's width (80 in 128) it reads and writes D
+    columns."""
     from flashtriton.kernels.attn_bwd import _attn_bwd_prep_kernel
-    B, N, H, D = 2, 70, 3, 64
+    B, N, H = 2, 70, 3
     out = torch.randn(B, H, N, D, dtype=torch.bfloat16, device=DEVICE).transpose(1, 2)
     dout = torch.randn(B, N, H, D, dtype=torch.bfloat16, device=DEVICE)
     lse = torch.randn(B, H, N, device=DEVICE)
@@ -336,7 +323,8 @@ def test_backward_prep_kernel_gives_padded_stats_and_a_zeroed_dq_buffer(dq_layou
         dq, spare = memory[:, :, :H], memory[:, :, H]
     _attn_bwd_prep_kernel[(2, B * H)](out, dout, lse, lse2, delta, dq, *out.stride()[:3],
                                       *dout.stride()[:3], *lse.stride()[:2], *dq.stride()[:3],
-                                      H, N, 128, HEAD_DIM=D, BLOCK_M=64)
+                                      H, N, 128, HEAD_DIM=triton.next_power_of_2(D),
+                                      BLOCK_M=64, DIM=D)
     expect = (out.double() * dout.double()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(delta[..., :N].double(), expect, rtol=1e-5, atol=1e-5)
     expect = torch.where(lse == -float("inf"), float("inf"), lse * math.log2(math.e))
@@ -681,9 +669,9 @@ def test_attention_backward_runs_gluon_where_it_fits(monkeypatch, D):
 @pytest.mark.parametrize("D", configs.GLUON_PADDED_HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_padded_head_dims_run_gluon(monkeypatch, D):
     """flash_attention at the padded head dims (configs.GLUON_PADDED_HEAD_DIMS) runs the Gluon
-    forward and backward on zero-padded copies from their GLUON_PADDED_*_MIN_SEQLEN (lowered
-    here), against the float64 reference, gradients included, in SDPA's heads-major layout
-    too."""
+    forward and backward from their GLUON_PADDED_*_MIN_SEQLEN (lowered here), against the
+    float64 reference, gradients included, in SDPA's heads-major layout and qkv-packed too,
+    with no copies of the inputs: the forward's peak memory is its output and LSE."""
     monkeypatch.setattr(runtime, "_CALLS", {})
     monkeypatch.setattr(configs, "GLUON_BWD_MIN_SEQLEN", 512)
     monkeypatch.setitem(configs.GLUON_FWD_MIN_SEQLEN, D, 512)
@@ -697,10 +685,22 @@ def test_padded_head_dims_run_gluon(monkeypatch, D):
     for causal in (False, True):
         check_against_reference(
             lambda q, k, v: flash_attention_with_lse(q, k, v, causal=causal), q, k, v, causal)
-    q, k, v = (_heads_major(x).requires_grad_() for x in (q, k, v))
-    check_against_reference(
-        lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True), q, k, v, True)
-    assert calls == ["_gluon_forward", "_gluon_backward"] * 3
+    for shaped in (_heads_major, lambda x: x):
+        q2, k2, v2 = (shaped(x).requires_grad_() for x in (q, k, v))
+        if shaped is not _heads_major:  # qkv-packed, MHA
+            q2, k2, v2 = (x.requires_grad_() for x in _packed(q, q, q))
+        check_against_reference(
+            lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True), q2, k2, v2, True)
+    assert calls == ["_gluon_forward", "_gluon_backward"] * 4
+    with torch.no_grad():
+        flash_attention(q, k, v)  # (compiled)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = flash_attention(q, k, v)
+        extra = torch.cuda.max_memory_allocated() - base
+    lse_bytes = 4 * q.shape[0] * q.shape[2] * q.shape[1]
+    assert extra <= out.numel() * out.element_size() + lse_bytes + (1 << 20), extra
 
 
 @needs_hopper

@@ -334,4 +334,13 @@ for name, flags in (("plain", {}), ("causal", dict(causal=True)),
                     ("causal early-s", dict(causal=True, EARLY_S=True))):
     check(f"gluon-bwd D256 {name}", lambda: compile_gluon_bwd(256, **flags),
           gluon_bwd_split_judge)
+# Head dims under the tiles' width (configs.GLUON_PADDED_HEAD_DIMS): 3-D descriptors whose
+# columns past the head dim TMA fills with zeros, stores masked to the head dim.
+for head_dim in (80, 96, 112, 192):
+    width = 128 if head_dim < 128 else 256
+    check(f"gluon-fwd D{head_dim} in {width} causal",
+          lambda: compile_gluon_fwd(width, causal=True, head_dim=head_dim), gluon_judge(width))
+    check(f"gluon-bwd D{head_dim} in {width} causal",
+          lambda: compile_gluon_bwd(width, causal=True, head_dim=head_dim),
+          gluon_bwd_judge if width == 128 else gluon_bwd_split_judge)
 sys.exit(1 if fails else 0)

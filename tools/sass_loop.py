@@ -76,9 +76,11 @@ def compile_kernel(kind, dim, block_m, block_n, warps, stages, causal=False, **o
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def _gluon_desc(block, dtype, width):
+def _gluon_desc(block, dtype, width, head_dim=None):
     """The type of a host TensorDescriptor over a 2-D view of ``width`` columns (1-D with a
-    1-D block; only its dtype, block and layout matter)."""
+    1-D block; only its dtype, block and layout matter); head_dim (a head dim under the
+    kernel's width): the 3-D view (rows, heads, head_dim) in blocks (rows, 1, block width)
+    that the launcher makes there (launch.gluon_attn._gluon_descriptor)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -86,6 +88,9 @@ def _gluon_desc(block, dtype, width):
     el = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
     view = torch.empty(256, width, dtype=dtype) if len(block) == 2 else torch.empty(256 * width,
                                                                                   dtype=dtype)
+    if head_dim is not None:
+        view = torch.empty(256, 16, head_dim, dtype=dtype)
+        block = [block[0], 1, block[1]]
     return mangle_type(TensorDescriptor(view, list(view.shape), list(view.stride()), block,
                                         gl.NVMMASharedLayout.get_default_for(block, el)))
 
@@ -104,49 +109,58 @@ def _gluon_compile(fn, consts, types):
 
 
 def compile_gluon_fwd(dim=128, causal=False, stages=None, lower=False, upper=False,
-                      softcap=False, alibi=False, mask_mod=None, sinks=False, **options):
+                      softcap=False, alibi=False, mask_mod=None, sinks=False, head_dim=None,
+                      **options):
     """The Gluon forward (kernels/gluon/fwd.py) for sm_90, bf16, its descriptors typed as the
     launcher makes them (launch._gluon_forward: GLUON_FWD_BLOCK_M and gluon_fwd_block_n blocks, the
     ring of configs.GLUON_FWD_STAGES unless stages); a variant by its flags (alibi 1 / True
     the general form, 2 one-sided; mask_mod: a block mask's lists, LISTED, with this
-    @triton.jit mask_mod; sinks: HAS_SINK); options override configs.gluon_fwd_options's."""
+    @triton.jit mask_mod; sinks: HAS_SINK; head_dim: the tensors' head dim under dim, the
+    tiles' width, as configs.gluon_head_dim gives it); options override
+    configs.gluon_fwd_options's."""
     import torch
 
     from flashtriton import configs
     from flashtriton.kernels.gluon import fwd
     bm = configs.gluon_fwd_block_m(dim, mask_mod is not None)
-    q_desc = _gluon_desc([configs.gluon_fwd_q_block(bm), dim], torch.bfloat16, 16 * dim)
-    kv_desc = _gluon_desc([configs.gluon_fwd_block_n(dim, bm), dim], torch.bfloat16, 16 * dim)
+    under = head_dim if head_dim is not None and head_dim < dim else None
+    q_desc = _gluon_desc([configs.gluon_fwd_q_block(bm), dim], torch.bfloat16, 16 * dim, under)
+    kv_desc = _gluon_desc([configs.gluon_fwd_block_n(dim, bm), dim], torch.bfloat16, 16 * dim,
+                          under)
     consts = dict(IS_CAUSAL=causal, NUM_STAGES=stages or configs.GLUON_FWD_STAGES,
                   HAS_LOWER=lower, HAS_UPPER=upper, HAS_SOFTCAP=softcap, HAS_ALIBI=alibi,
                   LISTED=mask_mod is not None, MASK_MOD=mask_mod, HAS_SINK=sinks,
-                  CONSUMERS=bm // 64, **{**configs.gluon_fwd_options(lower, bm), **options})
+                  CONSUMERS=bm // 64, DIM=head_dim or dim,
+                  **{**configs.gluon_fwd_options(lower, bm), **options})
     return _gluon_compile(fwd._attn_fwd_gluon_kernel, consts, dict(
         q_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc, O="*bf16", LSE="*fp32", ALIBI="*fp32",
         BMASK="*i32", SINK="*fp32", qk_scale="fp32", cap2="fp32"))
 
 
 def compile_gluon_bwd(dim=128, causal=False, dq_mode=2, lower=False, upper=False,
-                      softcap=False, alibi=False, mask_mod=None, timeline=False, **options):
+                      softcap=False, alibi=False, mask_mod=None, timeline=False, head_dim=None,
+                      **options):
     """The Gluon backward (kernels/gluon/bwd.py) for sm_90, bf16, its descriptors typed as
     launch._gluon_backward makes them (query blocks of configs.GLUON_BWD_BLOCK_M rows, key
     blocks of gluon_bwd_block_n, dQ halves); causal is the upper bound (as launch._common
     gives it); alibi 1 / True the general form, 2 one-sided; timeline: with the timing-only
-    marks (TL an int64 pointer); options override configs.gluon_bwd_options's."""
+    marks (TL an int64 pointer); head_dim as compile_gluon_fwd's; options override
+    configs.gluon_bwd_options's."""
     import torch
 
     from flashtriton import configs
     from flashtriton.kernels.gluon import bwd
     consts = dict(DQ_MODE=dq_mode, HAS_LOWER=lower, HAS_UPPER=upper or causal,
                   HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, LISTED=mask_mod is not None,
-                  MASK_MOD=mask_mod,
+                  MASK_MOD=mask_mod, DIM=head_dim or dim,
                   **{**configs.gluon_bwd_options(upper or causal, lower, bool(alibi), dim),
                      **options})
     bm, bn = configs.GLUON_BWD_BLOCK_M, configs.gluon_bwd_block_n(dim)
-    q_desc = _gluon_desc([bm, dim], torch.bfloat16, 16 * dim)
-    kv_desc = _gluon_desc([bn, dim], torch.bfloat16, 16 * dim)
+    under = head_dim if head_dim is not None and head_dim < dim else None
+    q_desc = _gluon_desc([bm, dim], torch.bfloat16, 16 * dim, under)
+    kv_desc = _gluon_desc([bn, dim], torch.bfloat16, 16 * dim, under)
     dq_desc = (None if configs.gluon_bwd_split(dim)  # (no dQ there)
-               else _gluon_desc([bm, dim // 2], torch.float32, 16 * dim))
+               else _gluon_desc([bm, dim // 2], torch.float32, 16 * dim, under))
     stats_desc = _gluon_desc([bm], torch.float32, 16)  # the rows' LSE and delta
     types = dict(q_desc=q_desc, do_desc=q_desc, k_desc=kv_desc, v_desc=kv_desc,
                  dq_desc=dq_desc, lse_desc=stats_desc, delta_desc=stats_desc, DK="*bf16",

@@ -451,13 +451,14 @@ def _attn_bwd_dq_kernel(
 def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_dob,
                           stride_dot, stride_doh, stride_lb, stride_lh, stride_qb, stride_qt,
                           stride_qh, H, SQ, SQ_PAD, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr):
+                          BLOCK_M: tl.constexpr, DIM: tl.constexpr):
     """Program (row block, batch * head): the rows' LSE in the log2 domain (+inf for rows
     that see no key) and delta = rowsum(dO * O), fp32, into LSE2 and DELTA (B * H rows of
     SQ_PAD, a multiple of BLOCK_M: padding rows get +inf and 0, so P = dS = 0 there, and every
     head's rows start aligned for the Gluon backward's TMA), and zeros into the rows of the
     fp32 dQ buffer (B, SQ, H, HEAD_DIM; strides stride_q*: q's layout, so that dQ's copy
-    out of it keeps the order of memory; DQ None: none). The grid covers SQ_PAD rows."""
+    out of it keeps the order of memory; DQ None: none). DIM: the tensors' head dim (<= HEAD_DIM,
+    the tiles' power of two). The grid covers SQ_PAD rows."""
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -465,6 +466,8 @@ def _attn_bwd_prep_kernel(O, DO, LSE, LSE2, DELTA, DQ, stride_ob, stride_ot, str
     cols = tl.arange(0, HEAD_DIM)
     r64 = rows.to(tl.int64)[:, None]
     keep = rows[:, None] < SQ
+    if DIM < HEAD_DIM:
+        keep = keep & (cols[None, :] < DIM)
     o = tl.load(O + off_b * stride_ob + off_h * stride_oh + r64 * stride_ot + cols[None, :],
                 mask=keep, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + r64 * stride_dot + cols[None, :],

@@ -198,8 +198,7 @@ def backward_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: V
     if len(_AHEAD) >= _AHEAD_MAX:
         _AHEAD.clear()
     _AHEAD.add(signature)
-    if (backward_route(q, k, v, variant)[0] != "gluon"
-            or configs.gluon_head_dim(q.shape[-1]) != q.shape[-1]):
+    if backward_route(q, k, v, variant)[0] != "gluon":
         return
     meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             for t in (q, k, v)]

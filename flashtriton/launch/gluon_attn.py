@@ -8,7 +8,6 @@ import functools
 from typing import NamedTuple, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from .. import _env, configs, runtime
@@ -81,10 +80,10 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
                  variants: bool = False) -> Optional[str]:
     """Why the Gluon forward (kernels/gluon/fwd.py) cannot run this call, or None: it takes a
     Hopper GPU, bf16 / fp16, dense batches with SQ == SK, head dims head_dims (None:
-    configs.GLUON_FWD_KERNEL_HEAD_DIMS) or configs.GLUON_PADDED_HEAD_DIMS padded to one of
-    them, plain or causal attention with a positive scale (variants: also windows, softcap,
-    ALiBi and block masks of configs.GLUON_FWD_BLOCK_N), and q, k, v in a layout of
-    _token_rows (k and v alike; any layout at a padded head dim, which runs on copies)."""
+    configs.GLUON_FWD_KERNEL_HEAD_DIMS) or configs.GLUON_PADDED_HEAD_DIMS (the tiles of the
+    next of them: _gluon_descriptor), plain or causal attention with a positive scale
+    (variants: also windows, softcap, ALiBi and block masks of configs.GLUON_FWD_BLOCK_N),
+    and q, k, v in a layout of _token_rows (k and v alike)."""
     if head_dims is None:
         head_dims = configs.GLUON_FWD_KERNEL_HEAD_DIMS
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.dtype == k.dtype == v.dtype:
@@ -109,8 +108,7 @@ def gluon_misfit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Var
         return ("the Gluon forward takes plain or causal attention with softmax_scale > 0"
                 + (", windows, softcap, ALiBi and block masks of %d" % configs.GLUON_FWD_BLOCK_N
                    if variants else ""))
-    if width == q.shape[-1] and (k.stride() != v.stride() or _token_rows(q) is None
-                                 or _token_rows(k) is None):
+    if k.stride() != v.stride() or _token_rows(q) is None or _token_rows(k) is None:
         return ("the Gluon forward takes q, k, v tokens-major or heads-major, 16-byte "
                 "aligned, k and v alike")
     if _env.INTERPRET or not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -138,41 +136,17 @@ def _gluon_alibi(common, alibi) -> int:
     return 2 if configs.GLUON_ALIBI_ONE_SIDED and common["HAS_ALIBI"] == 2 else 1
 
 
-def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    """t with zero columns up to head dim width: a fresh, dense tokens-major copy."""
-    return F.pad(t, (0, width - t.shape[-1]))
-
-
-def _cut(wide: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """wide's first like.shape[-1] columns, copied into a new tensor of like's layout."""
-    out = runtime._empty_like(like)
-    out.copy_(wide[..., :like.shape[-1]])
-    return out
-
-
-def _gluon_forward(q, k, v, out, lse, variant: Variant) -> Optional[GluonReplay]:
-    """Launch kernels/gluon/fwd.py on tensors that gluon_misfit passed; at a padded head dim
-    (configs.GLUON_PADDED_HEAD_DIMS) on zero-padded copies of q, k, v, O copied back into
-    out, and no replay (a replay's pointers would be the copies')."""
-    width = configs.gluon_head_dim(q.shape[-1])
-    if width == q.shape[-1]:
-        return _gluon_forward_launch(q, k, v, out, lse, variant)
-    q = _padded(q, width)
-    wide = runtime._empty_like(q)
-    _gluon_forward_launch(q, _padded(k, width), _padded(v, width), wide, lse, variant)
-    out.copy_(wide[..., :out.shape[-1]])
-    return None
-
-
-def _gluon_forward_launch(q, k, v, out, lse, variant: Variant) -> GluonReplay:
-    """Launch kernels/gluon/fwd.py at q's head dim. The variant's window, softcap and ALiBi
-    arguments come from _common (the Triton kernels' definitions)."""
+def _gluon_forward(q, k, v, out, lse, variant: Variant) -> GluonReplay:
+    """Launch kernels/gluon/fwd.py on tensors that gluon_misfit passed, in tiles of
+    configs.gluon_head_dim's width (_gluon_descriptor). The variant's window, softcap and
+    ALiBi arguments come from _common (the Triton kernels' definitions)."""
     from ..kernels.gluon import fwd
     B, N, H, D = q.shape
+    width = configs.gluon_head_dim(D)
     listed = variant.kv_blocks is not None
-    bm = configs.gluon_fwd_block_m(D, listed)
-    bn = configs.gluon_fwd_block_n(D, bm)
-    descs, rows = zip(*(_gluon_descriptor(t, [b, D]) for t, b in
+    bm = configs.gluon_fwd_block_m(width, listed)
+    bn = configs.gluon_fwd_block_n(width, bm)
+    descs, rows = zip(*(_gluon_descriptor(t, [b, width], width) for t, b in
                         ((q, configs.gluon_fwd_q_block(bm)), (k, bn), (v, bn))))
     views = tuple((list(d.shape), list(d.strides)) for d in descs)
     common, _ = _common(q, None, N, N, variant)
@@ -190,7 +164,7 @@ def _gluon_forward_launch(q, k, v, out, lse, variant: Variant) -> GluonReplay:
                   HAS_LOWER=common["HAS_LOWER"], HAS_UPPER=windowed and common["HAS_UPPER"],
                   HAS_SOFTCAP=common["HAS_SOFTCAP"], HAS_ALIBI=_gluon_alibi(common, alibi),
                   LISTED=bmask is not None, MASK_MOD=variant.mask_mod,
-                  HAS_SINK=variant.sinks is not None, CONSUMERS=bm // 64,
+                  HAS_SINK=variant.sinks is not None, CONSUMERS=bm // 64, DIM=D,
                   **configs.gluon_fwd_options(common["HAS_LOWER"], bm))
     grid = (configs.cdiv(N, bm), B * H, 1)
     kernel = fwd._attn_fwd_gluon_kernel
@@ -222,7 +196,7 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fits at configs.GLUON_FWD_HEAD_DIMS and, from their GLUON_FWD_MIN_SEQLEN, head dim 64 and
     the padded ones, its variants while GLUON_VARIANTS is on): O in q's
     layout and the natural-log LSE (B, H, N); head dims configs.GLUON_FWD_KERNEL_HEAD_DIMS
-    and configs.GLUON_PADDED_HEAD_DIMS (on zero-padded copies);
+    and configs.GLUON_PADDED_HEAD_DIMS;
     flash-attn's window_size, softcap and alibi_slopes, or a block_mask of 128-blocks
     (flashtriton.block_mask; not at head dim 256). Raises ValueError
     where gluon_misfit names a reason."""
@@ -240,14 +214,26 @@ def attention_forward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, lse
 
 
-def _gluon_descriptor(t: torch.Tensor, block):
-    """A host TensorDescriptor over t's 2-D token-row view (_token_rows)."""
+def _gluon_descriptor(t: torch.Tensor, block, width: int):
+    """A host TensorDescriptor over t's token rows (_token_rows) in blocks of block = (rows,
+    columns) for a kernel of tiles width wide, and the rows' (rb, rh, ch). Where t's head dim
+    is under the width, the view is 3-D (rows, heads a row, head dim) in blocks of (rows, 1,
+    columns): TMA fills the columns past the head dim with zeros and drops them from a
+    reduction (kernels/gluon/common.load_rows), and ch counts heads (1 tokens-major, 0
+    heads-major)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-    rows = _token_rows(t)
+    rb, rh, ch, rows, columns = _token_rows(t)
+    D = t.shape[-1]
+    if D == width:
+        layout = gl.NVMMASharedLayout.get_default_for(block, el[t.dtype])
+        return (TensorDescriptor(t, [rows, columns], [t.stride(1), 1], block, layout),
+                (rb, rh, ch))
+    block = [block[0], 1, block[1]]
     layout = gl.NVMMASharedLayout.get_default_for(block, el[t.dtype])
-    return TensorDescriptor(t, [rows[3], rows[4]], [t.stride(1), 1], block, layout), rows[:3]
+    return (TensorDescriptor(t, [rows, columns // D, D], [t.stride(1), D, 1], block, layout),
+            (rb, rh, 1 if ch else 0))
 
 
 def _gluon_flat_descriptor(t: torch.Tensor, block: int):
@@ -273,7 +259,7 @@ def gluon_backward_misfit(dout: Optional[torch.Tensor], q: torch.Tensor, k: torc
         reason = "the Gluon backward takes GQA with a block mask shared by the heads (H=None)"
     if reason is None and dout is not None and (
             dout.shape != q.shape or dout.dtype != q.dtype
-            or _token_rows(dout) is None and q.shape[-1] not in configs.GLUON_PADDED_HEAD_DIMS):
+            or _token_rows(dout) is None):
         reason = "the Gluon backward takes dout in q's dtype, tokens-major or heads-major"
     if reason is None and dq_mode not in (1, 2):
         reason = f"the Gluon backward takes _dq_mode 2 or 1, got {dq_mode}"
@@ -300,21 +286,8 @@ class GluonBwdReplay(NamedTuple):
 
 def _gluon_backward(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
                     timeline=None):
-    """dQ, dK, dV and delta from the Gluon backward (_gluon_backward_kernels) on tensors that
-    gluon_backward_misfit passed; at a padded head dim (configs.GLUON_PADDED_HEAD_DIMS) on
-    zero-padded copies of dout, q, k, v and out, the gradients copied back in the layouts of
-    q, k, v."""
-    width = configs.gluon_head_dim(q.shape[-1])
-    if width == q.shape[-1]:
-        return _gluon_backward_kernels(dout, q, k, v, out, lse, variant, dq_mode, timeline)
-    wide = [_padded(t, width) for t in (dout, q, k, v, out)]
-    dq, dk, dv, delta = _gluon_backward_kernels(*wide, lse, variant, dq_mode, timeline)
-    return _cut(dq, q), _cut(dk, k), _cut(dv, v), delta
-
-
-def _gluon_backward_kernels(dout, q, k, v, out, lse, variant: Variant, dq_mode: int = 2,
-                            timeline=None):
-    """Launch kernels/gluon/bwd.py at q's head dim: the prep
+    """dQ, dK, dV and delta from kernels/gluon/bwd.py on tensors that gluon_backward_misfit
+    passed, in tiles of configs.gluon_head_dim's width (_gluon_descriptor): the prep
     kernel (the log2 LSE and delta, each head's rows padded to a multiple of
     configs.GLUON_BWD_BLOCK_N, and a zeroed fp32 dQ buffer), the backward, and dQ's copy
     into q's layout; a call whose signature (_gluon_signature; none for timing runs) was
@@ -331,7 +304,7 @@ def _gluon_backward_kernels(dout, q, k, v, out, lse, variant: Variant, dq_mode: 
         signature = _gluon_signature("gluon_bwd", variant, variant.q_blocks, dout, q, k, v, out,
                                      lse)
     replays = recall(signature)
-    split = configs.gluon_bwd_split(D)
+    split = configs.gluon_bwd_split(configs.gluon_head_dim(D))
     dq_acc = None
     if not split:
         dq_acc = _dq_buffer(q)
@@ -366,7 +339,7 @@ def gluon_backward_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (out and dout in q's, dK and dV in k's and v's, the stats flat): no allocation and no
     device work, so it may run in a thread while the forward's kernels compile (Triton's
     compiler releases the GIL: launch.backward_ahead). Only the head dims the kernel runs
-    unpadded, and dQ's Triton kernel at a split head dim is left to the backward."""
+    dQ's Triton kernel at a split head dim is left to the backward."""
     B, N, H, D = q.shape
 
     def meta(like: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -377,7 +350,7 @@ def gluon_backward_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     stats = torch.empty((B * H * pad,), dtype=torch.float32, device="meta")
     lse = torch.empty((B, H, N), dtype=torch.float32, device="meta")
     dq_acc = None
-    if not configs.gluon_bwd_split(D):
+    if not configs.gluon_bwd_split(configs.gluon_head_dim(D)):
         heads_major = _token_rows(q)[1] != 0
         dq_acc = (torch.empty((B, H, N, D), dtype=torch.float32, device="meta").transpose(1, 2)
                   if heads_major else torch.empty((B, N, H, D), dtype=torch.float32,
@@ -407,7 +380,8 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
     warmup; tensors may be meta tensors, whose data pointer 0 is aligned), launch nothing."""
     from ..kernels.gluon import bwd
     B, N, H, D = q.shape
-    bm, bn = configs.GLUON_BWD_BLOCK_M, configs.gluon_bwd_block_n(D)
+    width = configs.gluon_head_dim(D)
+    bm, bn = configs.GLUON_BWD_BLOCK_M, configs.gluon_bwd_block_n(width)
     common, _ = _common(q, None, N, N, variant)
     _, stride_ab, stride_ah = _alibi_args(variant)  # (alibi, bmask: the variant's, given)
     _, *bmask_args = _block_args(variant.q_blocks)
@@ -416,19 +390,19 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
     prep_args = (out, dout, lse, lse2, delta, dq_acc, out.stride(0), out.stride(1),
                  out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0),
                  lse.stride(1), *dq_strides, H, N, pad)
-    prep_consts = dict(HEAD_DIM=D, BLOCK_M=bm, num_warps=4)
+    prep_consts = dict(HEAD_DIM=width, BLOCK_M=bm, DIM=D, num_warps=4)
     prep_grid = (pad // bm, B * H)
     if compile_only:
         _attn_bwd_prep_kernel.warmup(*prep_args, grid=prep_grid, **prep_consts)
         prep = None
     else:
         prep = launch_jit(_attn_bwd_prep_kernel, prep_grid, *prep_args, **prep_consts)
-    q_desc, q_rows = _gluon_descriptor(q, [bm, D])
-    do_desc, do_rows = _gluon_descriptor(dout, [bm, D])
-    k_desc, kv_rows = _gluon_descriptor(k, [bn, D])
-    v_desc, _ = _gluon_descriptor(v, [bn, D])
-    # Each of the kernel's two consumers reduces half the head dim (none at a split head dim).
-    dq_desc = None if dq_acc is None else _gluon_descriptor(dq_acc, [bm, D // 2])[0]
+    q_desc, q_rows = _gluon_descriptor(q, [bm, width], width)
+    do_desc, do_rows = _gluon_descriptor(dout, [bm, width], width)
+    k_desc, kv_rows = _gluon_descriptor(k, [bn, width], width)
+    v_desc, _ = _gluon_descriptor(v, [bn, width], width)
+    # Each of the kernel's two consumers reduces half the width (none at a split head dim).
+    dq_desc = None if dq_acc is None else _gluon_descriptor(dq_acc, [bm, width // 2], width)[0]
     descs = (q_desc, k_desc, v_desc, do_desc, dq_desc, _gluon_flat_descriptor(lse2, bm),
              _gluon_flat_descriptor(delta, bm))
     args = (dk.stride(0), dk.stride(1), dk.stride(2), stride_ab, stride_ah, *bmask_args, H,
@@ -440,7 +414,7 @@ def _gluon_bwd_launch(out, dout, lse, lse2, delta, dq_acc, q, k, v, dk, dv, alib
                   HAS_ALIBI=_gluon_alibi(common, alibi), LISTED=bmask is not None,
                   MASK_MOD=variant.mask_mod,
                   **configs.gluon_bwd_options(common["HAS_UPPER"], common["HAS_LOWER"],
-                                              alibi is not None, D))
+                                              alibi is not None, width), DIM=D)
     grid = (configs.cdiv(N, bn), B * k.shape[2], 1)
     kernel = bwd._attn_bwd_gluon_kernel
     if compile_only:

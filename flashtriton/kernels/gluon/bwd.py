@@ -56,7 +56,8 @@ keys (no mask), then masked ones again (a window's far edge, the ragged end, par
 The mask is kernels.mask.visible_by_key (beside the Triton kernels' visible); the slots of
 its scalar tuple are kernels/gluon/common.py's, the forward's.
 
-Scope: bf16 / fp16, head dims 64, 128 and 256 (attention_backward runs it at
+Scope: bf16 / fp16, head dims 64, 128 and 256 and those under them (80, 96, 112, 192 as the
+forward takes them; attention_backward runs it at
 configs.GLUON_BWD_HEAD_DIMS), SQ == SK, GQA, q / k / v / dO in the 2-D token-row views of
 launch._token_rows, block masks at 64 and 128; the kernel static_asserts its tiles (64-row
 query blocks, 128-key programs (64 at 256), 4-warp partitions; configs.GLUON_BWD_BLOCK_M and
@@ -77,7 +78,7 @@ from ..common import LOG2E, alibi_part, scores
 from ..mask import q_range, visible_by_key
 from .common import (LIST_BLOCK, LST_FULL, LST_ROW, LST_WIDTH, VAR_BATCH, VAR_CAP2, VAR_HEAD,
                      VAR_KEY0, VAR_LOWER, VAR_QUERY0, VAR_SLOPE2, VAR_UPPER, grid_order,
-                     store_rows)
+                     load_rows, store_rows, tile_layout, tile_shape)
 
 
 @builtin
@@ -184,10 +185,8 @@ def _request(q_desc, do_desc, q_smem, do_smem, full, t, walk, stats, H, SEQ,
     slot = t % 2
     mbarrier.expect(full.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                     + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], full.index(slot),
-                                    q_smem.index(slot))
-    tma.async_copy_global_to_shared(do_desc, [o_row, o_col], full.index(slot),
-                                    do_smem.index(slot))
+    load_rows(q_desc, q_row, q_col, full.index(slot), q_smem.index(slot))
+    load_rows(do_desc, o_row, o_col, full.index(slot), do_smem.index(slot))
     row = ((walk[WALK_BATCH] * H + h) * (gl.cdiv(SEQ, LIST_BLOCK) * LIST_BLOCK)
            + m * BLOCK_M)
     tma.async_copy_global_to_shared(lse_desc, [row], full.index(slot), lse_smem.index(slot))
@@ -473,7 +472,7 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
              stride_kh, key0, off_hk, cfg, W: gl.constexpr, HAS_LOWER: gl.constexpr,
              HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, EARLY_S: gl.constexpr,
-             ONE_LOOP: gl.constexpr, SKIP_EMPTY: gl.constexpr, TL):
+             ONE_LOOP: gl.constexpr, SKIP_EMPTY: gl.constexpr, DIM: gl.constexpr, TL):
     """Consumer W: keys key0 .. key0 + 63 over every step (bounds = (GROUP, a, b) of
     _walk_bounds: per query head, steps [a, b) unmasked); stores their dK and dV (where the
     head dim is split: the columns of its half). cfg = (ALIBI,
@@ -560,8 +559,9 @@ def _consume(walk, bounds, q_smem, do_smem, k_w, v_w, k_cols, ds_smem, dq_w, kv_
     dk_s.store((dk * cfg[CFG_SM_SCALE]).to(dtype))
     dv_s.store(dv.to(dtype))
     gl.thread_barrier()  # (this partition's warps)
-    store_rows(dk_s, DK, off, key0, stride_kt, SEQ)
-    store_rows(dv_s, DV, off, key0, stride_kt, SEQ)
+    COLS: gl.constexpr = DIM - W * DKV if SPLIT else DIM  # (this group's columns under DIM)
+    store_rows(dk_s, DK, off, key0, stride_kt, SEQ, COLS)
+    store_rows(dv_s, DV, off, key0, stride_kt, SEQ, COLS)
     _mark(TL, 4 + 3 * W)  # dK and dV stored (issued)
 
 
@@ -570,12 +570,19 @@ def _reduce(dq_desc, dq_smem, dq_full, t, walk, DQ_MODE: gl.constexpr, LISTED: g
     """Step t's dQ: both groups' staged column halves, each by one TMA reduction (the fp32
     buffer has q's layout: its rows and columns are q's)."""
     BLOCK_M: gl.constexpr = dq_desc.block_type.shape[0]
-    HALF_D: gl.constexpr = dq_desc.block_type.shape[1]
+    HALF_D: gl.constexpr = tile_shape(dq_desc)[1]
+    THREE_D: gl.constexpr = len(dq_desc.block_type.shape) == 3  # (col: the head's index)
     row, col, _, _, _, _ = _block_coords(t, walk, BLOCK_M, LISTED)
     for w in gl.static_range(2):
         mbarrier.wait(dq_full.index(w * 2 + t % 2), (t // 2) & 1)
         if DQ_MODE == 2:
-            _tma_reduce_add(dq_desc, [row, col + w * HALF_D], dq_smem.index(w * 2 + t % 2))
+            staged = dq_smem.index(w * 2 + t % 2)
+            if THREE_D:  # (columns past the head dim: out of bounds, not written)
+                _tma_reduce_add(dq_desc, [row, col, w * HALF_D],
+                                staged._reinterpret(staged.dtype, dq_desc.block_type.shape,
+                                                    dq_desc.layout))
+            else:
+                _tma_reduce_add(dq_desc, [row, col + w * HALF_D], staged)
 
 
 @gluon.jit
@@ -587,7 +594,7 @@ def _produce(q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty, dq
     have read it (tma.store_wait). (Requesting step t + 1 before step t - 1's reductions
     did not pay: docs/journal/perf-journal.md.) Where the head dim is split (no dQ) the
     producer only loads."""
-    SPLIT: gl.constexpr = q_desc.block_type.shape[1] > SPLIT_DIM
+    SPLIT: gl.constexpr = tile_shape(q_desc)[1] > SPLIT_DIM
     for t in range(total + 1):
         if t < total:
             mbarrier.wait(empty.index(t % 2), (t // 2) & 1)
@@ -615,11 +622,13 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            EARLY_S: gl.constexpr, ONE_LOOP: gl.constexpr,
-                           SKIP_EMPTY: gl.constexpr, ORDER: gl.constexpr,
+                           SKIP_EMPTY: gl.constexpr, ORDER: gl.constexpr, DIM: gl.constexpr,
                            num_warps: gl.constexpr):
     """Program (key block of 128, or of 64 where the head dim is split; batch * KV head). The
     descriptors view q, k, v and dO as 2-D token rows (launch._token_rows: head h of batch b
-    starts at row b * rb + h * rh, column h * ch); dq_desc views the fp32 dQ buffer, in q's
+    starts at row b * rb + h * rh, column h * ch; 3-D descriptors where DIM, the tensors' head
+    dim, is under the tiles' width: gluon/common.load_rows, ch then in heads, dK and dV stored
+    at DIM, dQ reduced at DIM); dq_desc views the fp32 dQ buffer, in q's
     layout (its rows and columns are q's), in blocks of 64 x D / 2 (one per consumer; None where
     the head dim is split: no dQ); lse_desc and delta_desc view the prep kernel's log2 LSE and
     delta (B * H rows of cdiv(SEQ, 128) * 128) as one row, in blocks of 64. dK and dV (strides
@@ -630,7 +639,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     worker partitions of 4 warps. The launch constants (CONSUMER_REGS .. ORDER, num_warps):
     configs.gluon_bwd_options."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = tile_shape(q_desc)[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     SPLIT: gl.constexpr = HEAD_DIM > SPLIT_DIM
     KEYS: gl.constexpr = BLOCK_N if SPLIT else BLOCK_N // 2  # a consumer's keys
@@ -646,17 +655,17 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     gl.static_assert(not (SPLIT and LISTED), "the Gluon backward: block masks (of 128) at head "
                      "dims 64 and 128")
     gl.static_assert(do_desc.block_type.shape[0] == BLOCK_M
-                     and do_desc.block_type.shape[1] == HEAD_DIM
-                     and k_desc.block_type.shape[1] == HEAD_DIM
+                     and tile_shape(do_desc)[1] == HEAD_DIM
+                     and tile_shape(k_desc)[1] == HEAD_DIM
                      and v_desc.block_type.shape[0] == BLOCK_N
-                     and v_desc.block_type.shape[1] == HEAD_DIM,
+                     and tile_shape(v_desc)[1] == HEAD_DIM and DIM <= HEAD_DIM,
                      "the Gluon backward: dO blocks as Q's, V blocks as K's")
     gl.static_assert(lse_desc.block_type.shape[0] == BLOCK_M
                      and delta_desc.block_type.shape[0] == BLOCK_M,
                      "the Gluon backward: LSE and delta blocks of BLOCK_M")
     if not SPLIT:
         gl.static_assert(dq_desc.block_type.shape[0] == BLOCK_M
-                         and dq_desc.block_type.shape[1] == HEAD_DIM // 2,
+                         and tile_shape(dq_desc)[1] == HEAD_DIM // 2,
                          "the Gluon backward: dQ blocks of BLOCK_M x HEAD_DIM / 2 (one a "
                          "consumer)")
     dtype: gl.constexpr = q_desc.dtype
@@ -682,10 +691,11 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
     cfg = (ALIBI, stride_ab, stride_ah, SEQ, qk_scale, sm_scale, cap2, LOWER, UPPER,
            n * BLOCK_N)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], tile_layout(q_desc.layout))
+    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
+                                        tile_layout(do_desc.layout))
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout(k_desc.layout))
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_layout(v_desc.layout))
     if SPLIT:  # P^T, dS^T: (kind * 4 + slot * 2 + consumer) -> its 64 x 32 (no dQ)
         ds_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_N, DS_ROWS], ds_layout)
         dq_smem: gl.constexpr = None
@@ -694,7 +704,7 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
         # HEAD_DIM / 2 fp32
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2],
-                                            dq_desc.layout)
+                                            tile_layout(dq_desc.layout))
     # the rows' log2 LSE and delta: (slot) -> 64 fp32 each
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                       rank=1)
@@ -721,8 +731,8 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
 
     kv_row = off_b * kv_rb + off_hk * kv_rh + n * BLOCK_N
     mbarrier.expect(kv_full, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, off_hk * kv_ch], kv_full, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, off_hk * kv_ch], kv_full, v_smem)
+    load_rows(k_desc, kv_row, off_hk * kv_ch, kv_full, k_smem)
+    load_rows(v_desc, kv_row, off_hk * kv_ch, kv_full, v_smem)
 
     K1: gl.constexpr = 0 if SPLIT else KEYS  # consumer 1's first key in the block
     gl.warp_specialize(
@@ -731,14 +741,14 @@ def _attn_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_desc, d
                      ds_smem, dq_smem, kv_full, full, empty, ds_ready, dq_full, dq_empty,
                      stats_smem, DK, DV, stride_kb, stride_kt, stride_kh, n * BLOCK_N, off_hk,
                      cfg, 0, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, SKIP_EMPTY, TL)),
+                     EARLY_S, ONE_LOOP, SKIP_EMPTY, DIM, TL)),
          (_consume, (walk, (GROUP, a, b), q_smem, do_smem, k_smem.slice(K1, KEYS, dim=0),
                      v_smem.slice(K1, KEYS, dim=0),
                      k_smem.slice(HEAD_DIM // 2, HEAD_DIM // 2, dim=1), ds_smem, dq_smem,
                      kv_full, full, empty, ds_ready, dq_full, dq_empty, stats_smem, DK, DV,
                      stride_kb, stride_kt, stride_kh, n * BLOCK_N + K1, off_hk, cfg, 1,
                      HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD,
-                     EARLY_S, ONE_LOOP, SKIP_EMPTY, TL)),
+                     EARLY_S, ONE_LOOP, SKIP_EMPTY, DIM, TL)),
          (_produce, (q_desc, do_desc, dq_desc, q_smem, do_smem, dq_smem, full, empty,
                      dq_full, dq_empty, walk, total,
                      (lse_desc, delta_desc, lse_smem, delta_smem), H, SEQ, DQ_MODE,

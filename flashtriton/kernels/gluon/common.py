@@ -1,5 +1,6 @@
 """What the Gluon forward and backward share: the slots of the tuples both pass to their
-helpers, the programs' order over the grid, and the stores of a shared-memory tile.
+helpers, the programs' order over the grid, the TMA loads of token rows and the stores of a
+shared-memory tile.
 
 Triton 3.6 turns the elements of a tuple built inside a kernel into tensors (a NamedTuple's
 too), so the kernels hand their scalars around in plain tuples, indexed by the constexpr
@@ -9,6 +10,7 @@ slot in both kernels.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
 # `var`: the scalars of the scores and the mask, one layout in both kernels (the forward's
 # tile[2]; the backward's per step, built in _step).
@@ -34,13 +36,41 @@ LST_WIDTH = gl.constexpr(2)  # BM_N: where its full blocks start after the parti
 LIST_BLOCK = gl.constexpr(128)
 
 
+@gluon.constexpr_function
+def tile_shape(desc_type):
+    """The 2-D tile (rows, width) of a descriptor's blocks: a 3-D descriptor's (rows, 1,
+    width) without its heads' axis."""
+    return [desc_type.block_type.shape[0], desc_type.block_type.shape[-1]]
+
+
+@gluon.constexpr_function
+def tile_layout(layout):
+    """The 2-D shared layout of a descriptor's tiles: a 3-D descriptor's (load_rows) with its
+    rank dropped, the same bytes (its heads' axis is 1)."""
+    return gl.NVMMASharedLayout(layout.swizzle_byte_width, layout.element_bitwidth, 2,
+                                layout.transposed)
+
+
 @gluon.jit
-def store_rows(tile, ptr, off, row0, stride_t, SEQ):
+def load_rows(desc, row, col, bar, smem):
+    """TMA of desc's block of token rows (launch._token_rows) from row, col into the 2-D tile
+    smem, completing on bar. A 3-D descriptor (rows, heads, head dim) views a head dim under
+    the tile's width (launch.gluon_descriptor): col is then the head's index, and TMA fills
+    the columns past the head dim with zeros, so they add nothing to the products."""
+    shape: gl.constexpr = desc.block_type.shape
+    if len(shape) == 3:
+        tma.async_copy_global_to_shared(desc, [row, col, 0], bar,
+                                        smem._reinterpret(smem.dtype, shape, desc.layout))
+    else:
+        tma.async_copy_global_to_shared(desc, [row, col], bar, smem)
+
+
+@gluon.jit
+def store_rows(tile, ptr, off, row0, stride_t, SEQ, COLS: gl.constexpr):
     """A ROWS x D tile of shared memory into global rows row0 .. row0 + ROWS - 1 (row r at
-    ptr + off + r * stride_t, its D columns contiguous), rows < SEQ only; 4 warps, 16
-    bytes a thread, so a warp's store writes whole rows (the products' layout writes 16 bytes
-    of each of 8 rows a store: measured in the backward's dK / dV on the H200, 4-6 us a
-    program against 2 us this way)."""
+    ptr + off + r * stride_t, its first COLS (<= D) columns contiguous), rows < SEQ only; 4
+    warps, 16 bytes a thread, so a warp's store writes whole rows (the products' layout
+    writes 16 bytes of each of 8 rows a store, 2-3x slower in the backward's dK / dV)."""
     ROWS: gl.constexpr = tile.shape[0]
     D: gl.constexpr = tile.shape[1]
     gl.static_assert((256 // D) * (D // 8) == 32, "store_rows: a warp's 32 threads span whole "
@@ -48,8 +78,11 @@ def store_rows(tile, ptr, off, row0, stride_t, SEQ):
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [4, 1], [1, 0])
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    keep = rows[:, None] < SEQ
+    if COLS < D:  # (a head dim under the tile's width)
+        keep = keep & (cols[None, :] < COLS)
     gl.store(ptr + (off + rows[:, None] * stride_t + cols[None, :]), tile.load(layout),
-             mask=rows[:, None] < SEQ)
+             mask=keep)
 
 
 @gluon.jit

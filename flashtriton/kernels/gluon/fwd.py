@@ -16,8 +16,10 @@ blocks of 64 (CONSUMERS; a 64 x 128 S at 160 registers a thread spills). (A plai
 kernel with the same body, each warp refilling the slots itself, ran 5-20% slower at D=128
 on the H200: docs/journal/perf-journal.md.)
 
-Scope: bf16 / fp16, head dims 64, 128 and 256, (B, N, H, D) tensors whose token rows form a 2-D
-(B * N) x (heads * D) view with any row stride, GQA (K and V with H / GROUP heads), SQ == SK;
+Scope: bf16 / fp16, head dims 64, 128 and 256 and those under them (80, 96, 112 and 192 in
+128- and 256-wide tiles whose extra columns TMA fills with zeros), (B, N, H, D) tensors whose
+token rows form a 2-D (B * N) x (heads * D) view with any row stride, GQA (K and V with
+H / GROUP heads), SQ == SK;
 plain or causal, and (launch.attention_forward_gluon, or attention_forward with
 launch.GLUON_VARIANTS) windows, softcap, ALiBi and block masks of 128-blocks (not at head dim
 256). launch.attention_forward runs it where a call fits (Hopper, configs.GLUON_FWD_HEAD_DIMS:
@@ -40,7 +42,7 @@ from ..mask import kv_range, visible_by_row
 from .common import (LIST_BLOCK, LST_FULL, LST_ROW, LST_WIDTH, VAR_BATCH, VAR_CAP2, VAR_HEAD,
                      VAR_SINK2,
                      VAR_KEY0, VAR_LOWER, VAR_QUERY0, VAR_SLOPE2, VAR_UPPER, grid_order,
-                     store_rows)
+                     load_rows, store_rows, tile_layout, tile_shape)
 
 
 @gluon.jit
@@ -49,7 +51,7 @@ def _load(desc, bars, smem, row, col, j, NUM_STAGES: gl.constexpr):
     slot, completing on the slot's mbarrier."""
     slot = j % NUM_STAGES
     mbarrier.expect(bars.index(slot), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, col], bars.index(slot), smem.index(slot))
+    load_rows(desc, row, col, bars.index(slot), smem.index(slot))
 
 
 @gluon.jit
@@ -163,7 +165,7 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
             HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
             HAS_LOWER: gl.constexpr, HAS_UPPER: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
             HAS_ALIBI: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
-            HAS_SINK: gl.constexpr):
+            HAS_SINK: gl.constexpr, DIM: gl.constexpr):
     """A consumer partition (4 warps): rows W * ROWS .. W * ROWS + ROWS - 1 of the program's
     query block (q_smem holds it) over key blocks 0 .. n_blocks - 1 (tile = (blocks, lst,
     var): blocks = (n_blocks, full_lo, full_hi); block j holds the keys from
@@ -246,7 +248,8 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     # (store_rows; from the products' layout: 541 -> 575 TFLOP/s at 2K, window +5%, H200).
     q_smem.store(out.to(q_smem.dtype))
     gl.thread_barrier()  # (this partition's warps)
-    store_rows(q_smem, O, off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ)
+    store_rows(q_smem, O, off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ,
+               DIM)
     lse2 = m_i + gl.log2(l_i)
     if HAS_ALIBI == 2:  # the rows' part of one-sided ALiBi (see _softmax)
         lse2 = lse2 - alibi_part(rows, var[VAR_QUERY0], var[VAR_SLOPE2])
@@ -287,8 +290,8 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_f
     Q_LOADS: gl.constexpr = BLOCK_M // Q_BLOCK
     mbarrier.expect(q_full, Q_LOADS * q_desc.block_type.nbytes)
     for i in gl.static_range(Q_LOADS):
-        tma.async_copy_global_to_shared(q_desc, [q_row + i * Q_BLOCK, q_col], q_full,
-                                        q_smem.slice(i * Q_BLOCK, Q_BLOCK, dim=0))
+        load_rows(q_desc, q_row + i * Q_BLOCK, q_col, q_full,
+                  q_smem.slice(i * Q_BLOCK, Q_BLOCK, dim=0))
     blocks, lst, var = tile
     n_blocks, _, _ = blocks
     for j in range(n_blocks):
@@ -311,10 +314,12 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
                            LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
                            HEAVY_FIRST: gl.constexpr, ORDER: gl.constexpr,
                            HAS_SINK: gl.constexpr, CONSUMERS: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           DIM: gl.constexpr, num_warps: gl.constexpr):
     """The descriptors view each tensor as 2-D token rows; head h of batch b starts at row
     b * rb + h * rh, column h * ch (tokens-major (B, N, H, D): rb N, rh 0, ch D; heads-major
-    (B, H, N, D) memory: rb H * N, rh N, ch 0). num_warps (4) is the first consumer's
+    (B, H, N, D) memory: rb H * N, rh N, ch 0); DIM: the tensors' head dim, under the tiles'
+    width HEAD_DIM where the descriptors are 3-D (common.load_rows: zero columns past DIM,
+    O stored at DIM; ch is then 1 or 0, in heads). num_warps (4) is the first consumer's
     warpgroup; the second consumer and the producer are worker partitions of 4 warps each.
     Variants (the launcher's _common): a window (HAS_LOWER / HAS_UPPER: query i sees keys
     i + LOWER .. i + UPPER; causal with a window is HAS_UPPER with UPPER 0, IS_CAUSAL is
@@ -327,7 +332,7 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
     constants (CONSUMER_REGS .. ORDER, num_warps): configs.gluon_fwd_options."""
     ROWS: gl.constexpr = 64  # a consumer's rows (one wgmma M of its 4 warps)
     BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = tile_shape(q_desc)[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     # The tiles the kernel is written for (configs.GLUON_FWD_BLOCK_M / _N).
     gl.static_assert(num_warps == 4, "the Gluon forward: num_warps 4 (the first consumer)")
@@ -342,8 +347,8 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
                      "at head dim 256 without a block mask")
     gl.static_assert(HEAD_DIM == 64 or HEAD_DIM == 128 or HEAD_DIM == 256,
                      "the Gluon forward: head dim 64, 128 or 256")
-    gl.static_assert(k_desc.block_type.shape[1] == HEAD_DIM and v_desc.block_type.shape[0] ==
-                     BLOCK_N and v_desc.block_type.shape[1] == HEAD_DIM,
+    gl.static_assert(tile_shape(k_desc)[1] == HEAD_DIM and v_desc.block_type.shape[0] ==
+                     BLOCK_N and tile_shape(v_desc)[1] == HEAD_DIM and DIM <= HEAD_DIM,
                      "the Gluon forward: K and V blocks of BLOCK_N x HEAD_DIM")
     dtype: gl.constexpr = q_desc.dtype
     heavy_first: gl.constexpr = HEAVY_FIRST and (IS_CAUSAL or (HAS_UPPER and not HAS_LOWER))
@@ -389,9 +394,11 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
 
     # (a power of two of rows: 256 for a 192-row block, its last 64 unused)
     Q_ROWS: gl.constexpr = 4 * ROWS if CONSUMERS == 3 else BLOCK_M
-    q_smem = gl.allocate_shared_memory(dtype, [Q_ROWS, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_ROWS, HEAD_DIM], tile_layout(q_desc.layout))
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM],
+                                       tile_layout(k_desc.layout))
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM],
+                                       tile_layout(v_desc.layout))
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -414,15 +421,18 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
             [(_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
                         off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
                         SEQ, qk_scale, 0, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK,
+                        DIM)),
              (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
                         off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
                         SEQ, qk_scale, 1, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK,
+                        DIM)),
              (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
                         off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
                         SEQ, qk_scale, 2, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK,
+                        DIM)),
              (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
                          k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
                          off_h * q_ch, row0, col, tile, NUM_STAGES, LISTED,
@@ -433,11 +443,13 @@ def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, O, LSE, ALIBI, BMASK, SINK, s
             [(_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
                         off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
                         SEQ, qk_scale, 0, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK,
+                        DIM)),
              (_attend, (q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O, LSE,
                         off_b, off_h, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, tile,
                         SEQ, qk_scale, 1, ROWS, BLOCK_N, HEAD_DIM, IS_CAUSAL, NUM_STAGES,
-                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK)),
+                        HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, LISTED, MASK_MOD, HAS_SINK,
+                        DIM)),
              (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, k_full, v_full,
                          k_empty, v_empty, off_b * q_rb + off_h * q_rh + start_m * BLOCK_M,
                          off_h * q_ch, row0, col, tile, NUM_STAGES, LISTED,
