@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 
 from . import configs, runtime, validation
-from .api import AttentionOutput
+from .launch import AttentionOutput
 from .launch import decode as decode_launch
 from .launch.decode import merge_partials, step_signature
 from .validation import (check_alibi, check_block_table, check_cache_indices, check_flag,

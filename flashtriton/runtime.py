@@ -282,6 +282,15 @@ _CALLS = {}
 _CALLS_MAX = 512
 
 
+def _forget() -> None:
+    """Drop the tiles and launches chosen under the tuning tables (tuning.on_change)."""
+    _TUNED.clear()
+    _CALLS.clear()
+
+
+tuning.on_change(_forget)
+
+
 def call_signature(site: str, scalars, *tensors) -> Optional[tuple]:
     """The signature of a call at ``site`` (None: do not replay): its Python scalars (hashable),
     the switches, the policy (configs.snapshot(): every tile, threshold and kernel option that

@@ -20,7 +20,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _env
 
@@ -100,11 +100,20 @@ def _add(source: str, entries: List[Entry]) -> None:
     _forget_choices()
 
 
+# What forgets the choices made under the tables (runtime's cached tiles and launches, added
+# by runtime itself: on_change), called whenever the tables change.
+_LISTENERS: List[Callable[[], None]] = []
+
+
+def on_change(forget: Callable[[], None]) -> None:
+    """Call forget() whenever the tables change (runtime drops its cached tiles and calls)."""
+    _LISTENERS.append(forget)
+
+
 def _forget_choices() -> None:
     """Calls made before a table changed keep no tile chosen without it."""
-    from . import runtime
-    runtime._TUNED.clear()
-    runtime._CALLS.clear()
+    for forget in _LISTENERS:
+        forget()
 
 
 def load(path) -> int:
