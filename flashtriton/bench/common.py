@@ -122,10 +122,9 @@ def measure(fn, q, k, v, causal, dout=None):
 
 def cold_ms(fn, reps=100):
     """Median GPU ms of fn, each call after runtime.flush_l2 (an L2 left clean: do_bench's
-    flush leaves it dirty, and the write-back fell on the timed call, 13% of a 268 MB
-    decoding step), the host's time kept out (runtime.gpu_time_ms: the GPU sleeps while the
-    host queues the calls). Memory-bound rows (decode, copy) are timed this way; per_call_us
-    times the host."""
+    flush leaves it dirty, and the write-back falls on the timed call), the host's time kept
+    out (runtime.gpu_time_ms: the GPU sleeps while the host queues the calls). Memory-bound
+    rows (decode, copy) are timed this way; per_call_us times the host."""
     from flashtriton import runtime
     return runtime.gpu_time_ms(fn, (0.5,), reps)[0]
 

@@ -337,8 +337,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     meta, rows = run_meta(), []
     # the diffusion shapes first, before the model parts: after the training and generation
-    # parts (and their profiler runs), SDXL's 77-key cross-attention call read 96 us against 30
-    # us in a fresh process (H100, the same call and timing)
+    # parts (and their profiler runs), short calls such as SDXL's 77-key cross-attention time
+    # slower than in a fresh process
     if "diffusion" in args.parts:
         rows += diffusion_rows(meta)
     if "train" in args.parts:

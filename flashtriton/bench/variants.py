@@ -205,8 +205,8 @@ def _with_options(items, fn, *args):
 
 def rotated(providers: list, r: int) -> list:
     """Round r's order: the providers rotated by r, so that over len(providers) rounds each
-    runs in every place once. (On the H200 a provider measured just after FlexAttention ran
-    ~3-4% slower than in the next place: the order is part of the measurement.)"""
+    runs in every place once (a provider measured just after FlexAttention runs slower than in
+    the next place: the order is part of the measurement)."""
     r %= len(providers)
     return providers[r:] + providers[:r]
 
