@@ -4,8 +4,8 @@ The ops make flashtriton opaque to torch.compile (no graph break, no tracing
 into Triton); the Function saves what the backward needs: q, k, v, out and the
 LSE (and the ALiBi slopes and sequence offsets), never an N x N tensor.
 In plain eager mode the Function calls the ops' implementations directly: the
-dispatcher's route through a custom op costs tens of microseconds per call, more
-than the kernels of a small attention take on the GPU. Under torch.compile,
+dispatcher's route through a custom op costs more host time per call than the
+kernels of a small attention take on the GPU. Under torch.compile,
 export, fake tensors or any dispatch mode, it goes through the ops.
 
 Dense calls pass cu_seqlens_q = cu_seqlens_k = None and max_seqlen_* = 0;

@@ -20,20 +20,17 @@ from . import _env, configs, tuning
 def flush_l2(cache: torch.Tensor) -> None:
     """Evict the L2 and leave it clean, before a timed call: read ``cache`` (256 MB, Triton's
     benchmark buffer). do_bench's flush zeroes it instead, which leaves the L2 full of dirty
-    lines; the timed kernel's reads evict them, so the DRAM also writes up to the L2's 50 MB
-    during it. On the H200 that took 13% of a 268 MB decoding step's time (B=8 8K: 3446 GB/s
-    after the zeroing, 3902 after this read; SDPA 3462 and 3927), a cost of the flush, not of the
-    step."""
+    lines; the timed kernel's reads evict them, so the DRAM also writes the L2 back during
+    it, a cost of the flush that memory-bound timings would charge to the step."""
     cache.view(torch.int32).sum()
 
 
 def gpu_time_ms(fn, quantiles=(0.5, 0.2, 0.8), reps: int = 40):
     """Quantiles of fn's GPU time in ms, each call after a clean L2 flush, with the host's time
     kept out: the GPU first sleeps while the host queues every call, so no call waits for its
-    launch. The decoding tuner's benchmarker: its candidates run 5-25 us, while each tuning
-    call goes through Triton's JITFunction.run (~60 us of host time on the H200's host, more
-    than do_bench's flush hides), so do_bench timed the host and picked tiles at random
-    (B=1 8K took a 128-key tile 13% slower in a graph than the 64-key one)."""
+    launch. The decoding tuner's benchmarker: its candidates run shorter than the host time of
+    a tuning call through Triton's JITFunction.run, so do_bench would time the host and pick
+    tiles at random."""
     import time
     cache = driver.active.get_empty_cache_for_benchmark()
     fn()
@@ -122,11 +119,11 @@ def _from_tables(kernel, grid, args, kwargs):
 
 
 # (id(kernel), tuning key) -> (kernel name, its tuned triton.Config). Triton's Autotuner.run
-# rebuilds its key from every argument on every call (~100 us of host time for these kernels): after the
-# first call for a key, launch the JIT function with the tuned config directly.
+# rebuilds its key from every argument on every call, a host cost of its own: after the first
+# call for a key, launch the JIT function with the tuned config directly.
 _TUNED = {}
-# Triton's JITFunction.run binds and specialises all ~75 arguments on every call (~60 us of
-# host time on the H200's host). A call whose kernel, tuning key, device, tensor dtypes and
+# Triton's JITFunction.run binds and specialises every argument on every call, more host time
+# than many kernels take on the GPU. A call whose kernel, tuning key, device, tensor dtypes and
 # every non-tensor argument equal an earlier call's, with 16-byte aligned tensors (what Triton
 # specialises pointers on), replays that call's compiled kernel: only the pointers are new.
 # The dropout seed is left out of the match: the kernels do not specialise on it.
@@ -175,7 +172,7 @@ def pointers(*tensors) -> Optional[list]:
     aligned (what Triton specialises pointers on). Replays hand these to the compiled kernel:
     for an int, Triton's launcher skips the data_ptr() call and the cuPointerGetAttribute
     check it makes for each tensor (the tensors passed the check on the call that compiled)."""
-    ptrs = [None if t is None else t.data_ptr() for t in tensors]  # a list: ~0.2 us less
+    ptrs = [None if t is None else t.data_ptr() for t in tensors]  # a list: faster than a genexpr
     bits = 0
     for p in ptrs:
         if p:

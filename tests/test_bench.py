@@ -3,8 +3,13 @@ reference check every provider passes before its speed is measured (run through 
 interpreter on the CPU), and the variants bench's options (no GPU needed)."""
 
 import csv
+import importlib
 import importlib.util
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +18,9 @@ from flashtriton import bench
 from flashtriton import configs
 from flashtriton.bench import common, report, train
 from flashtriton.bench.cli import main as bench_main
-from conftest import DEVICE
+from conftest import DEVICE, ON_GPU
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _args(**kw):
@@ -457,3 +464,80 @@ def test_tune_grid_lists_each_suites_shapes():
     # decoding: B x N within decode_max_tokens (64 x 65536 is not), paged or not, fp8 or not
     assert sum(x.startswith("decode ") for x in labels) == 2 * 3 * 4
     assert "decode D=64 B=64 N=65536 paged=0 fp8=0" not in labels
+
+
+# Every command line of the benchmarks: module, its parser's home, arguments of a no-GPU run.
+COMMANDS = [
+    pytest.param("flashtriton.bench", "flashtriton.bench.cli", ["--suites", "train"], id="bench"),
+    pytest.param("flashtriton.bench.e2e", "flashtriton.bench.e2e", [], id="e2e"),
+    pytest.param("flashtriton.bench.sinks", "flashtriton.bench.sinks", [], id="sinks"),
+    pytest.param("flashtriton.bench.paged", "flashtriton.bench.paged", [], id="paged"),
+    pytest.param("flashtriton.bench.ring", "flashtriton.bench.ring", ["--world", "2"], id="ring"),
+    pytest.param("flashtriton.bench.variants", "flashtriton.bench.variants", [], id="variants"),
+    pytest.param("flashtriton.bench.tune", "flashtriton.bench.tune", [], id="tune"),
+]
+
+
+def _no_gpu_env():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.mark.parametrize("command, home, _argv",
+                         COMMANDS + [pytest.param("flashtriton.bench.demo",
+                                                  "flashtriton.bench.demo", [], id="demo")])
+def test_every_flag_has_help_and_the_usage_names_the_command(command, home, _argv, capsys):
+    p = importlib.import_module(home).parser()
+    assert p.prog == f"python -m {command}"
+    assert [a.option_strings for a in p._actions if not a.help] == []
+    with pytest.raises(SystemExit) as exc:
+        p.parse_args(["--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m {command} [-h]")
+
+
+@pytest.mark.parametrize("command, home, argv", COMMANDS)
+def test_without_a_gpu_a_benchmark_says_so_in_one_line_and_writes_nothing(
+        command, home, argv, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(home).main([*argv, "--out", str(out)])
+    message = exc.value.code
+    assert isinstance(message, str) and "\n" not in message
+    assert message.startswith(f"python -m {command} needs ") and "CUDA GPU" in message
+    assert not out.exists()
+
+
+def test_bench_commands_without_a_gpu_and_the_demo_help(tmp_path):
+    """As run from a shell: `python -m flashtriton.bench.e2e` without a GPU exits 1 with one
+    line on stderr and no output folder; `python -m flashtriton.bench.demo --help` prints its
+    usage and exits 0 (before re-running itself under the interpreter)."""
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "flashtriton.bench.e2e", "--out", str(out)],
+                         cwd=tmp_path, env=_no_gpu_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 1 and run.stdout == "", run
+    assert len(run.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in run.stderr
+    assert not out.exists()
+    run = subprocess.run([sys.executable, "-m", "flashtriton.bench.demo", "--help"],
+                         cwd=tmp_path, env=_no_gpu_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("usage: python -m flashtriton.bench.demo")
+    assert "check vs float64" not in run.stdout
+
+
+@pytest.mark.skipif(ON_GPU, reason="the demo's CPU output")
+def test_demo_on_the_cpu_checks_and_times_nothing(monkeypatch, capsys):
+    """On the CPU the demo reports its checks and the memory arithmetic, and no timings (the
+    interpreter's time is not the kernels')."""
+    from flashtriton.bench import demo
+    monkeypatch.setattr(demo, "_check", lambda *a: {"out": 1e-7, "dq": 2e-7})
+    monkeypatch.setattr(demo, "_measure", lambda *a: pytest.fail("timed on the CPU"))
+    demo.main([])
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 2 and "No timings" in out and " ms" not in out
+    assert "2 x 1024.0 MiB" in out and "1.00 MiB" in out

@@ -33,7 +33,6 @@ installed, tflops.png and memory.png to --out; the GPU name, versions, commit an
 every row.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -42,6 +41,7 @@ import torch
 
 from .. import _env
 from . import DECODE_PROVIDERS, PROVIDERS, SUITES, available, shapes
+from . import common
 from .common import meta as run_meta
 from .decode import copy_bandwidth_gbps, run_decode
 from .report import merge, report
@@ -56,34 +56,49 @@ def _progress(items):
         return items
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser():
+    p = common.parser("flashtriton.bench", __doc__)
     p.add_argument("--providers", nargs="+", default=["flashtriton", "sdpa_cudnn", "flex",
                                                       "sdpa_flash", "sdpa_efficient",
                                                       "flash_attn", "naive"],
-                   choices=list(PROVIDERS))
-    p.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
-    p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64])
-    p.add_argument("--decode-lens", nargs="+", type=int, default=[1024, 8192, 65536, 131072])
+                   choices=list(PROVIDERS),
+                   help="attention implementations to compare (those not installed are left out)")
+    p.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES),
+                   help="which suites to run (see above)")
+    p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64],
+                   help="decode suite: batch sizes")
+    p.add_argument("--decode-lens", nargs="+", type=int, default=[1024, 8192, 65536, 131072],
+                   help="decode suite: cached keys a sequence")
     p.add_argument("--decode-providers", nargs="+", default=list(DECODE_PROVIDERS),
-                   choices=list(DECODE_PROVIDERS))
-    p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
+                   choices=list(DECODE_PROVIDERS), help="decode suite: implementations")
+    p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256],
+                   help="train and coldstart suites: head dims")
     p.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384,
-                                                                  32768])
-    p.add_argument("--gqa-seqlens", nargs="+", type=int, default=[2048, 8192, 32768])
-    p.add_argument("--causal", nargs="+", type=int, default=[0, 1])
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--dmodel", type=int, default=2048)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--out", default="bench_out")
-    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+                                                                  32768],
+                   help="train suite: sequence lengths")
+    p.add_argument("--gqa-seqlens", nargs="+", type=int, default=[2048, 8192, 32768],
+                   help="gqa suite: sequence lengths")
+    p.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1],
+                   help="train suite: 0 for full attention, 1 for causal")
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="train suite: batch x seqlen (the batch is this over the seqlen)")
+    p.add_argument("--dmodel", type=int, default=2048,
+                   help="train suite: heads x head dim (the heads are this over the head dim)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                   help="the inputs' dtype")
+    common.add_out(p, "results.{jsonl,csv,md} and the plots")
+    common.add_commit(p)
     p.add_argument("--merge", nargs="+", metavar="JSONL",
                    help="write the table, CSV and plots of saved runs' results.jsonl (no GPU)")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
-    if not torch.cuda.is_available():
-        sys.exit("the benchmark needs a CUDA GPU (python -m flashtriton.bench.demo runs on the CPU)")
+    common.need_gpus(p.prog)
     dtype = getattr(torch, args.dtype)
     providers = [prov for prov in args.providers if available(prov)]
     os.makedirs(args.out, exist_ok=True)

@@ -7,6 +7,7 @@ import datetime
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -122,10 +123,9 @@ def measure(fn, q, k, v, causal, dout=None):
 
 def cold_ms(fn, reps=100):
     """Median GPU ms of fn, each call after runtime.flush_l2 (an L2 left clean: do_bench's
-    flush leaves it dirty, and the write-back fell on the timed call, 13% of a 268 MB
-    decoding step), the host's time kept out (runtime.gpu_time_ms: the GPU sleeps while the
-    host queues the calls). Memory-bound rows (decode, copy) are timed this way; per_call_us
-    times the host."""
+    flush leaves it dirty, and the write-back falls on the timed call), the host's time kept
+    out (runtime.gpu_time_ms: the GPU sleeps while the host queues the calls). Memory-bound
+    rows (decode, copy) are timed this way; per_call_us times the host."""
     from flashtriton import runtime
     return runtime.gpu_time_ms(fn, (0.5,), reps)[0]
 
@@ -201,11 +201,38 @@ def tiles_since(mark: int) -> dict:
     return out
 
 
-def script_args(doc: str, argv=None) -> argparse.Namespace:
-    """A bench script's arguments (--out DIR, made here), its description ``doc``'s first line."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--out", default="bench_out")
+def parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of ``python -m module``: that usage line, and ``doc`` (the module's
+    docstring) as its description."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_out(p: argparse.ArgumentParser, what: str) -> None:
+    """--out DIR, the folder ``what`` is written to (made only once the run can start)."""
+    p.add_argument("--out", default="bench_out", metavar="DIR",
+                   help=f"folder for {what} (default: bench_out)")
+
+
+def add_commit(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--commit", default=None,
+                   help="commit to record in every row (default: git rev-parse HEAD)")
+
+
+def need_gpus(prog: str, count: int = 1) -> None:
+    """Exits with one line on stderr where this machine has fewer than ``count`` CUDA GPUs
+    (before anything is written); ``prog`` names the command."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < count:
+        want = "a CUDA GPU" if count == 1 else f"{count} or more CUDA GPUs"
+        sys.exit(f"{prog} needs {want}; this machine has {have} "
+                 f"(python -m flashtriton.bench.demo runs on the CPU)")
+
+
+def script_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """A one-GPU bench script's arguments, its --out folder made once a GPU was found."""
     args = p.parse_args(argv)
+    need_gpus(p.prog)
     os.makedirs(args.out, exist_ok=True)
     return args
 

@@ -25,7 +25,6 @@ each provider checked against flashtriton.reference first: TFLOP/s (4 * B * H * 
 Rows go to e2e.jsonl in --out, a table to stdout.
 """
 
-import argparse
 import itertools
 import json
 import os
@@ -34,6 +33,7 @@ import time
 
 import torch
 
+from . import common
 from .common import TOLERANCE, expected, failed, meta as run_meta, rel_err
 
 IMPLS = ("sdpa", "triton_fa")
@@ -316,29 +316,37 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench_out")
+def parser():
+    p = common.parser("flashtriton.bench.e2e", __doc__)
+    common.add_out(p, "e2e.jsonl")
     p.add_argument("--parts", nargs="+", default=["train", "generate", "diffusion"],
-                   choices=["train", "generate", "diffusion"])
-    p.add_argument("--dims", nargs="+", type=int, default=[64, 128])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--train-shapes", nargs="+", default=["2x4096", "1x16384"])
-    p.add_argument("--gen-batches", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--prompts", nargs="+", type=int, default=[512, 8192])
-    p.add_argument("--new-tokens", type=int, default=128)
-    return p.parse_args(argv)
+                   choices=["train", "generate", "diffusion"], help="which parts to run")
+    p.add_argument("--dims", nargs="+", type=int, default=[64, 128],
+                   help="the Llama's head dims, one model each")
+    p.add_argument("--layers", type=int, default=8, help="the Llama's decoder layers")
+    p.add_argument("--hidden", type=int, default=2048, help="the Llama's hidden size")
+    p.add_argument("--vocab", type=int, default=32000, help="the Llama's vocabulary size")
+    p.add_argument("--train-shapes", nargs="+", default=["2x4096", "1x16384"],
+                   metavar="BxN", help="training steps' batch x sequence length")
+    p.add_argument("--gen-batches", nargs="+", type=int, default=[1, 8],
+                   help="generate()'s batch sizes")
+    p.add_argument("--prompts", nargs="+", type=int, default=[512, 8192],
+                   help="generate()'s prompt lengths in tokens")
+    p.add_argument("--new-tokens", type=int, default=128,
+                   help="tokens generate() produces after each prompt")
+    return p
+
+
+def parse(argv=None):
+    return parser().parse_args(argv)
 
 
 def main(argv=None):
-    args = parse(argv)
-    os.makedirs(args.out, exist_ok=True)
+    args = common.script_args(parser(), argv)
     meta, rows = run_meta(), []
     # the diffusion shapes first, before the model parts: after the training and generation
-    # parts (and their profiler runs), SDXL's 77-key cross-attention call read 96 us against 30
-    # us in a fresh process (H100, the same call and timing)
+    # parts (and their profiler runs), short calls such as SDXL's 77-key cross-attention time
+    # slower than in a fresh process
     if "diffusion" in args.parts:
         rows += diffusion_rows(meta)
     if "train" in args.parts:

@@ -19,7 +19,8 @@ import os
 
 import torch
 
-from .common import TOLERANCE, alternated, failed, meta as run_meta, rel_err, script_args
+from .common import TOLERANCE, add_out, alternated, failed, meta as run_meta, rel_err, script_args
+from .common import parser as common_parser
 
 H, HKV, D = 32, 8, 128
 BATCHES = [  # (name, [(queries, keys)] a sequence)
@@ -97,9 +98,15 @@ def check(call, inputs) -> float:
     return err
 
 
+def parser():
+    p = common_parser("flashtriton.bench.paged", __doc__)
+    add_out(p, "paged.jsonl")
+    return p
+
+
 def main(argv=None):
     import triton
-    args = script_args(__doc__, argv)
+    args = script_args(parser(), argv)
     meta, rows = run_meta(), []
     for name, seqs in BATCHES:
         torch.manual_seed(0)

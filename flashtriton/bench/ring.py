@@ -14,7 +14,6 @@ Then the step time and memory per rank for 128K-1M tokens on 8 GPUs, estimated f
 measured per-GPU attention rate and link bandwidth.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -26,7 +25,8 @@ import torch.multiprocessing as mp
 
 from flashtriton import distributed
 
-from .common import TOLERANCE, expected, failed, rel_err
+from .common import TOLERANCE, add_commit, add_out, expected, failed, need_gpus, rel_err
+from .common import parser as common_parser
 from .common import meta as run_meta
 
 H, HKV, D = 32, 8, 128
@@ -227,18 +227,23 @@ def markdown(rows, tflops, link_gbps):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world", type=int, default=torch.cuda.device_count())
-    p.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
-    p.add_argument("--out", default="bench_out")
+def parser():
+    p = common_parser("flashtriton.bench.ring", __doc__)
+    p.add_argument("--world", type=int, default=torch.cuda.device_count(),
+                   help="ranks, one GPU each (default: every GPU of this machine; at least 2)")
+    p.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072],
+                   help="total sequence lengths, sharded over the ranks")
+    add_out(p, "ring.jsonl and ring.md")
     p.add_argument("--check-len", type=int, default=16384,
                    help="tokens of the reference check before each length's timing")
-    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
+    add_commit(p)
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
-    if args.world < 2:
-        raise SystemExit(f"flashtriton.bench.ring needs 2 or more GPUs; this machine has "
-                         f"{torch.cuda.device_count()}")
+    need_gpus(p.prog, max(2, args.world))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "ring.jsonl")
     with tempfile.TemporaryDirectory() as tmp:

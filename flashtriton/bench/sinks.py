@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from .common import TOLERANCE, alternated, failed, meta as run_meta, rel_err, script_args
+from .common import TOLERANCE, add_out, alternated, failed, meta as run_meta, rel_err, script_args
+from .common import parser as common_parser
 
 SHAPES = [  # (name, H, HKV, D, N, window_left)
     ("gpt-oss full", 64, 8, 64, 2048, -1), ("gpt-oss full", 64, 8, 64, 8192, -1),
@@ -99,8 +100,14 @@ def _decode_rows(meta):
     return rows
 
 
+def parser():
+    p = common_parser("flashtriton.bench.sinks", __doc__)
+    add_out(p, "sinks.jsonl")
+    return p
+
+
 def main(argv=None):
-    args = script_args(__doc__, argv)
+    args = script_args(parser(), argv)
     meta, rows = run_meta(), []
     print(f"{'shape':20s} {'N':>6s} {'fwd ms':>8s} {'+sinks':>8s} {'ratio':>6s} "
           f"{'fwd+bwd ms':>10s} {'+sinks':>8s} {'ratio':>6s}")

@@ -18,12 +18,13 @@ each shape (a run cut short keeps what it tuned); --merge keeps the entries of a
 --out that this run does not tune again.
 """
 
-import argparse
+import sys
 import time
 
 import torch
 
 from .. import _env, tuning
+from . import common
 from ..api import flash_attention, flash_attention_varlen
 from ..decode import attention_with_kvcache
 
@@ -117,25 +118,35 @@ def shapes(args):
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser():
+    p = common.parser("flashtriton.bench.tune", __doc__)
     p.add_argument("--out", required=True, help="the tuning table to write (JSON)")
     p.add_argument("--merge", action="store_true",
                    help="keep the entries of an existing --out that this run does not tune")
     p.add_argument("--suites", nargs="+", default=["train", "generate", "decode"],
-                   choices=SUITES)
-    p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256])
+                   choices=SUITES, help="which shapes to tune (see above)")
+    p.add_argument("--dims", nargs="+", type=int, default=[64, 128, 256], help="head dims")
     p.add_argument("--seqlens", nargs="+", type=int,
-                   default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--dmodel", type=int, default=2048)
-    p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64])
-    p.add_argument("--decode-lens", nargs="+", type=int, default=[1024, 8192, 65536])
+                   default=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+                   help="sequence lengths (generate: keys; cross: queries)")
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="train and varlen: batch x seqlen")
+    p.add_argument("--dmodel", type=int, default=2048, help="heads x head dim")
+    p.add_argument("--decode-batches", nargs="+", type=int, default=[1, 8, 64],
+                   help="decode: batch sizes")
+    p.add_argument("--decode-lens", nargs="+", type=int, default=[1024, 8192, 65536],
+                   help="decode: cached keys a sequence")
     p.add_argument("--decode-max-tokens", type=int, default=1 << 20,
                    help="skip decoding shapes with more batch x keys")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or _env.INTERPRET:
-        raise SystemExit("tuning needs a GPU (and TRITON_INTERPRET unset)")
+    common.need_gpus(p.prog)
+    if _env.INTERPRET:
+        sys.exit("python -m flashtriton.bench.tune times the kernels: unset TRITON_INTERPRET")
     _env.AUTOTUNE = True  # the search, whatever the environment says
     start = time.perf_counter()
     for label, call in shapes(args):

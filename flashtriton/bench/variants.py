@@ -18,11 +18,9 @@ or A and B; several joined by + change together), both in the same turns as Flex
 an A/B that drift between rounds reaches alike.
 """
 
-import argparse
 import json
 import os
 import statistics
-import sys
 
 import torch
 import triton
@@ -30,6 +28,7 @@ import triton.language as tl  # noqa: F401  (the interpreter needs it beside @tr
 
 from flashtriton import configs
 
+from . import common
 from .common import check, expected, failed, measure, meta as run_meta, tiles_mark, tiles_since
 
 WINDOW = 1024
@@ -205,8 +204,8 @@ def _with_options(items, fn, *args):
 
 def rotated(providers: list, r: int) -> list:
     """Round r's order: the providers rotated by r, so that over len(providers) rounds each
-    runs in every place once. (On the H200 a provider measured just after FlexAttention ran
-    ~3-4% slower than in the next place: the order is part of the measurement.)"""
+    runs in every place once (a provider measured just after FlexAttention runs slower than in
+    the next place: the order is part of the measurement)."""
     r %= len(providers)
     return providers[r:] + providers[:r]
 
@@ -237,16 +236,18 @@ def variant_line(name: str, ours: list, flex: dict) -> str:
                              + [up(o) for o in ours]) + " |"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--dim", type=int, default=128)
+def parser():
+    p = common.parser("flashtriton.bench.variants", __doc__)
+    p.add_argument("--seqlen", type=int, default=8192, help="sequence length")
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="batch x seqlen (the batch is this over --seqlen, at least 1)")
+    p.add_argument("--heads", type=int, default=16, help="attention heads")
+    p.add_argument("--dim", type=int, default=128, help="head dim")
     p.add_argument("--variants", nargs="+",
-                   default=["window", "document", "prefix_lm", "alibi", "softcap"])
-    p.add_argument("--out", default="bench_out")
-    p.add_argument("--commit", default=None)
+                   default=["window", "document", "prefix_lm", "alibi", "softcap"],
+                   help="which variants to measure (see above)")
+    common.add_out(p, "variants.jsonl and variants.md")
+    common.add_commit(p)
     p.add_argument("--rounds", type=int, default=3,
                    help="measure flashtriton and FlexAttention in turn this many times; the "
                         "median of the rounds is reported")
@@ -266,6 +267,11 @@ def main(argv=None):
     p.add_argument("--ab", metavar="NAME[=A,B]",
                    help="flashtriton with Gluon kernel options off and on (or at A and B; "
                         "several joined by + change together), measured in the same turns")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
@@ -277,8 +283,7 @@ def main(argv=None):
     configs.GLUON_VARIANTS = not args.triton_variants
     configs.GLUON_ALIBI_ONE_SIDED = not args.general_alibi
     configs.GLUON_BWD_VARIANTS = not args.triton_bwd_variants
-    if not torch.cuda.is_available():
-        sys.exit("the benchmark needs a CUDA GPU")
+    common.need_gpus(p.prog)
     os.makedirs(args.out, exist_ok=True)
     N, H, D = args.seqlen, args.heads, args.dim
     B = max(1, args.tokens // N)
