@@ -307,6 +307,7 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     # over large caches, over more splits) the merge kernel does. Both match the reference,
     # and the counts end at zero.
     from flashtriton.launch import decode as decode_launch
+    from flashtriton.launch import decode_replay
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 30)  # the GPU's caches are larger
     merges = []  # the MERGE of each split kernel launch
@@ -333,7 +334,7 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     else:
         assert merges[0] is False and True not in merges
     if in_kernel:
-        counts = decode_launch._workspace(q, 0)[0][:decode_launch._COUNTS].view(torch.int32)
+        counts = decode_replay._workspace(q, 0)[0][:decode_replay._COUNTS].view(torch.int32)
         assert int(counts.abs().sum()) == 0
         merges.clear()
         attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=5)
@@ -376,16 +377,16 @@ def test_without_lse_the_output_is_the_same(monkeypatch, splits, in_kernel):
 def test_workspaces_of_many_streams_are_bounded(monkeypatch):
     # A workspace per (device, stream) for the in-kernel merge: a program that makes streams
     # without end must not keep one for each; a workspace grows (zeroed) for larger steps.
-    from flashtriton.launch import decode as decode_launch
-    full = {(7, stream): None for stream in range(decode_launch._WORKSPACES_MAX)}
-    monkeypatch.setattr(decode_launch, "_WORKSPACES", full)
+    from flashtriton.launch import decode_replay
+    full = {(7, stream): None for stream in range(decode_replay._WORKSPACES_MAX)}
+    monkeypatch.setattr(decode_replay, "_WORKSPACES", full)
     x = torch.zeros(1, device=DEVICE)
-    buf, n, ptr = decode_launch._workspace(x, 100)
-    assert (len(decode_launch._WORKSPACES) == 1 and n == decode_launch._COUNTS + 100
+    buf, n, ptr = decode_replay._workspace(x, 100)
+    assert (len(decode_replay._WORKSPACES) == 1 and n == decode_replay._COUNTS + 100
             and ptr == buf.data_ptr())
-    assert decode_launch._workspace(x, 50)[0] is buf  # room enough: the same one
-    bigger = decode_launch._workspace(x, 200)[0]
-    assert bigger.numel() == decode_launch._COUNTS + 200 and int(bigger.abs().sum()) == 0
+    assert decode_replay._workspace(x, 50)[0] is buf  # room enough: the same one
+    bigger = decode_replay._workspace(x, 200)[0]
+    assert bigger.numel() == decode_replay._COUNTS + 200 and int(bigger.abs().sum()) == 0
 
 
 def test_merge_partials_over_many_splits():
@@ -599,9 +600,10 @@ def test_dense_split_merges_in_the_merge_kernel(monkeypatch):
     during torch.compile's CUDA-graph warmup, would stay in the graph's pool); the KV-cache
     call over the same keys does."""
     from flashtriton.launch import decode as decode_launch
+    from flashtriton.launch import decode_replay
     monkeypatch.setattr(configs, "DENSE_SPLIT_MIN_KEYS", 32)
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", True)
-    monkeypatch.setattr(decode_launch, "_WORKSPACES", {})
+    monkeypatch.setattr(decode_replay, "_WORKSPACES", {})
     used = []
     real = decode_launch._workspace
     monkeypatch.setattr(decode_launch, "_workspace", lambda *a: used.append(1) or real(*a))
