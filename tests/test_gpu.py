@@ -207,7 +207,8 @@ def test_decode_merge_in_the_kernel_is_the_same_every_step(monkeypatch):
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
-    assert decode_launch._splits(0, B, HKV, N, configs.decode_split_granule(), q.device) == 16
+    assert configs.decode_splits(0, B, HKV, N, configs.decode_split_granule(),
+                                 decode_launch._num_sms(q.device)) == 16
     monkeypatch.setattr(runtime, "_CALLS", {})
     first = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
     (record,), = runtime._CALLS.values()

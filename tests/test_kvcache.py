@@ -321,7 +321,8 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     q = torch.randn(B, SQ, H, D, generator=gen).to(DEVICE, DT)
     lens = torch.tensor([CAP - 3, CAP // 2], dtype=torch.int32, device=DEVICE)
     ref_out, ref_lse, pt_out, pt_lse = _reference(q, k_cache, v_cache, lens, True)
-    assert decode_launch._splits(4, B, HKV, CAP, configs.decode_split_granule(), q.device) == 4
+    assert configs.decode_splits(4, B, HKV, CAP, configs.decode_split_granule(),
+                                 decode_launch._num_sms(q.device)) == 4
     for _ in range(2):  # the first call launches, the second replays (on the GPU)
         out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
                                           num_splits=4)
@@ -418,22 +419,20 @@ def test_merge_partials_over_many_splits():
                                              (16, 8, 65536, 2), (16, 8, 1024, 2),
                                              (64, 8, 65536, 1), (1, 8, 1024, 8),
                                              (64, 8, 1024, 1)])
-def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want):
+def test_split_heuristic_fills_the_gpu_in_one_wave(B, HKV, N, want):
     # 132 SMs (H200): one program per SM where that makes >= 8 splits of >= 256 keys, else
     # at most two per SM, without a nearly empty extra wave, at most one 128-key tile each (a
     # 1K cache at B=1: 8 splits).
-    from flashtriton.launch import decode as decode_launch
-    monkeypatch.setattr(decode_launch, "_num_sms", lambda device: 132)
-    splits = decode_launch._splits(0, B, HKV, N, 128, torch.device("cuda", 0))
+    splits = configs.decode_splits(0, B, HKV, N, 128, 132)
     assert splits == want
     programs = splits * B * HKV
     if splits >= 8 and N >= 256 * splits and programs <= 132:
         assert 132 - B * HKV < programs  # one wave
     else:
         assert splits in (1, N // 128) or 132 < programs <= 2 * 132
-    assert decode_launch._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit
+    assert configs.decode_splits(5, B, HKV, 65536, 128, 132) == 5  # explicit
     for two_per_sm in (dict(paged=True), dict(fp8=True)):  # paged or fp8 caches: two per SM
-        n = decode_launch._splits(0, B, HKV, N, 128, torch.device("cuda", 0), **two_per_sm)
+        n = configs.decode_splits(0, B, HKV, N, 128, 132, **two_per_sm)
         assert n in (1, N // 128) or 132 < n * B * HKV <= 2 * 132
 
 

@@ -1,4 +1,4 @@
-"""The KV-cache launcher: appends, the split count, the split-KV and
+"""The KV-cache launcher: appends, the split count (configs.decode_splits), the split-KV and
 merge launches, the prefill route (``flashtriton.decode`` checks the arguments and calls
 ``attend``; no validation here). Kernels in ``kernels/decode.py``; the split kernel's
 autotuner is ``triton_attn._decode``. Each launch path makes the record of its launches
@@ -33,38 +33,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cpu":
         return 4
     return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
-
-
-def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device,
-            paged: bool = False, fp8: bool = False) -> int:
-    """KV splits per sequence: ``num_splits`` where given; else one program per SM (one wave)
-    where that makes >= 8 splits of >= 256 keys each of a contiguous cache, else at most two
-    programs per SM (the decode tiles fit two per SM); at most 128 splits, and at least one
-    tile of ``block_n`` keys per split. Batch x KV heads >= SMs: one split, and no merge runs.
-
-    Why, measured on the H200 with 8 KV heads from CUDA graph replays (docs/perf.md; the runs
-    in docs/journal/perf-journal.md, its decode split entries):
-    one wave beat two programs per SM by 1-3% from 32K keys (B=1 64K: 16 splits 3441-3507 GB/s
-    in four runs, 33 splits 3384-3395); with one tile (64 keys, 4 warps) also below 32K, from
-    256 keys a split (one wave / two per SM: B=1 4K 16 splits 1118 GB/s / 33 splits 1051, 8K
-    1649 / 1603, 16K 2189 / 2178; B=2 2K 8 splits 1116 / 1090, 4K 1657 / 1636, 8K 2185 / 2196),
-    not at 128 keys a split (B=1 2K: 672 / 701); one wave's 16 splits also merge in the split
-    kernel (an eager step: one launch). With fewer, longer splits the tuner's tile was not
-    stable (B=8 64K, 2 splits: 4422-4457 GB/s, then 3301 in a run where it picked another
-    tile), hence at least 8 splits for one wave. Paged caches ran 12-19% behind contiguous
-    ones with one wave: they keep two programs per SM, as fp8 caches do (B=1 128K: 32 splits
-    94 us, one wave of 16 115 us; 64K: 54 / 63 us). Rounding up past two programs per SM
-    left a nearly empty second wave (B=4 64K: 9 splits 3353 GB/s, 8 splits 4219). Short caches
-    split too: one program per (sequence, KV head) over 1K keys ran B=1 at 207 GB/s, split
-    383."""
-    max_splits = max(1, configs.cdiv(capacity, block_n))
-    if num_splits > 0:
-        return min(num_splits, max_splits)
-    sms = _num_sms(device)
-    one_wave = sms // (B * HKV)
-    if not (paged or fp8) and one_wave >= 8 and capacity >= 256 * one_wave:
-        return min(max_splits, one_wave, 128)
-    return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
 
 
 def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
@@ -326,8 +294,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
         if known is not None and known.replay(tensors, out, lse):
             return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
-    splits = _splits(num_splits, B * row_blocks, HKV, capacity, granule, q.device, paged,
-                     descales[0] is not None)
+    splits = configs.decode_splits(num_splits, B * row_blocks, HKV, capacity, granule,
+                                   _num_sms(q.device), paged, descales[0] is not None)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
     block_r = configs.next_pow2((H // HKV) * SQ)
     bd = configs.block_d(D)
