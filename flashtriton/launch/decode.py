@@ -19,9 +19,8 @@ from .decode_replay import (_COUNTS, MergedInKernel, MergeKernel, OneSplit, Pref
 
 
 # Eager steps that read at most configs.DECODE_MERGE_MAX_BYTES of cache, with splits that the
-# merge loads at once, merge them in the split kernel (MERGE: one launch, ~7 us less host time
-# a step on the H200's host); other steps and CUDA graph captures take the merge kernel (1-8 us
-# less GPU time a step).
+# merge loads at once, merge them in the split kernel (MERGE: one launch, less host time a
+# step); other steps and CUDA graph captures take the merge kernel (less GPU time a step).
 # Timing only (tools/timeline.py decode): None, or the split and the merge kernel's int64
 # tables of (programs, 5) rows (kernels.common.mark); steps with a timeline are not remembered.
 TIMELINE = None
@@ -85,7 +84,7 @@ def attend(*args, **kwargs) -> AttentionOutput:
     computes a wrong step over 8K keys (tests/test_gpu.py::
     test_compiled_decoding_steps_on_the_split_route), so they run eagerly at a graph break.
     The torch.compiler.disable wrapper is made on the first compiled call: making it imports
-    torch._dynamo (5-6 s on an H100 machine), which eager calls never need."""
+    torch._dynamo (seconds), which eager calls never need."""
     if torch.compiler.is_compiling():
         return _attend_outside_graphs()(*args, **kwargs)
     return _attend(*args, **kwargs)
@@ -307,9 +306,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
                  HAS_BATCH_IDX=cache_batch_idx is not None,
                  HAS_LEFTPAD=cache_leftpad is not None, PDL=runtime.use_pdl(q.device),
                  FP8=descales[0] is not None, BLOCK_M=block_m)
-    # One tile for both merges, per split length and grid: a tile tuned for B=1 128K's one
-    # wave of 16 splits of 8K keys read B=64 8K's four waves (one split of 8K keys) at 0.995x
-    # SDPA; tuned there, 1.009x.
+    # One tile for both merges, per split length and grid (waves): the best tile for one wave
+    # of splits is not the best for several waves of the same split length.
     waves = min(4, configs.next_pow2(configs.cdiv(splits * B * HKV * row_blocks,
                                                   _num_sms(q.device))))
     key = (q.dtype, configs.bucket(split_size), waves, *flags.values())
