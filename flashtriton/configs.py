@@ -178,6 +178,30 @@ def decode_split_granule(interpret: bool = None) -> int:
     return max(c[1] for c in candidates("decode", interpret))
 
 
+def decode_splits(num_splits: int, batch: int, kv_heads: int, capacity: int, block_n: int,
+                  sms: int, paged: bool = False, fp8: bool = False) -> int:
+    """KV splits per sequence of a decoding call over ``capacity`` keys, ``batch`` x
+    ``kv_heads`` programs a split, on a GPU of ``sms`` SMs: ``num_splits`` where given; else
+    one program per SM (one wave) where that makes >= 8 splits of >= 256 keys each of a
+    contiguous cache, else at most two programs per SM (the decode tiles fit two per SM); at
+    most 128 splits, and at least one tile of ``block_n`` keys per split. Batch x KV heads >=
+    SMs: one split, and no merge runs. Why (measured: docs/journal/perf-journal.md's decode
+    split entries):
+    - one wave beats two programs per SM over long caches, and over short ones from 256 keys
+      a split (not at 128);
+    - one wave only from 8 splits: with fewer, longer splits the tuner's tile was not stable;
+    - paged and fp8 caches ran behind contiguous ones with one wave: they keep two per SM;
+    - rounding up past two programs per SM leaves a nearly empty second wave;
+    - short caches split too: one program per (sequence, KV head) leaves most SMs idle."""
+    max_splits = max(1, cdiv(capacity, block_n))
+    if num_splits > 0:
+        return min(num_splits, max_splits)
+    one_wave = sms // (batch * kv_heads)
+    if not (paged or fp8) and one_wave >= 8 and capacity >= 256 * one_wave:
+        return min(max_splits, one_wave, 128)
+    return max(1, min(max_splits, (2 * sms) // (batch * kv_heads), 128))
+
+
 def prune(kind: str, configs: List[Tuple[int, int, int, int]], head_dim_padded: int,
           elem_bytes: int, max_block: int = 1 << 30,
           fp8: bool = False) -> List[Tuple[int, int, int, int]]:

@@ -1,8 +1,8 @@
 """Attention over a KV cache: in-place appends, contiguous or paged caches, split-KV decoding.
 
 Inference only (no autograd). The public API: argument checks and rotary embeddings here;
-appends, launches and replays in ``launch/decode.py`` (the launcher), kernels in
-``kernels/decode.py``.
+appends and launches in ``launch/decode.py`` (the launcher), the replays of remembered calls
+in ``launch/decode_replay.py``, kernels in ``kernels/decode.py``.
 """
 
 from typing import NamedTuple, Optional, Tuple, Union
@@ -12,7 +12,8 @@ import torch
 from . import configs, runtime, validation
 from .launch import AttentionOutput
 from .launch import decode as decode_launch
-from .launch.decode import merge_partials, step_signature
+from .launch.decode import merge_partials
+from .launch.decode_replay import replay_step, step_signature
 from .validation import (check_alibi, check_block_table, check_cache_indices, check_flag,
                          check_index_tensor, check_num_splits, check_qkv, check_scale,
                          check_sinks, check_softcap, check_unit_stride, check_window, describe)
@@ -151,7 +152,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                        sinks, batch_invariant, k_descale, v_descale)
         except AttributeError:  # not a tensor where one belongs: the checks below say so
             step = False
-        replayed = decode_launch.replay_step(signature, tensors, return_lse)
+        replayed = replay_step(signature, tensors, return_lse)
         if replayed is not None:
             return replayed
     causal, return_lse, rotary_interleaved, batch_invariant = (

@@ -201,16 +201,18 @@ def test_decode_merge_in_the_kernel_is_the_same_every_step(monkeypatch):
     zero."""
     from flashtriton.decode import attention_with_kvcache
     from flashtriton.launch import decode as decode_launch
+    from flashtriton.launch import decode_replay
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 40)  # a 268 MB cache merged in the kernel
     B, N, H, HKV, D = 1, 65536, 32, 8, 128
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
-    assert decode_launch._splits(0, B, HKV, N, configs.decode_split_granule(), q.device) == 16
+    assert configs.decode_splits(0, B, HKV, N, configs.decode_split_granule(),
+                                 decode_launch._num_sms(q.device)) == 16
     monkeypatch.setattr(runtime, "_CALLS", {})
     first = attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
     (record,), = runtime._CALLS.values()
-    assert type(record) is decode_launch.MergedInKernel  # merged in the split kernel
+    assert type(record) is decode_replay.MergedInKernel  # merged in the split kernel
     steps = [attention_with_kvcache(q, kc, vc, cache_seqlens=lens) for _ in range(300)]
     for step in steps:
         torch.testing.assert_close(step.out, first.out, atol=0, rtol=0)
@@ -218,7 +220,7 @@ def test_decode_merge_in_the_kernel_is_the_same_every_step(monkeypatch):
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
                                          enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(first.out, ref, atol=2e-2, rtol=0)
-    counts = decode_launch._workspace(q, 0)[0][:decode_launch._COUNTS].view(torch.int32)
+    counts = decode_replay._workspace(q, 0)[0][:decode_replay._COUNTS].view(torch.int32)
     assert int(counts.abs().sum()) == 0
 
 
@@ -230,7 +232,7 @@ def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl, in_kernel):
     before the step must be read whole, and the result must equal a synchronised call's."""
     from flashtriton import _env
     from flashtriton.decode import attention_with_kvcache
-    from flashtriton.launch import decode as decode_launch
+    from flashtriton.launch import decode_replay
     monkeypatch.setattr(_env, "PDL", pdl)
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 40)
@@ -254,8 +256,8 @@ def test_decode_waits_for_the_kernel_before_it(monkeypatch, pdl, in_kernel):
         torch.testing.assert_close(got.out, want.out, atol=0, rtol=0)
         torch.testing.assert_close(got.lse, want.lse, atol=0, rtol=0)
     (record,), = runtime._CALLS.values()  # this step's launches
-    assert type(record) is (decode_launch.MergedInKernel if in_kernel
-                            else decode_launch.MergeKernel)
+    assert type(record) is (decode_replay.MergedInKernel if in_kernel
+                            else decode_replay.MergeKernel)
     assert runtime.use_pdl(q.device) == pdl  # Hopper
     assert record.run_decode.compiled.metadata.launch_pdl == pdl
     assert in_kernel or record.run_merge.compiled.metadata.launch_pdl == pdl
@@ -400,7 +402,7 @@ def test_dense_split_replays_into_the_forwards_outputs(monkeypatch, B, HKV, kind
     signature: each call within the accuracy rule of the float64 reference, the replayed
     one equal bit for bit to the same call with fast launches off."""
     from accuracy import assert_rule
-    from flashtriton.launch import decode as decode_launch
+    from flashtriton.launch import decode_replay
     from flashtriton.reference import attention_reference
     monkeypatch.setattr(runtime, "_CALLS", {})
     H, N, D = 2 * HKV, 8192, 128
@@ -419,7 +421,7 @@ def test_dense_split_replays_into_the_forwards_outputs(monkeypatch, B, HKV, kind
 
     first = qkv()
     check("first call", *first, flash_attention_with_lse(*first))
-    (record,) = [e[0] for e in runtime._CALLS.values() if type(e[0]) is decode_launch.DenseSplit]
+    (record,) = [e[0] for e in runtime._CALLS.values() if type(e[0]) is decode_replay.DenseSplit]
     assert type(record.record).__name__ == kind
     replays = runtime.FAST_LAUNCHES
     second = qkv()

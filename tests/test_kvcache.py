@@ -307,6 +307,7 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     # over large caches, over more splits) the merge kernel does. Both match the reference,
     # and the counts end at zero.
     from flashtriton.launch import decode as decode_launch
+    from flashtriton.launch import decode_replay
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
     monkeypatch.setattr(configs, "DECODE_MERGE_MAX_BYTES", 1 << 30)  # the GPU's caches are larger
     merges = []  # the MERGE of each split kernel launch
@@ -320,7 +321,8 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     q = torch.randn(B, SQ, H, D, generator=gen).to(DEVICE, DT)
     lens = torch.tensor([CAP - 3, CAP // 2], dtype=torch.int32, device=DEVICE)
     ref_out, ref_lse, pt_out, pt_lse = _reference(q, k_cache, v_cache, lens, True)
-    assert decode_launch._splits(4, B, HKV, CAP, configs.decode_split_granule(), q.device) == 4
+    assert configs.decode_splits(4, B, HKV, CAP, configs.decode_split_granule(),
+                                 decode_launch._num_sms(q.device)) == 4
     for _ in range(2):  # the first call launches, the second replays (on the GPU)
         out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
                                           num_splits=4)
@@ -333,7 +335,7 @@ def test_splits_merged_in_the_kernel_or_by_the_merge_kernel(monkeypatch, in_kern
     else:
         assert merges[0] is False and True not in merges
     if in_kernel:
-        counts = decode_launch._workspace(q, 0)[0][:decode_launch._COUNTS].view(torch.int32)
+        counts = decode_replay._workspace(q, 0)[0][:decode_replay._COUNTS].view(torch.int32)
         assert int(counts.abs().sum()) == 0
         merges.clear()
         attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=5)
@@ -376,16 +378,16 @@ def test_without_lse_the_output_is_the_same(monkeypatch, splits, in_kernel):
 def test_workspaces_of_many_streams_are_bounded(monkeypatch):
     # A workspace per (device, stream) for the in-kernel merge: a program that makes streams
     # without end must not keep one for each; a workspace grows (zeroed) for larger steps.
-    from flashtriton.launch import decode as decode_launch
-    full = {(7, stream): None for stream in range(decode_launch._WORKSPACES_MAX)}
-    monkeypatch.setattr(decode_launch, "_WORKSPACES", full)
+    from flashtriton.launch import decode_replay
+    full = {(7, stream): None for stream in range(decode_replay._WORKSPACES_MAX)}
+    monkeypatch.setattr(decode_replay, "_WORKSPACES", full)
     x = torch.zeros(1, device=DEVICE)
-    buf, n, ptr = decode_launch._workspace(x, 100)
-    assert (len(decode_launch._WORKSPACES) == 1 and n == decode_launch._COUNTS + 100
+    buf, n, ptr = decode_replay._workspace(x, 100)
+    assert (len(decode_replay._WORKSPACES) == 1 and n == decode_replay._COUNTS + 100
             and ptr == buf.data_ptr())
-    assert decode_launch._workspace(x, 50)[0] is buf  # room enough: the same one
-    bigger = decode_launch._workspace(x, 200)[0]
-    assert bigger.numel() == decode_launch._COUNTS + 200 and int(bigger.abs().sum()) == 0
+    assert decode_replay._workspace(x, 50)[0] is buf  # room enough: the same one
+    bigger = decode_replay._workspace(x, 200)[0]
+    assert bigger.numel() == decode_replay._COUNTS + 200 and int(bigger.abs().sum()) == 0
 
 
 def test_merge_partials_over_many_splits():
@@ -417,22 +419,20 @@ def test_merge_partials_over_many_splits():
                                              (16, 8, 65536, 2), (16, 8, 1024, 2),
                                              (64, 8, 65536, 1), (1, 8, 1024, 8),
                                              (64, 8, 1024, 1)])
-def test_split_heuristic_fills_the_gpu_in_one_wave(monkeypatch, B, HKV, N, want):
+def test_split_heuristic_fills_the_gpu_in_one_wave(B, HKV, N, want):
     # 132 SMs (H200): one program per SM where that makes >= 8 splits of >= 256 keys, else
     # at most two per SM, without a nearly empty extra wave, at most one 128-key tile each (a
     # 1K cache at B=1: 8 splits).
-    from flashtriton.launch import decode as decode_launch
-    monkeypatch.setattr(decode_launch, "_num_sms", lambda device: 132)
-    splits = decode_launch._splits(0, B, HKV, N, 128, torch.device("cuda", 0))
+    splits = configs.decode_splits(0, B, HKV, N, 128, 132)
     assert splits == want
     programs = splits * B * HKV
     if splits >= 8 and N >= 256 * splits and programs <= 132:
         assert 132 - B * HKV < programs  # one wave
     else:
         assert splits in (1, N // 128) or 132 < programs <= 2 * 132
-    assert decode_launch._splits(5, B, HKV, 65536, 128, torch.device("cuda", 0)) == 5  # explicit
+    assert configs.decode_splits(5, B, HKV, 65536, 128, 132) == 5  # explicit
     for two_per_sm in (dict(paged=True), dict(fp8=True)):  # paged or fp8 caches: two per SM
-        n = decode_launch._splits(0, B, HKV, N, 128, torch.device("cuda", 0), **two_per_sm)
+        n = configs.decode_splits(0, B, HKV, N, 128, 132, **two_per_sm)
         assert n in (1, N // 128) or 132 < n * B * HKV <= 2 * 132
 
 
@@ -599,9 +599,10 @@ def test_dense_split_merges_in_the_merge_kernel(monkeypatch):
     during torch.compile's CUDA-graph warmup, would stay in the graph's pool); the KV-cache
     call over the same keys does."""
     from flashtriton.launch import decode as decode_launch
+    from flashtriton.launch import decode_replay
     monkeypatch.setattr(configs, "DENSE_SPLIT_MIN_KEYS", 32)
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", True)
-    monkeypatch.setattr(decode_launch, "_WORKSPACES", {})
+    monkeypatch.setattr(decode_replay, "_WORKSPACES", {})
     used = []
     real = decode_launch._workspace
     monkeypatch.setattr(decode_launch, "_workspace", lambda *a: used.append(1) or real(*a))

@@ -344,9 +344,10 @@ def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_ker
     # first call also compiles the merge kernel's way, which a capture would take).
     from flashtriton import decode
     from flashtriton.launch import decode as decode_launch
+    from flashtriton.launch import decode_replay
     monkeypatch.setattr(decode, "check_qkv", lambda *args, **kw: None)  # CPU, no interpreter
     monkeypatch.setattr(configs, "DECODE_MERGE_IN_KERNEL", in_kernel)
-    monkeypatch.setattr(decode_launch, "_WORKSPACES", {})
+    monkeypatch.setattr(decode_replay, "_WORKSPACES", {})
     split = FakeAutotuner(launch.triton_attn._decode)
     split.best_config = triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)
     merge = FakeJIT()
@@ -367,16 +368,16 @@ def test_repeated_decode_replays_its_kernels(fake_attention, monkeypatch, in_ker
         step()
     assert len(split.fn.slow) == len(merge.slow) == 1 and len(runtime._CALLS) == 1
     (record,), = runtime._CALLS.values()  # the step's one record, by how it merges
-    assert type(record) is (decode_launch.MergedInKernel if in_kernel
-                            else decode_launch.MergeKernel)
+    assert type(record) is (decode_replay.MergedInKernel if in_kernel
+                            else decode_replay.MergeKernel)
     q, cache, lens, out, lse = step()
     (grid, _, args) = split.fn.compiled[0].runs[-1]
     assert len(split.fn.compiled[0].runs) == 1 + in_kernel  # call 2 replayed too
     assert grid == (3, 4, 1)                   # splits x (B * HKV)
     if in_kernel:
-        (ws, _, counts), = decode_launch._WORKSPACES.values()
+        (ws, _, counts), = decode_replay._WORKSPACES.values()
         assert counts == ws.data_ptr() and args[15] == counts  # the counts, then the partials
-        assert (args[11] == counts + 4 * decode_launch._COUNTS
+        assert (args[11] == counts + 4 * decode_replay._COUNTS
                 and args[12] - args[11] == 4 * 3 * 2 * 4 * 32)
         assert args[13:15] == (out.data_ptr(), lse.data_ptr())
         return

@@ -19,7 +19,7 @@ from flashtriton.bench import decode_bytes
 from flashtriton.bench.common import cold_ms, cuda_graph
 from flashtriton.bench.decode import decode_inputs
 from flashtriton.decode import attention_with_kvcache
-from flashtriton.launch import decode as decode_launch
+from flashtriton.launch import decode_replay
 
 
 def graph_gbps(fn, nbytes):
@@ -49,7 +49,7 @@ def main():
                 # the remembered step, under the signature attention_with_kvcache gave it
                 signature = decode.step_signature(q, *cache, lens, block_table=table,
                                                   num_splits=s)
-                run_split = decode_launch.remembered(signature).run_decode
+                run_split = decode_replay.remembered(signature).run_decode
                 splits = run_split.grid[0]
                 meta = run_split.compiled.metadata
                 cells.append(f"{s}->{splits}: {graph_gbps(step, nbytes):.0f} "

@@ -35,6 +35,7 @@ from triton.runtime import driver
 
 from flashtriton import decode, launch
 from flashtriton.launch import decode as decode_launch
+from flashtriton.launch import decode_replay
 from flashtriton.bench import decode_bytes
 from flashtriton.bench.common import cold_ms, cuda_graph
 from flashtriton.bench.decode import decode_inputs
@@ -193,7 +194,7 @@ def decode_probe(B, N, rounds, paged=False):
     for _ in range(3):
         step()
     graph_us = cold_ms(cuda_graph(step).replay) * 1e3
-    known = decode_launch.remembered(decode.step_signature(q, kc, vc, lens, table,
+    known = decode_replay.remembered(decode.step_signature(q, kc, vc, lens, table,
                                                            return_lse=False))
     programs = known.run_decode.grid[0] * known.run_decode.grid[1]
     merges = known.run_merge.grid[0] if known.mode == "merge" else 0

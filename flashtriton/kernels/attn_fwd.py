@@ -236,7 +236,7 @@ def _attn_fwd_kernel(
             if SQ == 1:
                 return
 
-    # two halves while q and the accumulator fit: D=256 split ran 0.70x of unsplit (docs/perf.md)
+    # two halves while q and the accumulator fit (at D=256 the split ran slower: docs/perf.md)
     SPLIT: tl.constexpr = BLOCK_D + BLOCK_DV <= 256
     HALF: tl.constexpr = BLOCK_M // (1 + SPLIT)
     rows_a = start_m + tl.arange(0, HALF)                            # [HALF] each

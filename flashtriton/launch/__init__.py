@@ -182,13 +182,12 @@ TRAINING = threading.local()
 
 def backward_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant) -> None:
     """On a forward that is not a replay (the first of its call signature) whose backward will
-    follow (autograd: TRAINING) and run the Gluon backward, compile that backward's kernels in a thread (gluon_backward_ahead:
-    meta tensors, no device work) while the forward's compile: Triton's compiler releases
-    the GIL, and on an H100 the Gluon forward and backward at D=128 compiled in 4.3-4.5 s
-    together against 6.8-7.7 s one after the other. attention_backward joins the thread
-    first. Off with FLASHTRITON_COMPILE_AHEAD=0, under the interpreter, during a CUDA graph
-    capture, for packed sequences and for calls of no signature (an SDPA mask, dropout, a
-    score_mod; FLASHTRITON_FAST_LAUNCH=0: none)."""
+    follow (autograd: TRAINING) and run the Gluon backward, compile that backward's kernels in
+    a thread (gluon_backward_ahead: meta tensors, no device work) while the forward's compile:
+    Triton's compiler releases the GIL, so the two compiles overlap instead of following one
+    another. attention_backward joins the thread first. Off with FLASHTRITON_COMPILE_AHEAD=0,
+    under the interpreter, during a CUDA graph capture, for packed sequences and for calls of
+    no signature (an SDPA mask, dropout, a score_mod; FLASHTRITON_FAST_LAUNCH=0: none)."""
     if (not _env.COMPILE_AHEAD or _env.INTERPRET or not q.is_cuda
             or torch.cuda.is_current_stream_capturing()):
         return

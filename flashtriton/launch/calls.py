@@ -189,7 +189,7 @@ def _common_cached(head_dim, head_dim_v, dtype, is_varlen, sq_bucket, sk_bucket,
         HAS_SOFTCAP=has_softcap,
         # 2: one-sided ALiBi (every visible key at or left of the diagonal: causal, or a window
         # that ends there): the backward kernels' cheaper form (kernels.common.alibi_part); the
-        # forward takes the general form 1 (attention_forward: 2 measured 1-3% slower there)
+        # forward takes the general form 1 (attention_forward: 2 measured slower there)
         HAS_ALIBI=(2 if 0 <= right and right + diag_offset <= 0 else 1) if has_alibi else 0,
         MASK_KIND=mask_kind,
         HAS_DROPOUT=dropout_p > 0.0,

@@ -1,18 +1,12 @@
-"""The KV-cache launcher: appends, the split count, the split-KV and merge launches, the prefill
-route, and the replay of remembered calls (``flashtriton.decode`` checks the arguments and
-calls ``attend``; no validation here). Kernels in ``kernels/decode.py``; the split kernel's
-autotuner is ``triton_attn._decode``.
-
-A remembered call is one record, by the way its splits are merged: ``OneSplit``,
-``MergeKernel``, ``MergedInKernel`` or ``PrefillRoute``; each holds its launches' Replays and
-``replay(tensors, out, lse)`` launches them on new tensors of the same signature. A dense call
-on the split route (``dense_split``) is remembered under attention_forward's signature as a
-``DenseSplit``, called on the forward's pointers as the forward's own replays are.
+"""The KV-cache launcher: appends, the split count (configs.decode_splits), the split-KV and
+merge launches, the prefill route (``flashtriton.decode`` checks the arguments and calls
+``attend``; no validation here). Kernels in ``kernels/decode.py``; the split kernel's
+autotuner is ``triton_attn._decode``. Each launch path makes the record of its launches
+that a later call with the same signature replays (``launch.decode_replay``).
 """
-
 import functools
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -20,38 +14,16 @@ from .. import _env, configs, launch, runtime, validation
 from ..kernels.decode import _attn_merge_kernel, _cache_spans_kernel, _kv_append_kernel
 from . import triton_attn
 from .calls import AttentionOutput, Variant, Varlen, key_counts
+from .decode_replay import (_COUNTS, MergedInKernel, MergeKernel, OneSplit, PrefillRoute, _eager,
+                            _remember, _workspace, remembered)
 
 
 # Eager steps that read at most configs.DECODE_MERGE_MAX_BYTES of cache, with splits that the
-# merge loads at once, merge them in the split kernel (MERGE: one launch, ~7 us less host time
-# a step on the H200's host); other steps and CUDA graph captures take the merge kernel (1-8 us
-# less GPU time a step). The split kernel's counts and partials live in a workspace per
-# (device, stream): steps on one stream run in order.
-_COUNTS = 4096  # counters at a workspace's head: one per (sequence, KV head) of a launch
-_WORKSPACES = {}  # (device index, stream) -> (workspace, its fp32 elements, its address)
-_WORKSPACES_MAX = 64  # more streams start over (torch reuses a freed block in its stream's order)
+# merge loads at once, merge them in the split kernel (MERGE: one launch, less host time a
+# step); other steps and CUDA graph captures take the merge kernel (less GPU time a step).
 # Timing only (tools/timeline.py decode): None, or the split and the merge kernel's int64
 # tables of (programs, 5) rows (kernels.common.mark); steps with a timeline are not remembered.
 TIMELINE = None
-
-
-def _eager(q: torch.Tensor) -> bool:
-    """Not under a CUDA graph's capture (whose replays may run on several streams at once)."""
-    return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
-def _workspace(x: torch.Tensor, elements: int) -> tuple:
-    """The workspace of x's device's current stream, with room for ``elements`` fp32 partials
-    after its counters (zero between steps: the split that merges sets its count back)."""
-    index = x.get_device()  # -1: the CPU (the interpreter), whose steps run in order
-    key = (index, runtime.driver.active.get_current_stream(index) if index >= 0 else 0)
-    entry = _WORKSPACES.get(key)
-    if entry is None or entry[1] < _COUNTS + elements:
-        if entry is None and len(_WORKSPACES) >= _WORKSPACES_MAX:
-            _WORKSPACES.clear()
-        buf = torch.zeros(_COUNTS + elements, dtype=torch.float32, device=x.device)
-        entry = _WORKSPACES[key] = (buf, buf.numel(), buf.data_ptr())
-    return entry
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,192 +32,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cpu":
         return 4
     return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
-
-
-def _splits(num_splits: int, B: int, HKV: int, capacity: int, block_n: int, device,
-            paged: bool = False, fp8: bool = False) -> int:
-    """KV splits per sequence: ``num_splits`` where given; else one program per SM (one wave)
-    where that makes >= 8 splits of >= 256 keys each of a contiguous cache, else at most two
-    programs per SM (the decode tiles fit two per SM); at most 128 splits, and at least one
-    tile of ``block_n`` keys per split. Batch x KV heads >= SMs: one split, and no merge runs.
-
-    Why, measured on the H200 with 8 KV heads from CUDA graph replays (docs/perf.md; the runs
-    in docs/journal/perf-journal.md, its decode split entries):
-    one wave beat two programs per SM by 1-3% from 32K keys (B=1 64K: 16 splits 3441-3507 GB/s
-    in four runs, 33 splits 3384-3395); with one tile (64 keys, 4 warps) also below 32K, from
-    256 keys a split (one wave / two per SM: B=1 4K 16 splits 1118 GB/s / 33 splits 1051, 8K
-    1649 / 1603, 16K 2189 / 2178; B=2 2K 8 splits 1116 / 1090, 4K 1657 / 1636, 8K 2185 / 2196),
-    not at 128 keys a split (B=1 2K: 672 / 701); one wave's 16 splits also merge in the split
-    kernel (an eager step: one launch). With fewer, longer splits the tuner's tile was not
-    stable (B=8 64K, 2 splits: 4422-4457 GB/s, then 3301 in a run where it picked another
-    tile), hence at least 8 splits for one wave. Paged caches ran 12-19% behind contiguous
-    ones with one wave: they keep two programs per SM, as fp8 caches do (B=1 128K: 32 splits
-    94 us, one wave of 16 115 us; 64K: 54 / 63 us). Rounding up past two programs per SM
-    left a nearly empty second wave (B=4 64K: 9 splits 3353 GB/s, 8 splits 4219). Short caches
-    split too: one program per (sequence, KV head) over 1K keys ran B=1 at 207 GB/s, split
-    383."""
-    max_splits = max(1, configs.cdiv(capacity, block_n))
-    if num_splits > 0:
-        return min(num_splits, max_splits)
-    sms = _num_sms(device)
-    one_wave = sms // (B * HKV)
-    if not (paged or fp8) and one_wave >= 8 and capacity >= 256 * one_wave:
-        return min(max_splits, one_wave, 128)
-    return max(1, min(max_splits, (2 * sms) // (B * HKV), 128))
-
-
-# A remembered call: one record per way its splits are merged. ``tensors`` are the call's
-# leading tensors (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_leftpad,
-# alibi, sinks, k_descale, v_descale), out and lse its new outputs; replay returns False
-# where one is not 16-byte aligned (nothing launched). lse_always: the record writes an LSE
-# even without return_lse.
-
-class OneSplit(NamedTuple):
-    """One split: the split kernel writes the output and its LSE (or None) itself."""
-    run_decode: runtime.Replay
-    mode = "one"
-    lse_always = False
-
-    def replay(self, tensors, out, lse) -> bool:
-        ptrs = runtime.pointers(*tensors, out, lse)
-        if ptrs is None:
-            return False
-        self.launch(ptrs[:-2], ptrs[-2], ptrs[-1], out.device)
-        return True
-
-    def launch(self, lead, out, lse, device) -> None:
-        """The launches on the pointers of the leading tensors, out and lse."""
-        self.run_decode(*lead, out, lse)
-
-
-class MergeKernel(NamedTuple):
-    """Splits into fp32 partials (one allocation of ``size`` elements, the LSEs from
-    ``lse_at``: _partials_layout), then the merge kernel into the output."""
-    run_decode: runtime.Replay
-    run_merge: runtime.Replay
-    size: int
-    lse_at: int
-    mode = "merge"
-    lse_always = False
-
-    def replay(self, tensors, out, lse) -> bool:
-        ptrs = runtime.pointers(*tensors, out, lse)
-        if ptrs is None:
-            return False
-        self.launch(ptrs[:-2], ptrs[-2], ptrs[-1], out.device)
-        return True
-
-    def launch(self, lead, out, lse, device) -> None:
-        """The launches on the pointers of the leading tensors, out and lse; the partials as
-        one new allocation (512-byte aligned: torch's allocator), passed as two addresses
-        (see _partials)."""
-        partials = torch.empty(self.size, dtype=torch.float32, device=device)
-        o_part = partials.data_ptr()
-        lse_part = o_part + 4 * self.lse_at
-        self.run_decode(*lead, o_part, lse_part)
-        self.run_merge(o_part, lse_part, out, lse, lead[8])  # (8: the sinks)
-
-
-class MergedInKernel(NamedTuple):
-    """Splits merged in the split kernel: its partials (``size``, ``lse_at`` as MergeKernel's)
-    and counts in the stream's workspace, the output and LSE its merge's."""
-    run_decode: runtime.Replay
-    size: int
-    lse_at: int
-    mode = "in-kernel"
-    lse_always = False
-
-    def replay(self, tensors, out, lse) -> bool:
-        ptrs = runtime.pointers(*tensors, out, lse)
-        if ptrs is None:
-            return False
-        counts = _workspace(out, self.size)[2]  # 512-byte aligned (torch's allocator)
-        o_part = counts + 4 * _COUNTS
-        self.run_decode(*ptrs[:-2], o_part, o_part + 4 * self.lse_at, *ptrs[-2:], counts)
-        return True
-
-
-class PrefillRoute(NamedTuple):
-    """The prefill route (_prefill): the spans kernel, then the forward over packed views;
-    ``seg`` int32s per part of the spans. It always writes an LSE."""
-    run_spans: runtime.Replay
-    run_fwd: runtime.Replay
-    seg: int
-    mode = "prefill"
-    lse_always = True
-
-    def replay(self, tensors, out, lse) -> bool:
-        q, k_cache, v_cache, seqlens, _, cache_batch_idx, cache_leftpad, _, sinks = tensors[:9]
-        seg = self.seg
-        spans = torch.empty(3 * seg, dtype=torch.int32, device=out.device)
-        ptrs = runtime.pointers(q, k_cache, v_cache, out, lse, seqlens, cache_batch_idx,
-                                cache_leftpad, spans, sinks)
-        if ptrs is None:
-            return False
-        self.run_spans(*ptrs[5:9])
-        self.run_fwd(*ptrs[:5], None, None, ptrs[8], ptrs[8] + 4 * seg, ptrs[8] + 8 * seg,
-                     None, ptrs[9])  # (the forward's block mask, then its sinks)
-        return True
-
-
-class DenseSplit(NamedTuple):
-    """A dense call's split route (dense_split: a OneSplit or MergeKernel ``record`` whose key
-    counts are the cache's length, no tensor), remembered under attention_forward's signature
-    and called as the forward's replays are: on the pointers of q, k, v, out, lse and the
-    forward's ALiBi, block mask and sinks, None in a remembered call."""
-    record: NamedTuple
-    device: torch.device
-
-    def __call__(self, q, k, v, out, lse, *_) -> None:
-        self.record.launch((q, k, v, None, None, None, None, None, None, None, None), out, lse,
-                           self.device)
-
-
-def _remember(signature, record, dense=None) -> None:
-    """Remember a call's record under its signature, if each of its launches replays; a dense
-    call's (dense_split, on ``dense``, its device) as a DenseSplit."""
-    if None not in record:
-        runtime.remember(signature, record if dense is None else DenseSplit(record, dense))
-
-
-def remembered(signature):
-    """The record remembered under ``signature`` (OneSplit, MergeKernel, MergedInKernel or
-    PrefillRoute), or None."""
-    known = runtime.recall(signature)
-    if known is None:
-        return None
-    (record,) = known
-    return record
-
-
-def step_signature(q, k_cache, v_cache, cache_seqlens, block_table=None, cache_batch_idx=None,
-                   cache_leftpad=None, alibi_slopes=None, softmax_scale=None, causal=False,
-                   window_size=(-1, -1), softcap=0.0, num_splits=0, return_lse=True,
-                   sinks=None, batch_invariant=False, k_descale=None, v_descale=None):
-    """What a plain step of attention_with_kvcache with these arguments is remembered under
-    (``remembered`` of it: the step's record; the tools in tools/ read them)."""
-    return runtime.call_signature(
-        "decode-step", (softmax_scale, causal, window_size, softcap, num_splits, return_lse,
-                        configs.DECODE_MERGE_IN_KERNEL and _eager(q), batch_invariant), q,
-        k_cache, v_cache, cache_seqlens,
-        block_table, cache_batch_idx, cache_leftpad, alibi_slopes, sinks, k_descale, v_descale)
-
-
-def replay_step(signature, tensors, return_lse) -> Optional[AttentionOutput]:
-    """A plain step's remembered launches on its tensors (q first), into new outputs; None
-    where nothing is remembered under ``signature`` or a tensor is not 16-byte aligned."""
-    known = runtime.recall(signature)
-    if known is None:
-        return None
-    (record,) = known
-    q = tensors[0]
-    B, SQ, H, _ = q.shape
-    out = runtime._empty(q.shape, q.dtype, q.device)
-    lse = (runtime._empty((B, H, SQ), torch.float32, q.device)
-           if return_lse or record.lse_always else None)
-    if record.replay(tensors, out, lse):
-        return AttentionOutput(out, lse if return_lse else None)
-    return None
 
 
 def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None,
@@ -298,7 +84,7 @@ def attend(*args, **kwargs) -> AttentionOutput:
     computes a wrong step over 8K keys (tests/test_gpu.py::
     test_compiled_decoding_steps_on_the_split_route), so they run eagerly at a graph break.
     The torch.compiler.disable wrapper is made on the first compiled call: making it imports
-    torch._dynamo (5-6 s on an H100 machine), which eager calls never need."""
+    torch._dynamo (seconds), which eager calls never need."""
     if torch.compiler.is_compiling():
         return _attend_outside_graphs()(*args, **kwargs)
     return _attend(*args, **kwargs)
@@ -507,8 +293,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
         if known is not None and known.replay(tensors, out, lse):
             return AttentionOutput(out, lse)
     granule = configs.decode_split_granule()  # a multiple of every BLOCK_N the tuner tries
-    splits = _splits(num_splits, B * row_blocks, HKV, capacity, granule, q.device, paged,
-                     descales[0] is not None)
+    splits = configs.decode_splits(num_splits, B * row_blocks, HKV, capacity, granule,
+                                   _num_sms(q.device), paged, descales[0] is not None)
     split_size = configs.cdiv(configs.cdiv(capacity, splits), granule) * granule
     block_r = configs.next_pow2((H // HKV) * SQ)
     bd = configs.block_d(D)
@@ -520,9 +306,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, cache_le
                  HAS_BATCH_IDX=cache_batch_idx is not None,
                  HAS_LEFTPAD=cache_leftpad is not None, PDL=runtime.use_pdl(q.device),
                  FP8=descales[0] is not None, BLOCK_M=block_m)
-    # One tile for both merges, per split length and grid: a tile tuned for B=1 128K's one
-    # wave of 16 splits of 8K keys read B=64 8K's four waves (one split of 8K keys) at 0.995x
-    # SDPA; tuned there, 1.009x.
+    # One tile for both merges, per split length and grid (waves): the best tile for one wave
+    # of splits is not the best for several waves of the same split length.
     waves = min(4, configs.next_pow2(configs.cdiv(splits * B * HKV * row_blocks,
                                                   _num_sms(q.device))))
     key = (q.dtype, configs.bucket(split_size), waves, *flags.values())
