@@ -43,8 +43,10 @@ def _check_mods(q, k, causal, window, softcap, alibi_slopes, attn_mask, dropout_
 def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
          dropout_p=0.0, names=("q", "k", "v"), attn_mask=None, score_mod=None,
          score_mod_grad=None, mask_mod=None, block_mask=None,
-         deterministic=False, sinks=None, batch_invariant=False) -> AttentionOutput:
-    """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it)."""
+         deterministic=False, sinks=None, batch_invariant=False,
+         dropout_seed=None) -> AttentionOutput:
+    """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it);
+    ``dropout_seed``: the dropout mask's seed (``check_dropout``; None: drawn)."""
     check_qkv(q, k, v, names, own_v_dim=True)
     causal = check_flag("causal", causal)
     deterministic = check_deterministic(deterministic)
@@ -53,7 +55,7 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
     left, right = check_window(window_size)
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    dropout_p, seed = check_dropout(dropout_p)
+    dropout_p, seed = check_dropout(dropout_p, dropout_seed)
     sinks = check_sinks(sinks, q.shape[2], q.device)
     blocks = _check_mods(q, k, causal, (left, right), softcap, alibi_slopes, attn_mask, dropout_p,
                          score_mod, score_mod_grad, mask_mod, block_mask)
@@ -67,7 +69,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                 dropout_p=0.0, names=("q", "k", "v"), deterministic=False,
                 sinks=None, seqused_k=None, block_table=None, out=None,
-                batch_invariant=False) -> AttentionOutput:
+                batch_invariant=False, dropout_seed=None) -> AttentionOutput:
     causal = check_flag("causal", causal)
     deterministic = check_deterministic(deterministic)
     batch_invariant = check_flag("batch_invariant", batch_invariant)
@@ -117,7 +119,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     left, right = check_window(window_size)
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi(alibi_slopes, B, q.shape[1], q.device)
-    dropout_p, seed = check_dropout(dropout_p)
+    dropout_p, seed = check_dropout(dropout_p, dropout_seed)
     sinks = check_sinks(sinks, q.shape[1], q.device)
     if out is not None:
         check_out(out, q, v.shape[-1])

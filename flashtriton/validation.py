@@ -532,12 +532,16 @@ def _dropout_p(dropout_p) -> float:
     return p
 
 
-def check_dropout(dropout_p) -> Tuple[float, Optional[torch.Tensor]]:
+def check_dropout(dropout_p, seed: Optional[torch.Tensor] = None
+                  ) -> Tuple[float, Optional[torch.Tensor]]:
     """(p, seed): the seed is drawn from torch's default CPU generator, so
-    torch.manual_seed makes dropout reproducible; a CPU tensor, so no device sync."""
+    torch.manual_seed makes dropout reproducible; a CPU tensor, so no device sync. A given
+    ``seed`` (a 0-d int64 CPU tensor: a backward replaying a forward's mask) is used as is."""
     p = _dropout_p(dropout_p)
     if p == 0.0:
         return 0.0, None
+    if seed is not None:
+        return p, seed
     return p, torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
 
 

@@ -22,17 +22,28 @@ CUDA generator's Philox state), so masks differ from flash-attn's but are
 reproducible under torch.manual_seed. ``return_attn_probs=True`` returns None
 for the dropout mask. ``flash_attn_varlen_func`` also speaks vLLM's paged call
 (block_table, seqused_k, out=).
+
+flash-attn's private kernel wrappers ``_flash_attn_forward``, ``_flash_attn_varlen_forward``,
+``_flash_attn_backward`` and ``_flash_attn_varlen_backward`` are here too (and so in
+``flash_attn.flash_attn_interface`` after ``install()``), with flash-attn 2.8's parameters,
+defaults and return values, for libraries that call them directly and build their own
+autograd on them (ring-flash-attn: docs/integrations.md).
 """
 
 import importlib.machinery
 import sys
 import types
 import warnings
+from typing import Optional, Tuple
 
 import torch
 
 from ..api import _run, _run_varlen
-from ..validation import check_flag, check_qkv, check_sinks
+from ..autograd import _attn_bwd, _call
+from ..validation import (check_alibi, check_cu_seqlens, check_deterministic, check_dropout,
+                          check_flag, check_max_seqlen, check_qkv, check_scale, check_sinks,
+                          check_softcap, check_varlen_indices, check_window, describe, unit_last,
+                          _dropout_p)
 
 # The flash-attn release whose Python interface this module speaks (``flash_attn.__version__``
 # after install()).
@@ -239,6 +250,258 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                       sinks=_sink(learnable_sink, q, 2), k_descale=k_descale,
                                       v_descale=v_descale, q_descale=q_descale)
     return (out, lse) if return_softmax_lse else out
+
+
+# flash-attn 2.8's private kernel wrappers (flash_attn_interface._flash_attn_forward & co.).
+# Libraries that build their own attention on flash-attn (ring-flash-attn) call them directly,
+# by keyword, and read their parameter names and defaults with inspect: both are flash-attn's,
+# as are the results. Inputs need no grad (flash-attn's are custom ops without autograd): the
+# forwards run under no_grad and the backwards write dq, dk and dv into the given buffers.
+
+
+def _private_forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size_left,
+                     window_size_right, softcap, alibi_slopes, return_softmax, paged=None):
+    """(out, softmax_lse, S_dmask, rng_state) as flash-attn's; varlen: (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k) or None; paged: _run_varlen's seqused_k and
+    block_table."""
+    return_softmax = check_flag("return_softmax", return_softmax)
+    dropout_p, seed = check_dropout(dropout_p)
+    if return_softmax:
+        if dropout_p == 0.0:  # flash-attn's own check
+            raise RuntimeError("return_softmax is only supported when p_dropout > 0.0")
+        raise NotImplementedError(
+            "flashtriton: return_softmax=True with dropout_p > 0 (flash-attn's S_dmask, every "
+            "attention probability with the dropout mask in its sign bit) is not supported; "
+            "pass return_softmax=False. ring-flash-attn asks for it whenever dropout_p > 0, and "
+            "its backward does not pass the forward's rng_state, so its dropout masks could not "
+            "be replayed anyway: run ring-flash-attn with dropout_p=0")
+    window = (window_size_left, window_size_right)
+    with torch.no_grad():
+        if varlen is None:
+            out, lse = _run(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes,
+                            dropout_p, dropout_seed=seed)
+        else:
+            out, lse = _run_varlen(q, k, v, *varlen, causal, softmax_scale, window, softcap,
+                                   alibi_slopes, dropout_p, dropout_seed=seed, **(paged or {}))
+    # flash-attn reports +inf (not -inf) as the LSE of rows that see no key.
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)
+    # rng_state: flash-attn's (seed, offset) pair, which its backward takes to replay the mask
+    rng_state = (torch.zeros(2, dtype=torch.int64, device=q.device) if seed is None
+                 else torch.stack((seed, torch.zeros_like(seed))).to(q.device))
+    return out, lse, q.new_empty((0,)), rng_state
+
+
+def _check_like(name, x, shape, like, dtype=None):
+    dtype = like.dtype if dtype is None else dtype
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape) or x.dtype != dtype or x.device != like.device:
+        raise ValueError(f"{name} must have shape {tuple(shape)}, dtype {dtype} and device "
+                         f"{like.device}; got {describe(x)}")
+
+
+def _private_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, varlen, dropout_p,
+                      softmax_scale, causal, window_size_left, window_size_right, softcap,
+                      alibi_slopes, deterministic, rng_state):
+    """dq, dk, dv (where not None) written in place; returns flash-attn's softmax_d,
+    (1 - dropout_p) rowsum(dout * out) in its padded layout."""
+    names = ("q", "k", "v")
+    if varlen is None:
+        check_qkv(q, k, v, names, own_v_dim=True)
+        B, H = q.shape[0], q.shape[2]
+        lse_shape = (B, H, q.shape[1])
+        cu_q = cu_k = None
+        max_q = max_k = 0
+    else:
+        for name, x in zip(names, (q, k, v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3:
+                got = describe(x) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name} must be a (total_tokens, nheads, headdim) tensor; "
+                                 f"got {got}")
+        check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names, own_v_dim=True)
+        cu_q = check_cu_seqlens("cu_seqlens_q", varlen[0], q.device)
+        cu_k = check_cu_seqlens("cu_seqlens_k", varlen[1], q.device)
+        if cu_k.numel() != cu_q.numel():
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length "
+                             f"(batch + 1); got {describe(cu_q)} and {describe(cu_k)}")
+        max_q = check_max_seqlen("max_seqlen_q", varlen[2])
+        max_k = check_max_seqlen("max_seqlen_k", varlen[3])
+        check_varlen_indices(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+        B, H = cu_q.numel() - 1, q.shape[1]
+        lse_shape = (H, q.shape[0])
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    _check_like("dout", dout, out_shape, q)
+    _check_like("out", out, out_shape, q)
+    _check_like("softmax_lse", softmax_lse, lse_shape, q, torch.float32)
+    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf is not None:
+            _check_like(name, buf, like.shape, like)
+    causal = check_flag("causal", causal)
+    deterministic = check_deterministic(deterministic)
+    scale = check_scale(softmax_scale, q.shape[-1])
+    left, right = check_window((window_size_left, window_size_right))
+    softcap = check_softcap(softcap)
+    alibi_slopes = check_alibi(alibi_slopes, B, H, q.device)
+    dropout_p, seed = _dropout_p(dropout_p), None
+    if dropout_p:
+        if not isinstance(rng_state, torch.Tensor) or rng_state.numel() < 1 \
+                or rng_state.dtype != torch.int64:
+            raise ValueError(
+                "dropout_p > 0 in the backward needs the forward's rng_state (the int64 (2,) "
+                "tensor that _flash_attn_forward returned) to replay its dropout mask; got "
+                f"{describe(rng_state) if isinstance(rng_state, torch.Tensor) else rng_state!r}"
+                ". (ring-flash-attn passes none: run it with dropout_p=0.)")
+        seed = rng_state.reshape(-1)[0].cpu()
+    with torch.no_grad():
+        grads = _call(torch.ops.flashtriton.attn_bwd, _attn_bwd, "flashtriton::attn_bwd",
+                      unit_last(dout), unit_last(q), unit_last(k), unit_last(v), unit_last(out),
+                      softmax_lse.contiguous(), cu_q, cu_k, max_q, max_k, alibi_slopes, None,
+                      scale, causal, left, right, softcap, dropout_p, seed, None, None, 128, 0,
+                      deterministic, False, None)
+        for buf, grad in zip((dq, dk, dv), grads):
+            if buf is not None:
+                buf.copy_(grad)
+        delta = (dout.float() * out.float()).sum(-1).mul_(1.0 - dropout_p)  # (..., rows, H)
+        if varlen is None:  # (B, H, seqlen_q rounded up to 128)
+            rows = lse_shape[2]
+            softmax_d = delta.new_zeros((B, H, (rows + 127) // 128 * 128))
+            softmax_d[:, :, :rows] = delta.transpose(1, 2)
+        else:  # (H, total_q + 128 B): sequence b's rows from cu_seqlens_q[b] + 128 b
+            rows = torch.arange(q.shape[0], device=q.device)
+            rows = rows + 128 * torch.searchsorted(cu_q[1:], rows.to(cu_q.dtype), right=True)
+            softmax_d = delta.new_zeros((H, q.shape[0] + 128 * B))
+            softmax_d[:, rows] = delta.t()
+    return softmax_d
+
+
+def _flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn 2.8's private forward on (batch, seqlen, nheads, headdim) q, k, v.
+
+    Returns (out, softmax_lse, S_dmask, rng_state): out in q's dtype with v's head dim,
+    softmax_lse (batch, nheads, seqlen_q) float32 (+inf for rows that see no key), S_dmask
+    an empty tensor of q's dtype, rng_state an int64 (2,) tensor on q's device (the dropout
+    seed and 0; ``_flash_attn_backward`` replays the mask from it). Dropout draws its seed
+    from torch's default generator. return_softmax=True raises: flash-attn's RuntimeError
+    without dropout, NotImplementedError with it (S_dmask is not materialized)."""
+    return _private_forward(q, k, v, None, dropout_p, softmax_scale, causal, window_size_left,
+                            window_size_right, softcap, alibi_slopes, return_softmax)
+
+
+def _flash_attn_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    return_softmax: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn 2.8's private varlen forward on packed (total, nheads, headdim) q, k, v
+    (or a paged k, v with block_table, as ``flash_attn_varlen_func``'s).
+
+    Returns (out, softmax_lse, S_dmask, rng_state) as ``_flash_attn_forward``'s, softmax_lse
+    (nheads, total_q). zero_tensors has nothing to do (every row of out is written);
+    leftpad_k is not supported (NotImplementedError)."""
+    check_flag("zero_tensors", zero_tensors)
+    if leftpad_k is not None:
+        raise NotImplementedError("flashtriton: _flash_attn_varlen_forward's leftpad_k is not "
+                                  "supported (flash_attn_with_kvcache's cache_leftpad is)")
+    return _private_forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                            dropout_p, softmax_scale, causal, window_size_left,
+                            window_size_right, softcap, alibi_slopes, return_softmax,
+                            dict(seqused_k=seqused_k, block_table=block_table))
+
+
+def _flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """flash-attn 2.8's private backward: the gradients of attention over q, k, v given the
+    forward's out and softmax_lse (the final ones: a ring's merged LSE), written into dq, dk
+    and dv (those not None; each in its input's shape, dtype and device, any strides).
+
+    Returns softmax_d (batch, nheads, seqlen_q rounded up to 128) float32:
+    (1 - dropout_p) rowsum(dout * out), zero past seqlen_q. With dropout_p > 0, rng_state
+    must be the forward's (ValueError otherwise: the mask could not be replayed)."""
+    return _private_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, None, dropout_p,
+                             softmax_scale, causal, window_size_left, window_size_right,
+                             softcap, alibi_slopes, deterministic, rng_state)
+
+
+def _flash_attn_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> torch.Tensor:
+    """flash-attn 2.8's private varlen backward, as ``_flash_attn_backward`` on packed
+    (total, nheads, headdim) tensors with softmax_lse (nheads, total_q). Returns softmax_d
+    (nheads, total_q + 128 batch) float32, sequence b's rows from cu_seqlens_q[b] + 128 b
+    (flash-attn's padded layout; zero elsewhere). zero_tensors has nothing to do."""
+    check_flag("zero_tensors", zero_tensors)
+    return _private_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv,
+                             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p,
+                             softmax_scale, causal, window_size_left, window_size_right,
+                             softcap, alibi_slopes, deterministic, rng_state)
 
 
 def install() -> types.ModuleType:
