@@ -17,7 +17,7 @@ the library and with it every kernel it added.
 |--------------------------------------------------|--------------------------------------------|
 | ``_scaled_dot_product_flash_attention``          | SDPA's flash backend, ``context_parallel`` |
 | ``_scaled_dot_product_flash_attention_backward`` | their backward                             |
-| ``_flash_attention_forward``                     | ``varlen_attn``, nested tensors' SDPA      |
+| ``_flash_attention_forward``                     | ``varlen_attn``                            |
 | ``_flash_attention_backward``                    | their backward                             |
 | ``_flash_attention_forward_no_dropout_inplace``  | ``varlen_attn_out`` (where torch has it)   |
 
