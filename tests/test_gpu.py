@@ -718,8 +718,8 @@ def test_torch_registry_runs_varlen_attn_on_flashtriton():
         leaves = [x[s].double()[None].requires_grad_() for x, s in ((q, rows), (k, keys),
                                                                      (v, keys))]
         r = attention_reference(*leaves, causal=True)
-        ref.append((r.out[0].detach(), r.lse[0],
-                    *(g[0] for g in torch.autograd.grad(r.out, leaves, dout[rows].double()[None]))))
+        grads = torch.autograd.grad(r.out, leaves, dout[rows].double()[None])
+        ref.append((r.out[0].detach(), r.lse[0], *(g[0] for g in grads)))
     ref_out, ref_lse = torch.cat([r[0] for r in ref]), torch.cat([r[1] for r in ref], dim=1)
     ref_grads = [torch.cat([r[i] for r in ref]) for i in (2, 3, 4)]
     ref_lse = ref_lse.masked_fill(ref_lse == float("-inf"), float("inf"))
