@@ -5,7 +5,9 @@
 
 Also: ``flash_attention_with_lse``, ``scaled_dot_product_attention`` (torch
 SDPA drop-in), ``flashtriton.compat.flash_attn`` (flash-attn drop-in) and
-``flashtriton.reference`` (float64 reference).
+``flashtriton.reference`` (float64 reference); with torch >= 2.11,
+``torch.nn.attention.activate_flash_attention_impl("flashtriton")`` runs aten's flash-attention
+operators (SDPA's flash backend, ``varlen_attn``) on these kernels.
 """
 
 try:
@@ -19,7 +21,12 @@ except ImportError as _missing:
 from .api import (AttentionOutput, flash_attention, flash_attention_varlen,
                   flash_attention_varlen_with_lse, flash_attention_with_lse)
 from .explain import Explanation, explain
+from .integrations import torch_registry as _torch_registry
 from .sdpa import patch_sdpa, scaled_dot_product_attention
+
+# "flashtriton" in torch's flash-attention registry (torch >= 2.11), not activated:
+# torch.nn.attention.activate_flash_attention_impl("flashtriton") does that.
+_torch_registry.register()
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .autograd import AttentionOutput, NoBackward, attention, register_mods
+from .autograd import AttentionOutput, NoBackward, attention, gradients, register_mods
 from .block_mask import BlockMask, create_block_mask
 from .launch.calls import key_counts
 from .validation import (_contents as validation_contents, check_alibi, check_block_table,
@@ -143,6 +143,22 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         res = AttentionOutput(NoBackward.apply(res.out, " / ".join(forward_only), *grads),
                               res.lse)
     return res
+
+
+def _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size=(-1, -1),
+                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                  deterministic=False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of a ``_run`` call (or a ``_run_varlen`` one, with the offsets) without
+    softcap, ALiBi, dropout, masks, mods or sinks, from its out and lse and without autograd:
+    for callers that record the graph themselves (``integrations.torch_registry``). The
+    forward checked q, k, v and the offsets."""
+    left, right = check_window(window_size)
+    scale = check_scale(softmax_scale, q.shape[-1])
+    dq, dk, dv, _ = gradients(dout, unit_last(q), unit_last(k), unit_last(v), out, lse,
+                              cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, None,
+                              scale, check_flag("causal", causal), left, right, 0.0, 0.0, None,
+                              None, None, 128, 0, check_deterministic(deterministic), False)
+    return dq, dk, dv
 
 
 def _paged_decode(q, k, v, cu_k, seqused_k, block_table, scale, causal, window, softcap,

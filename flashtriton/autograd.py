@@ -170,9 +170,7 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv, dsinks = _call(torch.ops.flashtriton.attn_bwd, _attn_bwd,
-                                   "flashtriton::attn_bwd", dout, q, k, v, out, lse, *ctx.rest,
-                                   sinks)
+        dq, dk, dv, dsinks = gradients(dout, q, k, v, out, lse, *ctx.rest, sinks=sinks)
         return dq, dk, dv, None if sinks is None else dsinks, None
 
 
@@ -220,3 +218,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *args, sinks: Optional[Tensor] = 
                       seqused_k, block_table)
     res, lse = _forward(q, k, v, *args, sinks, seqused_k, block_table)
     return (res, lse) if out is None else (out.copy_(res), lse)
+
+
+def gradients(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *args,
+              sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks) of ``attention(q, k, v, *args, sinks=sinks)`` from its out and lse,
+    without autograd: the backward op (its implementation directly in plain eager mode), for
+    callers that record the graph themselves (torch's flash-attention operators:
+    ``integrations.torch_registry``). dsinks is empty without sinks."""
+    return _call(torch.ops.flashtriton.attn_bwd, _attn_bwd, "flashtriton::attn_bwd", dout, q, k,
+                 v, out, lse, *args, sinks)

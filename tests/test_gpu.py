@@ -613,3 +613,121 @@ def test_paged_varlen_forward_with_grad_as_flash_attn(seqlen_q, seqlen_k, page):
         assert_rule(f"out[{b}]", out[rows].detach()[None], ref.out, pt.out, 2, dtype)
     with pytest.raises(NotImplementedError, match="block_table"):
         out.backward(torch.randn_like(out))
+
+
+_REGISTRY = pytest.mark.skipif(not hasattr(torch.nn.attention, "activate_flash_attention_impl"),
+                               reason="torch < 2.11 has no flash-attention registry")
+
+
+def _profiled(step):
+    """step() under torch.profiler: the names of its ops and GPU kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
+def _ran_flashtriton(names):
+    """Whether flashtriton's forward and backward ran and aten's own flash kernels did not."""
+    return ({"flashtriton::attn_fwd", "flashtriton::attn_bwd"} <= names
+            and any(n.startswith("_attn_fwd") for n in names)
+            and not any("flash_fwd" in n or "flash_bwd" in n for n in names))
+
+
+def _activated(step):
+    """step() profiled with "flashtriton" active in torch's flash-attention registry."""
+    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
+    activate_flash_attention_impl("flashtriton")
+    try:
+        return _profiled(step)
+    finally:
+        restore_flash_attention_impl()
+
+
+@_REGISTRY
+def test_torch_registry_runs_transformers_sdpa_flash_on_flashtriton():
+    """A tiny random Llama with attn_implementation="sdpa" under SDPBackend.FLASH_ATTENTION:
+    after activate_flash_attention_impl("flashtriton") its attention runs flashtriton's kernels
+    (the profiler sees them and not aten's flash kernels, which the run before activation
+    shows), and its logits and parameter gradients meet the accuracy rule against a float64
+    eager copy, torch's flash run being the low-precision baseline."""
+    transformers = pytest.importorskip("transformers")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from accuracy import assert_rule
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256)
+    ids = torch.randint(0, 128, (2, 200), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(1))
+    got = {}
+
+    def run(name, dtype, impl):
+        torch.manual_seed(0)  # the same weights for every copy
+        model = transformers.LlamaForCausalLM(cfg).to("cuda", dtype)
+        model.set_attn_implementation(impl)
+
+        def step():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                logits = model(ids).logits
+            logits.double().pow(2).mean().backward()
+            got[name] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
+        return step
+
+    run("ref", torch.float64, "eager")()
+    stock = _profiled(run("torch", torch.bfloat16, "sdpa"))
+    assert any("flash_fwd" in n for n in stock) and not _ran_flashtriton(stock)
+    assert _ran_flashtriton(_activated(run("ours", torch.bfloat16, "sdpa")))
+    (ref, ref_g), (pt, pt_g), (ours, ours_g) = got["ref"], got["torch"], got["ours"]
+    assert_rule("logits", ours, ref, pt, 2, torch.bfloat16)
+    for n in ref_g:
+        assert_rule(f"grad {n}", ours_g[n], ref_g[n], pt_g[n], 3, torch.bfloat16)
+
+
+@_REGISTRY
+def test_torch_registry_runs_varlen_attn_on_flashtriton():
+    """torch.nn.attention.varlen_attn (causal, a sequence with fewer keys than queries) after
+    activation: flashtriton's kernels run, out and the LSE (+inf where a row sees no key, as
+    aten's kernel gives) and the gradients meet the accuracy rule against a float64 loop over
+    sequences, torch's flash run being the low-precision baseline."""
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+    from accuracy import assert_rule
+    from flashtriton.reference import attention_reference
+    lens_q, lens_k, H, D, dtype = [5, 64, 130], [3, 64, 100], 4, 64, torch.bfloat16
+    cu_q, cu_k = (torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+                  for lens in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), H, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(sum(lens_k), H, D, device="cuda", dtype=dtype) for _ in "kv")
+    dout = torch.randn_like(q)
+    got = {}
+
+    def run(name):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+        def step():
+            out, lse = varlen_attn(*leaves, cu_q, cu_k, max(lens_q), max(lens_k),
+                                   window_size=(-1, 0), return_aux=AuxRequest(lse=True))
+            got[name] = (out.detach(), lse, *torch.autograd.grad(out, leaves, dout))
+        return step
+
+    assert not _ran_flashtriton(_profiled(run("torch")))
+    assert _ran_flashtriton(_activated(run("ours")))
+    ref = []
+    for b in range(len(lens_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        leaves = [x[s].double()[None].requires_grad_() for x, s in ((q, rows), (k, keys),
+                                                                     (v, keys))]
+        r = attention_reference(*leaves, causal=True)
+        grads = torch.autograd.grad(r.out, leaves, dout[rows].double()[None])
+        ref.append((r.out[0].detach(), r.lse[0], *(g[0] for g in grads)))
+    ref_out, ref_lse = torch.cat([r[0] for r in ref]), torch.cat([r[1] for r in ref], dim=1)
+    ref_grads = [torch.cat([r[i] for r in ref]) for i in (2, 3, 4)]
+    ref_lse = ref_lse.masked_fill(ref_lse == float("-inf"), float("inf"))
+    ours, pt = got["ours"], got["torch"]
+    assert torch.equal(torch.isposinf(ours[1]), torch.isposinf(pt[1]))
+    assert torch.isposinf(ours[1][:, :2]).all()
+    for i, (name, r) in enumerate(zip(("out", "lse", "dq", "dk", "dv"),
+                                      (ref_out, ref_lse, *ref_grads))):
+        assert_rule(name, ours[i], r, pt[i], 2 if i < 2 else 3, dtype)
