@@ -75,12 +75,12 @@ def report() -> str:
     lines.append(_path("TMA loads (tensor descriptors, forward and backward)",
                        "FLASHTRITON_TMA", _env.TMA, tma_not))
     dims = lambda ds: ", ".join(map(str, ds))  # noqa: E731
-    from_len = "".join(f"; D={d} from {n} tokens" for d, n in configs.GLUON_FWD_MIN_SEQLEN.items()
-                       if d not in configs.GLUON_PADDED_HEAD_DIMS)
-    lines.append(_path(f"Gluon forward (D={dims(configs.GLUON_FWD_HEAD_DIMS)}{from_len}) and "
-                       f"backward "
-                       f"(D={dims(configs.GLUON_BWD_HEAD_DIMS)}; "
-                       f"D={dims(configs.GLUON_PADDED_HEAD_DIMS)} in wider tiles)",
+    def from_len(table):  # the routes' head dims taken from a length
+        return "".join(f"; D={d} from {n} tokens" for d, n in table.items())
+    lines.append(_path(f"Gluon forward (D={dims(configs.GLUON_FWD_HEAD_DIMS)}"
+                       f"{from_len(configs.GLUON_FWD_MIN_SEQLEN)}) and backward "
+                       f"(D={dims(configs.GLUON_BWD_HEAD_DIMS)}"
+                       f"{from_len(configs.GLUON_PADDED_BWD_MIN_SEQLEN)})",
                        "FLASHTRITON_GLUON",
                        _env.GLUON, gluon_not))
     lines.append(_path("programmatic dependent launch of the decoding kernels", "FLASHTRITON_PDL",

@@ -109,12 +109,11 @@ def test_report_on_a_gpu_follows_the_switches_and_the_interpreter(monkeypatch, s
     monkeypatch.setattr(_env, "GLUON", False)
     text = report()
     assert _line(text, "Gluon") == ("Gluon forward (D=128, 256; D=64 from 2048 tokens) and "
-                                    "backward (D=64, 128, 256; "
-                                    "D=80, 96, 112, 192 in wider tiles): "
+                                    "backward (D=64, 128, 256): "
                                     "off (FLASHTRITON_GLUON=0)")  # configs' head dims
     monkeypatch.setattr(configs, "GLUON_BWD_HEAD_DIMS", (128,))
     assert _line(report(), "Gluon").startswith("Gluon forward (D=128, 256; D=64 from 2048 tokens) "
-                                               "and backward (D=128;")
+                                               "and backward (D=128)")
     assert ": on (FLASHTRITON_TMA=1)" in _line(text, "TMA loads")
     monkeypatch.setattr(_env, "INTERPRET", True)  # a GPU machine running the interpreter
     text = report()

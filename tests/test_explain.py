@@ -45,10 +45,11 @@ def test_explain_checks_its_arguments():
     (128, 256, False, True), (64, 8192, False, True), (64, 1024, True, False),
     (64, 2048, True, True), (256, 8192, True, True),
     (256, 512, True, False), (72, 8192, False, False), (96, 8192, False, False),
-    (192, 8192, True, True), (192, 4096, False, False)])
+    (192, 8192, True, False), (192, 4096, False, False)])
 def test_gluon_forward_first(head_dim, seqlen, causal, first):
     """configs.gluon_forward_first: head dims 128 and 256, causal calls from 513 queries; the
-    head dim 64 and the padded head dims from their GLUON_FWD_MIN_SEQLEN."""
+    head dim 64 from its GLUON_FWD_MIN_SEQLEN; the padded head dims without an entry there:
+    the Triton forward."""
     assert configs.gluon_forward_first(head_dim, seqlen, causal) is first
 
 
@@ -75,9 +76,10 @@ def test_deterministic_keeps_the_gluon_backward_up_to_head_dim_128(D, named):
     assert any("deterministic=True" in r for r in e.reasons) is named
 
 
-def test_padded_head_dims_take_the_gluon_backward_from_their_length():
+def test_padded_head_dims_take_the_gluon_backward_from_their_length(monkeypatch):
     """A padded head dim's backward reason names configs.GLUON_PADDED_BWD_MIN_SEQLEN below its
-    length, and not from it."""
+    length, and not from it (here from 2048 tokens)."""
+    monkeypatch.setitem(configs.GLUON_PADDED_BWD_MIN_SEQLEN, 96, 2048)
     least = configs.GLUON_PADDED_BWD_MIN_SEQLEN[96]
     e = flashtriton.explain(*_qkv(N=least // 2, D=96, dtype=torch.bfloat16))
     assert any("GLUON_PADDED_BWD_MIN_SEQLEN" in r and f"got {least // 2}" in r
