@@ -19,7 +19,7 @@ from . import _env
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). The first entry of each list is the
 # default where no tuning table holds an entry for the call: the autotuner's most frequent
-# choice on the H200 over the shapes of flashtriton/tuned/sm90.json (at D=128 only short
+# choice over the shapes of flashtriton/tuned/sm90.json (at D=128 only short
 # sequences and generation run these kernels there; the Gluon kernels run the rest). The
 # forward splits BLOCK_M into two halves that overlap each other's softmax with the tensor
 # cores: its halves want >= 64 rows per warpgroup (256 rows at 8 warps, 128 at 4) for
@@ -60,9 +60,8 @@ _GPU = {
 _FP32 = [(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)]
 _FP32_WIDE = [(32, 32, 4, 2)]
 _FP32_DECODE = [(0, 32, 4, 2)]
-# Decoding over fp8 caches at head dims 65-128 (a tile holds half the bytes): H200, B=1 / 8 /
-# 64, 128K / 128K / 8K keys, the tile forced, 11 tried: (0, 128, 4, 3) read 55% / 83% / 84%
-# of the copy bandwidth, the bf16 default (0, 64, 4, 3) 46% / 71% / 69% (docs/perf.md).
+# Decoding over fp8 caches at head dims 65-128: a tile holds half the bytes, so twice the
+# bf16 default's keys a tile read closer to the copy bandwidth (docs/perf.md).
 _FP8_DECODE = [(0, 128, 4, 3), (0, 64, 4, 4), (0, 128, 4, 2), (0, 64, 4, 3)]
 # The interpreter runs one config (Triton's autotuner cannot run several there);
 # 16x16 tiles make even tiny test shapes span several blocks.
@@ -122,11 +121,8 @@ DECODE_MAX_ROWS = 128
 # From this many packed query rows (query heads a KV head x query tokens) a KV-cache call
 # runs the prefill forward kernel (over pages too, without left padding) (its tiles and pipelining; each
 # query head reads K/V itself) instead of the split kernel (every K/V byte read once per row
-# block of DECODE_MAX_ROWS). H200, bf16, B=2, 4K-16K keys (tools/bench_edges.py prefill;
-# docs/perf.md's decisions): with 6 query heads a KV head the split kernel takes 0.2-0.7x
-# flash_attention's time over the same keys up to 128 tokens (768 rows) and 1.2-2.2x from
-# 256 on, the prefill route 1.00-1.04x at every length; with one query head a KV head the
-# split kernel wins up to 512 tokens (0.3-0.5x).
+# block of DECODE_MAX_ROWS): past about a thousand rows the split kernel's row blocks cost
+# more than the prefill route's repeated reads (tools/bench_edges.py prefill; docs/perf.md).
 KVCACHE_PREFILL_MIN_ROWS = 1024
 
 
@@ -143,10 +139,8 @@ def decode_rows(group: int, sq: int, head_dim: int) -> Tuple[int, int]:
 # query rows runs, kvcache_prefill): transformers' and SDPA users' decoding steps, which hand
 # flash_attention one query token and the whole cache. The forward reads every key once a
 # query head in B x H programs of BLOCK_M rows (one of them a query's); the split kernel reads
-# it once a KV head, split over the SMs. The keys' floor, one token a step, GQA 4, D=64 / 128,
-# B=1 / 8, eager (H100; docs/perf.md's decisions): the split route took 0.47-1.07x the
-# forward's time at 4K keys (1.07x at D=64, B=1 alone), 0.41-0.80x at 8K, 0.17-0.34x at 32K,
-# and 0.65-1.24x at 1K.
+# it once a KV head, split over the SMs. The keys' floor: where the split route stops losing
+# to the forward at any batch (docs/perf.md's decisions).
 DENSE_SPLIT_MIN_KEYS = 4096
 
 
@@ -167,8 +161,7 @@ def paged_singles(batch: int, total_q: int, max_seqlen_q: int) -> bool:
     prefill ones: vLLM's mixed batches) on the split-KV kernel, the rest on the forward: where
     some of several sequences hold fewer than max_seqlen_q queries (known without reading the
     offsets). The forward reads a sequence's keys once per query head and the split kernel
-    once per KV head: H200, 32 / 8 heads, D=128, decode 64 x 4K on the forward 1143 us, on the
-    split kernel 256 (docs/perf.md's decisions). Each kernel's programs for the other's
+    once per KV head (docs/perf.md's decisions). Each kernel's programs for the other's
     sequences exit at once."""
     return batch >= 2 and max_seqlen_q > 1 and total_q < batch * max_seqlen_q
 
@@ -239,32 +232,28 @@ def as_kwargs(cfg: Tuple[int, int, int, int]) -> Dict[str, int]:
 
 
 # Which kernel family runs a call (flashtriton.launch.route reads these; every call signature
-# holds snapshot(), so a call replayed never crosses a change of them). Figures: H200, bf16,
-# docs/perf.md's decisions table.
+# holds snapshot(), so a call replayed never crosses a change of them). Each value is where
+# a measurement put it: docs/perf.md's decisions table.
 # The Triton releases whose Gluon the kernels of kernels/gluon/ are written for: Gluon's
 # API changes between releases (3.5's warp_specialize takes other arguments; 3.7 has no
 # gl.thread_barrier), so on any other release the Triton kernels run every call.
 GLUON_TRITONS = ((3, 6),)
-# The head dims of the Gluon forward in attention_forward (1.1-1.3x the Triton kernel from 1K
-# tokens at D=128; 1.5-1.9x at D=256, 2K-8K on an H100, 0.96-1.12x cuDNN; D=64 from a length:
-# GLUON_FWD_MIN_SEQLEN)
-# and the longest causal sequence that stays on the Triton forward (512 causal tokens: 0.95x).
+# The head dims of the Gluon forward in attention_forward, where it passes the Triton forward
+# (D=64 from a length: GLUON_FWD_MIN_SEQLEN), and the longest causal sequence that stays on
+# the Triton forward (short causal walks leave the Gluon kernel's pipeline half empty).
 GLUON_FWD_HEAD_DIMS = (128, 256)
 GLUON_FWD_CAUSAL_MAX_TRITON = 512
-# Whether the Gluon forward also runs windows, softcap, ALiBi and block masks (8K, D=128:
-# 1.02-1.34x the Triton forward).
+# Whether the Gluon forward also runs windows, softcap, ALiBi and block masks (faster than the
+# Triton forward at each).
 GLUON_VARIANTS = True
 # Whether the Gluon kernels take one-sided ALiBi (the keys' part of the bias in the scores,
 # the rows' part in the LSE: one FMA a score) where every visible key is at or left of the
-# diagonal, instead of the general |i - j| form (causal 8K: forward 447 -> 462 TFLOP/s, the
-# Gluon backward 320 -> 332).
+# diagonal, instead of the general |i - j| form (fewer instructions a score).
 GLUON_ALIBI_ONE_SIDED = True
-# The head dims of the Gluon backward in attention_backward (D=64, 2K-8K on an H100: 1.11-1.22x
-# the Triton backward, 0.99-1.03x cuDNN's; D=256 with the Triton dQ kernel: docs/perf.md).
+# The head dims of the Gluon backward in attention_backward (D=256 with the Triton dQ kernel).
 GLUON_BWD_HEAD_DIMS = (64, 128, 256)
-# The shortest sequence that runs the Gluon backward (B x N = 16K: 1.18x / 1.05x the Triton
-# backward at 1K plain / causal, 1.24x / 1.10x at 2K), and whether windows, softcap and ALiBi
-# take it too (causal 8K: window 315, softcap 387, ALiBi 382 TFLOP/s against 304, 297, 393).
+# The shortest sequence that runs the Gluon backward (from there it passes the Triton
+# backward), and whether windows, softcap and ALiBi take it too.
 GLUON_BWD_MIN_SEQLEN = 1024
 GLUON_BWD_VARIANTS = True
 # The Gluon kernels' tiles: what kernels/gluon/fwd.py and bwd.py are written for (each
@@ -431,8 +420,8 @@ def gluon_forward_first(head_dim: int, seqlen: int, causal: bool) -> bool:
 def gluon_fwd_options(has_lower: bool, block_m: int = GLUON_FWD_BLOCK_M) -> dict:
     """The Gluon forward's launch constants for a walk with or without a lower bound:
     GLUON_FWD_OPTIONS with ORDER chosen where it is None: 1 (whole windows first) with a lower
-    bound, else 0. Measured on the H200 (six rounds, bf16 8K; docs/journal/perf-journal.md):
-    the causal window 412 -> 427 TFLOP/s with ORDER 1; causal and dense walks unchanged."""
+    bound, else 0 (windows' whole walks first shorten the grid's tail; causal and dense walks
+    gain nothing: docs/journal/perf-journal.md)."""
     opts = dict(GLUON_FWD_OPTIONS)
     if opts["ORDER"] is None:
         opts["ORDER"] = 1 if has_lower else 0
@@ -447,16 +436,11 @@ def gluon_bwd_options(has_upper: bool, has_lower: bool = False, alibi: bool = Fa
     lower bound and ALiBi, at a head dim: GLUON_BWD_OPTIONS with each None chosen: SKIP_EMPTY
     with a lower bound; ORDER 1 with a lower bound, else 0; ONE_LOOP with a lower bound or
     ALiBi; EARLY_S with an upper bound and three loops (causal, softcap) where dQ is staged
-    (not at a split head dim: no staging for S^T to overlap, and D=256 causal 8K on an H100
-    ran 157 TFLOP/s with it against 208 without). Measured on the H200 (bf16, 8K;
-    docs/journal/perf-journal.md): EARLY_S (five rounds at 8K and 16K) causal 373 -> 409 and
-    401 -> 439 TFLOP/s with it, without a bound 486 -> 463 and 495 -> 472; ONE_LOOP (3.3K
-    instructions a step against 6.0K, no spills) ALiBi 450 -> 472 and the causal window 347 ->
-    354, but softcap 428 -> 393 and the block masks -2-3%; EARLY_S on one loop (five rounds):
-    ALiBi 494 with it off against 483 on, the window 363 against 359 (and off with three
-    loops, ALiBi 401: ONE_LOOP stays); SKIP_EMPTY and ORDER 1 (six rounds, the causal window):
-    369 -> 381 and 369 -> 374 TFLOP/s; ORDER 1 on causal walks 503 -> 478 (it is for walks
-    with a lower bound)."""
+    (not at a split head dim: no staging for S^T to overlap, and it measured slower there).
+    Each choice is the faster side of its A/B (docs/journal/perf-journal.md): EARLY_S helps
+    causal walks and costs walks without a bound; ONE_LOOP (about half the instructions a
+    step, no spills) helps ALiBi and windows but not softcap or block masks; SKIP_EMPTY and
+    ORDER 1 help windows, ORDER 1 costs causal walks."""
     opts = dict(GLUON_BWD_OPTIONS)
     if opts["SKIP_EMPTY"] is None:
         opts["SKIP_EMPTY"] = bool(has_lower)

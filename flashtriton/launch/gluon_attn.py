@@ -364,8 +364,7 @@ def _dq_buffer(q: torch.Tensor) -> torch.Tensor:
     """The Gluon backward's fp32 dQ buffer, (B, N, H, D) in q's layout (_token_rows: its
     rows and columns are q's, so the kernel's reductions use q's coordinates): tokens-major
     or heads-major memory, dense. dQ's copy out of it into a gradient of q's layout then
-    keeps the order of memory (a transposing copy ran at half the rate on the H200:
-    docs/journal/perf-journal.md)."""
+    keeps the order of memory (a transposing copy is slower: docs/journal/perf-journal.md)."""
     B, N, H, D = q.shape
     if _token_rows(q)[1] == 0:  # tokens-major (rh 0)
         return runtime._empty((B, N, H, D), torch.float32, q.device)

@@ -20,16 +20,15 @@ fp32 buffer by TMA bulk reductions (`cp.reduce.async.bulk.tensor`, in L2), so th
 tensor-core warps never wait for a reduction (DQ_MODE 2; DQ_MODE 1 keeps the product but
 adds nothing: a timing ablation). The sum's order varies from run to run: the backward is
 not bitwise repeatable (launch dispatches it unless a deterministic backward is asked for).
-A one-kernel, 8-warp form with the same body ran 0.84-0.92x the Triton backward and was
+A one-kernel, 8-warp form with the same body ran slower than the Triton backward and was
 removed (docs/journal/perf-journal.md).
 
 The consumers read the LSE and delta from shared memory where they use them, rather than
-holding 32 registers of them through the step: fewer spills, +5% without a mask and +14-16%
-causal on the H200 (docs/journal/perf-journal.md). Two forms of the step
+holding 32 registers of them through the step: fewer spills (docs/journal/perf-journal.md).
+Two forms of the step
 (configs.GLUON_BWD_OPTIONS, configs.gluon_bwd_options): EARLY_S issues the next step's S^T
 before dQ's staging, so that the product runs while the consumers stage (on where the walk
-has an upper bound and three loops: +8-10% causal, -5% without a bound; -1-2% on the one
-loop of ALiBi and windows).
+has an upper bound and three loops, where it measured faster).
 
 The rows of a ragged last query block read the next head's Q and dO rows (the 2-D view has
 no per-head bound): the prep kernel pads each head's LSE rows to a multiple of 128 (a block
@@ -274,7 +273,7 @@ def _dkdv_products(k_s, v_s, do_s, q_h, do_h, st, dk, dv, lse_s, delta_s, keys, 
     SEQ, the window, MASK_MOD). LATE_DV (consumer 1: the worker partition, 240 registers against
     the default partition's 248, spills where consumer 0 does not): dV's product issued after
     dS^T is formed, so that the bf16 P^T it reads from registers is not held through dS^T's
-    arithmetic (fewer live registers, less overlap; +3-4% causal at 8K-16K on the H200). Returns
+    arithmetic (fewer live registers, less overlap: faster causal walks). Returns
     dS^T and P^T (in the inputs' dtype) and dK, dV (their products still in flight)."""
     KEYS: gl.constexpr = k_s.shape[0]
     ROWS: gl.constexpr = do_s.shape[0]

@@ -70,7 +70,7 @@ def store_rows(tile, ptr, off, row0, stride_t, SEQ, COLS: gl.constexpr):
     """A ROWS x D tile of shared memory into global rows row0 .. row0 + ROWS - 1 (row r at
     ptr + off + r * stride_t, its first COLS (<= D) columns contiguous), rows < SEQ only; 4
     warps, 16 bytes a thread, so a warp's store writes whole rows (the products' layout
-    writes 16 bytes of each of 8 rows a store, 2-3x slower in the backward's dK / dV)."""
+    writes 16 bytes of each of 8 rows a store: slower)."""
     ROWS: gl.constexpr = tile.shape[0]
     D: gl.constexpr = tile.shape[1]
     gl.static_assert((256 // D) * (D // 8) == 32, "store_rows: a warp's 32 threads span whole "

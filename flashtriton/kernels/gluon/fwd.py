@@ -13,8 +13,8 @@ streams Q, then K and V into the ring; two consumer warpgroups own 64 rows each 
 release a slot through its "empty" mbarrier, so while one consumer runs its softmax the other
 can use the tensor cores. At head dim 64 three consumers share a program's 192 rows over key
 blocks of 64 (CONSUMERS; a 64 x 128 S at 160 registers a thread spills). (A plain 8-warp
-kernel with the same body, each warp refilling the slots itself, ran 5-20% slower at D=128
-on the H200: docs/journal/perf-journal.md.)
+kernel with the same body, each warp refilling the slots itself, ran slower:
+docs/journal/perf-journal.md.)
 
 Scope: bf16 / fp16, head dims 64, 128 and 256 and those under them (80, 96, 112 and 192 in
 128- and 256-wide tiles whose extra columns TMA fills with zeros), (B, N, H, D) tensors whose
@@ -152,8 +152,7 @@ def alibi_lanes(first, offs, anchor, slope2):
     (offs = (offs & 6) + (offs & -7)); there bits 1-2 are the lane's part (2 * (lane % 4))
     and the rest a constant of the register, so slope2 times the rest folds into each FFMA
     as an immediate and the lane's part joins one value a thread (VIADD, I2FP and FMUL a
-    column otherwise; the same sum in any layout, only slower). The causal loop 625 -> 573
-    instructions a step; ALiBi's forward 461 -> 485 TFLOP/s on the H200."""
+    column otherwise; the same sum in any layout, only slower)."""
     return gl.fma((offs & -7).to(gl.float32), slope2,
                   slope2 * (first - anchor + (offs & 6)).to(gl.float32))
 
@@ -245,7 +244,7 @@ def _attend(q_smem, k_smem, v_smem, q_full, k_full, v_full, k_empty, v_empty, O,
     l_o = gl.convert_layout(l_i, alpha_layout)
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     # Through this group's rows of Q (its last S has read them), whole rows a warp
-    # (store_rows; from the products' layout: 541 -> 575 TFLOP/s at 2K, window +5%, H200).
+    # (store_rows: the products' layout writes 16 bytes of 8 rows a store, slower).
     q_smem.store(out.to(q_smem.dtype))
     gl.thread_barrier()  # (this partition's warps)
     store_rows(q_smem, O, off_b * stride_ob + off_h * stride_oh, row_start, stride_ot, SEQ,
