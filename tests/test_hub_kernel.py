@@ -6,6 +6,7 @@ the float64 reference, and transformers must run a tiny Llama on it through LOCA
 """
 
 import json
+import sys
 
 import pytest
 import torch
@@ -42,6 +43,13 @@ def test_loader_rejects_a_modified_build(build):
     init.write_text(init.read_text() + "\nflash_attn_func = None\n")
     with pytest.raises(RuntimeError, match="do not match the digest"):
         kernels.get_local_kernel(build)
+
+
+def test_build_without_flashtriton_says_what_to_install(build, monkeypatch):
+    init = build / "build" / "torch-universal" / "flashtriton" / "__init__.py"
+    monkeypatch.setitem(sys.modules, "flashtriton.compat.flash_attn", None)  # import fails
+    with pytest.raises(ImportError, match="pip install flashtriton"):
+        exec(compile(init.read_text(), str(init), "exec"), {"__name__": "hub_build"})
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
