@@ -1,5 +1,6 @@
 """A drop-in for ``torch.nn.functional.scaled_dot_product_attention``."""
 
+import contextvars
 from typing import Optional
 
 import torch
@@ -88,7 +89,7 @@ def _sdpa_run(q, k, v, causal, scale, dropout_p, attn_mask=None):
 
 
 class _SDPAPatch:
-    """Handle of ``patch_sdpa``: ``restore()``, or use it as a context manager."""
+    """Handle of ``patch_sdpa()``: ``restore()``, or use it as a context manager."""
 
     def __init__(self):
         self._previous = F.scaled_dot_product_attention
@@ -105,16 +106,110 @@ class _SDPAPatch:
         return False
 
 
-def patch_sdpa() -> _SDPAPatch:
-    """Route ``torch.nn.functional.scaled_dot_product_attention`` through flashtriton.
+# How many forwards of patched modules the current thread / task is inside: SDPA calls made
+# while it is > 0 go to the kernels, the others to the function the scoped route replaced.
+_SCOPE_DEPTH = contextvars.ContextVar("flashtriton_sdpa_scope_depth", default=0)
+
+
+class _ScopedRoute:
+    """The one function that ``patch_sdpa(module)`` puts in place of torch's SDPA while any
+    scoped patch is alive: it reads ``_SCOPE_DEPTH`` and sends each call to the kernels'
+    drop-in or to the function it replaced."""
+
+    handles = 0
+    previous = None
+    # True where other code replaced the function after ours, so that the last restore could
+    # not take ours out: it stays in that code's chain, forwarding to ``previous``, and a later
+    # scoped patch reuses it rather than wrapping the chain (which would call itself).
+    chained = False
+
+    @classmethod
+    def acquire(cls) -> None:
+        if cls.handles == 0 and not cls.chained:
+            cls.previous = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = _scoped_sdpa
+        cls.handles += 1
+
+    @classmethod
+    def release(cls) -> None:
+        cls.handles -= 1
+        if cls.handles == 0:
+            cls.chained = F.scaled_dot_product_attention is not _scoped_sdpa
+            if not cls.chained:
+                F.scaled_dot_product_attention = cls.previous
+
+
+def _scoped_sdpa(*args, **kwargs):
+    if _SCOPE_DEPTH.get() > 0:
+        return scaled_dot_product_attention(*args, **kwargs)
+    return _ScopedRoute.previous(*args, **kwargs)
+
+
+def _enter_scope(module, args):
+    _SCOPE_DEPTH.set(_SCOPE_DEPTH.get() + 1)
+
+
+def _leave_scope(module, args, output):
+    # never below 0: a global pre-hook that raised before ours still calls this hook
+    _SCOPE_DEPTH.set(max(_SCOPE_DEPTH.get() - 1, 0))
+
+
+class _ModuleSDPAPatch:
+    """Handle of ``patch_sdpa(module)``: ``restore()``, or use it as a context manager."""
+
+    def __init__(self, module: torch.nn.Module):
+        _ScopedRoute.acquire()
+        self._hooks = [module.register_forward_pre_hook(_enter_scope, prepend=True),
+                       module.register_forward_hook(_leave_scope, always_call=True)]
+
+    def restore(self) -> None:
+        """Remove the hooks; torch's function is back once no scoped patch is left. A second
+        call does nothing."""
+        if not self._hooks:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        _ScopedRoute.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
+
+
+def patch_sdpa(module: Optional[torch.nn.Module] = None):
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` through flashtriton: for the
+    whole process, or with ``module`` only for the calls made inside that module's forward.
 
         flashtriton.patch_sdpa()             # from here on (handle.restore() undoes it)
         with flashtriton.patch_sdpa():       # or only inside the block
             model(x)
+        with flashtriton.patch_sdpa(unet):   # only SDPA calls inside unet(...)
+            pipe(prompt)                     # the text encoders keep torch's SDPA
 
     Calls the kernels support go to them; the rest go to torch's original function (see
-    ``scaled_dot_product_attention``). Code that imported the function itself
+    ``scaled_dot_product_attention``).
+
+    With ``module`` (any ``torch.nn.Module``: a diffusers UNet or transformer, a
+    transformers model), a forward pre-hook and an always-called forward hook mark, per
+    thread and asyncio task, when a forward of ``module`` is running, and torch's function is
+    replaced by one that routes only the calls made there; other modules' calls go to the
+    function that was in place before, also when they run in another thread at the same
+    time. Several modules can be patched at once; the returned handle's ``restore()`` (or the
+    end of a ``with`` block) removes this module's hooks, and the last one restored puts the
+    previous function back. Only calls through ``module.__call__`` are seen
+    (``module.forward(x)`` bypasses hooks).
+
+    Code that imported the function itself
     (``from torch.nn.functional import scaled_dot_product_attention``) before the patch
     keeps torch's.
     """
-    return _SDPAPatch()
+    if module is None:
+        return _SDPAPatch()
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"patch_sdpa: module must be a torch.nn.Module or None, "
+                        f"got {type(module).__name__}")
+    return _ModuleSDPAPatch(module)

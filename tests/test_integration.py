@@ -1,7 +1,10 @@
-"""patch_sdpa, logging, the env report and profiler names."""
+"""patch_sdpa (process-wide and scoped to one module), logging, the env report and profiler
+names."""
 
 import logging
+import threading
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +36,113 @@ def test_patch_sdpa_routes_and_restores(monkeypatch):
                                                                         requires_grad=True))
     handle.restore()
     assert F.scaled_dot_product_attention is original and out.shape == q.shape
+
+
+def _count_kernel_runs(monkeypatch):
+    calls = []
+    real_run = sdpa_mod._sdpa_run
+    monkeypatch.setattr(sdpa_mod, "_sdpa_run",
+                        lambda *a, **k: calls.append(1) or real_run(*a, **k))
+    return calls
+
+
+def _no_hooks(module):
+    return not module._forward_pre_hooks and not module._forward_hooks
+
+
+def test_patch_sdpa_module_routes_only_that_module(monkeypatch):
+    original = F.scaled_dot_product_attention
+    inside, outside = SdpaBlock().to(DEVICE), SdpaBlock().to(DEVICE)
+    x = torch.randn(2, 21, 64, device=DEVICE)
+    expected_in, expected_out = inside(x), outside(x)
+    calls = _count_kernel_runs(monkeypatch)
+    with flashtriton.patch_sdpa(inside) as handle:
+        assert F.scaled_dot_product_attention is not original
+        got_in = inside(x)
+        assert len(calls) == 1
+        got_out = outside(x)
+        q = torch.randn(1, 2, 5, 16, device=DEVICE)
+        direct = F.scaled_dot_product_attention(q, q, q)
+        assert len(calls) == 1  # neither the other module nor a call outside any forward
+        with pytest.raises(RuntimeError):
+            inside(torch.randn(2, 21, 63, device=DEVICE))  # the scope ends with the exception
+        outside(x)
+        assert len(calls) == 1
+    assert F.scaled_dot_product_attention is original and _no_hooks(inside)
+    torch.testing.assert_close(got_in, expected_in, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_out, expected_out) and torch.equal(direct, original(q, q, q))
+    handle.restore()  # a second restore does nothing
+    assert F.scaled_dot_product_attention is original
+    inside(x)
+    assert len(calls) == 1
+
+
+def test_patch_sdpa_modules_restored_in_any_order(monkeypatch):
+    original = F.scaled_dot_product_attention
+    first, second = SdpaBlock().to(DEVICE), SdpaBlock().to(DEVICE)
+    x = torch.randn(1, 9, 64, device=DEVICE)
+    calls = _count_kernel_runs(monkeypatch)
+    h1, h2 = flashtriton.patch_sdpa(first), flashtriton.patch_sdpa(second)
+    first(x), second(x)
+    assert len(calls) == 2
+    h1.restore()
+    first(x)
+    assert len(calls) == 2 and F.scaled_dot_product_attention is not original
+    second(x)
+    assert len(calls) == 3
+    h2.restore()
+    assert F.scaled_dot_product_attention is original and _no_hooks(first) and _no_hooks(second)
+
+
+def test_patch_sdpa_module_under_a_later_process_patch(monkeypatch):
+    """A process-wide patch made after a scoped one and undone after it: the scoped function
+    stays in its chain, and a second scoped patch routes without calling itself."""
+    original = F.scaled_dot_product_attention
+    block, other = SdpaBlock().to(DEVICE), SdpaBlock().to(DEVICE)
+    x = torch.randn(1, 9, 64, device=DEVICE)
+    calls = _count_kernel_runs(monkeypatch)
+    scoped = flashtriton.patch_sdpa(block)
+    wrapped = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda *a, **k: wrapped(*a, **k)  # another library's
+    try:
+        scoped.restore()
+        with flashtriton.patch_sdpa(other):
+            other(x), block(x)
+            assert len(calls) == 1
+    finally:
+        F.scaled_dot_product_attention = wrapped
+    assert F.scaled_dot_product_attention is wrapped
+    with flashtriton.patch_sdpa(block):
+        block(x), other(x)
+    assert len(calls) == 2 and F.scaled_dot_product_attention is original
+
+
+class _ThreadedBlock(torch.nn.Module):
+    """Calls SDPA in its own forward and, at the same time, in a thread it starts."""
+
+    def forward(self, q):
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            other=F.scaled_dot_product_attention(q, q, q)))
+        worker.start()
+        worker.join()
+        return F.scaled_dot_product_attention(q, q, q), result["other"]
+
+
+def test_patch_sdpa_module_scope_is_per_thread(monkeypatch):
+    block = _ThreadedBlock()
+    q = torch.randn(1, 2, 7, 16, device=DEVICE)
+    calls = _count_kernel_runs(monkeypatch)
+    with flashtriton.patch_sdpa(block):
+        ours, other = block(q)
+    assert len(calls) == 1
+    assert torch.equal(other, F.scaled_dot_product_attention(q, q, q))
+    torch.testing.assert_close(ours, other, atol=1e-5, rtol=1e-5)
+
+
+def test_patch_sdpa_module_must_be_a_module():
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        flashtriton.patch_sdpa(lambda x: x)
 
 
 def test_debug_logging_names_each_launch(caplog):
