@@ -284,17 +284,44 @@ def test_variants_bench_sets_gluon_options(monkeypatch):
     assert exc.value.code == 2
 
 
+def test_train_rows_are_medians_of_rotated_rounds(monkeypatch):
+    """The train suite checks every provider first, then measures those that passed in
+    rounds with their order rotated each round; each figure is the median of its rounds, a
+    provider that failed its check is never timed."""
+    shape = bench.Shape("train", 1, 2, 1, 64, 16, False)
+    naive = bench.PROVIDERS["naive"]
+    other = lambda q, k, v, c: naive(q, k, v, c)  # noqa: E731
+    monkeypatch.setitem(bench.PROVIDERS, "other", other)
+    monkeypatch.setitem(bench.PROVIDERS, "wrong", lambda q, k, v, c: naive(q, k, v, not c))
+    order, ms = [], {"naive": iter([3.0, 1.0, 2.0]), "other": iter([5.0, 6.0, 4.0])}
+
+    def fake_measure(fn, q, k, v, causal, dout=None):
+        prov = "naive" if fn is naive else "other"
+        order.append(prov)
+        t = next(ms[prov])
+        return dict(fwd_ms=t, bwd_ms=2 * t, fwdbwd_ms=3 * t, peak_extra_MiB=1.0)
+
+    monkeypatch.setattr(train, "measure", fake_measure)
+    rows = train.run_shape(shape, ["naive", "other", "wrong"], torch.float32, {}, device=DEVICE,
+                           rounds=3)
+    assert order == ["naive", "other", "other", "naive", "naive", "other"]
+    row = {r["provider"]: r for r in rows}
+    assert row["naive"]["fwd_ms"] == 2.0 and row["naive"]["fwd_ms_rounds"] == [3.0, 1.0, 2.0]
+    assert row["other"]["bwd_ms"] == 10.0 and row["other"]["rounds"] == 3
+    assert row["wrong"]["status"].startswith("FAILED check") and "fwd_ms" not in row["wrong"]
+
+
 def test_variants_bench_reports_the_median_of_its_rounds():
     """bench.variants measures each provider --rounds times in turn: every figure is the
     median over the rounds, and each round's milliseconds are kept beside it."""
-    from flashtriton.bench.variants import _median_run
+    from flashtriton.bench.common import median_run
     runs = [dict(fwd_ms=3.0, bwd_ms=9.0, peak_extra_MiB=5.0),
             dict(fwd_ms=1.0, bwd_ms=7.0, peak_extra_MiB=5.0),
             dict(fwd_ms=2.0, bwd_ms=20.0, peak_extra_MiB=6.0)]
-    row = _median_run(runs)
+    row = median_run(runs)
     assert (row["fwd_ms"], row["bwd_ms"], row["peak_extra_MiB"]) == (2.0, 9.0, 5.0)
     assert row["bwd_ms_rounds"] == [9.0, 7.0, 20.0] and "peak_extra_MiB_rounds" not in row
-    assert _median_run(runs[:2])["fwd_ms"] == 2.0
+    assert median_run(runs[:2])["fwd_ms"] == 2.0
     from flashtriton.bench import variants
     with pytest.raises(SystemExit) as exc:  # argparse's error, before it looks for a GPU
         variants.main(["--rounds", "0"])
@@ -335,7 +362,7 @@ def test_variants_bench_ab(monkeypatch):
 def test_variants_bench_rotates_its_order():
     """bench.variants' rounds rotate the providers' order: over as many rounds as providers,
     each runs once in every place."""
-    from flashtriton.bench.variants import rotated
+    from flashtriton.bench.common import rotated
     provs = ["flashtriton A", "flashtriton B", "flex"]
     orders = [rotated(provs, r) for r in range(6)]
     assert orders[0] == provs and orders[1] == ["flashtriton B", "flex", "flashtriton A"]

@@ -26,7 +26,8 @@ Suites (flashtriton.bench.SUITES):
 Every provider's output (and, in training, its gradients) is checked against
 flashtriton.reference before its speed is measured; a row whose check fails says so instead.
 For every shape and provider: median times (triton.testing.do_bench) of forward, backward and
-forward + backward, TFLOP/s (forward 4 * B * H * SQ * SK * D, halved when causal; backward 2.5x
+forward + backward (in training, the providers measured --rounds times in turn, their order
+rotated each round, and the median of the rounds kept), TFLOP/s (forward 4 * B * H * SQ * SK * D, halved when causal; backward 2.5x
 that) and the peak extra memory of forward + backward. A shape that runs out of memory is a row
 that says so. Writes results.jsonl (row by row), results.csv, results.md and, when matplotlib is
 installed, tflops.png and memory.png to --out; the GPU name, versions, commit and date are in
@@ -84,6 +85,9 @@ def parser():
                    help="train suite: batch x seqlen (the batch is this over the seqlen)")
     p.add_argument("--dmodel", type=int, default=2048,
                    help="train suite: heads x head dim (the heads are this over the head dim)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="train and gqa suites: measure the providers this many times, their order "
+                        "rotated each round; each figure is the median of its rounds")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                    help="the inputs' dtype")
     common.add_out(p, "results.{jsonl,csv,md} and the plots")
@@ -96,6 +100,8 @@ def parser():
 def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.merge:
         return merge(args.merge, args.out)
     common.need_gpus(p.prog)
@@ -106,7 +112,7 @@ def main(argv=None):
     rows = []
     with open(os.path.join(args.out, "results.jsonl"), "w") as jsonl:  # row by row
         for shape in _progress(shapes(args)):
-            for row in run_shape(shape, providers, dtype, meta):
+            for row in run_shape(shape, providers, dtype, meta, rounds=args.rounds):
                 rows.append(row)
                 jsonl.write(json.dumps(row) + "\n")
                 jsonl.flush()

@@ -246,3 +246,21 @@ def alternated(time, sides, rounds=3) -> dict:
             runs[side].append(time(side))
     return {side: [statistics.median(t[i] for t in got) for i in range(len(got[0]))]
             for side, got in runs.items()}
+
+
+def rotated(providers: list, r: int) -> list:
+    """Round r's order: the providers rotated by r, so that over len(providers) rounds each
+    runs in every place once (a provider measured just after FlexAttention runs slower than in
+    the next place: the order is part of the measurement)."""
+    r %= len(providers)
+    return providers[r:] + providers[:r]
+
+
+def median_run(runs: list) -> dict:
+    """Each of common.measure's figures: its median over the rounds, and every round's ms."""
+    out = {}
+    for key in runs[0]:
+        out[key] = statistics.median(r[key] for r in runs)
+        if key.endswith("_ms"):
+            out[key + "_rounds"] = [r[key] for r in runs]
+    return out

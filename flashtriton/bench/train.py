@@ -16,7 +16,8 @@ import time
 import torch
 
 from . import OVERHEAD_SHAPE, PROVIDERS, Shape, flops_fwd
-from .common import check, expected, failed, measure, tiles_mark, tiles_since
+from .common import (check, expected, failed, measure, median_run, rotated, tiles_mark,
+                     tiles_since)
 
 
 def inputs(shape: Shape, dtype, requires_grad=True, device="cuda"):
@@ -33,10 +34,11 @@ def reference(q, k, v, dout, causal):
     return [x.transpose(1, 2) for x in expected(*t, causal=causal)]
 
 
-def run_shape(shape: Shape, providers, dtype, meta, device="cuda", timed=True):
+def run_shape(shape: Shape, providers, dtype, meta, device="cuda", timed=True, rounds=3):
     """One row per provider: its check against the reference, then (timed) its speed only
-    where the check passed. timed=False: the checks alone (no GPU needed)."""
-    rows = []
+    where the check passed, measured ``rounds`` times with the providers' order rotated each
+    round (a provider timed after others runs on a hotter card) and the median of each figure
+    kept. timed=False: the checks alone (no GPU needed)."""
     torch.manual_seed(0)
     q, k, v = inputs(shape, dtype, device=device)
     dout = torch.randn_like(q)
@@ -44,34 +46,48 @@ def run_shape(shape: Shape, providers, dtype, meta, device="cuda", timed=True):
         ref = reference(q, k, v, dout, shape.causal)
     except torch.cuda.OutOfMemoryError:
         ref = None
+    rows, mark = {}, tiles_mark() if timed else 0  # the checks' first calls tune the tiles
     for prov in providers:
-        row = dict(meta, provider=prov, dtype=str(dtype).split(".")[-1], **shape._asdict())
+        row = rows[prov] = dict(meta, provider=prov, dtype=str(dtype).split(".")[-1],
+                                **shape._asdict())
         if ref is None:
-            rows.append(dict(row, status="out of memory (the reference)"))
+            row["status"] = "out of memory (the reference)"
             continue
         try:
-            mark = tiles_mark() if prov == "flashtriton" and timed else 0
             row["rel_err"] = err = check(PROVIDERS[prov], q, k, v, dout, ref, shape.causal)
-            row["status"] = failed(err)
-            if not row["status"] and timed:
-                row.update(measure(PROVIDERS[prov], q, k, v, shape.causal, dout), status="ok")
-                if prov == "flashtriton":
-                    row["tiles"] = tiles_since(mark)
-                f = flops_fwd(shape.B, shape.H, shape.N, shape.N, shape.D, shape.causal)
-                row.update(fwd_tflops=f / row["fwd_ms"] * 1e-9,
-                           bwd_tflops=2.5 * f / row["bwd_ms"] * 1e-9,
-                           fwdbwd_tflops=3.5 * f / row["fwdbwd_ms"] * 1e-9)
-            elif not row["status"]:
-                row["status"] = "checked"
+            row["status"] = failed(err) or ("ok" if timed else "checked")
         except torch.cuda.OutOfMemoryError:
             row["status"] = "out of memory"
         except Exception as e:  # a provider that cannot run this shape
             row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
         q.grad = k.grad = v.grad = None
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        rows.append(row)
-    return rows
+    del ref
+    timing = [prov for prov in providers if rows[prov]["status"] == "ok"]
+    runs = {prov: [] for prov in timing}
+    for r in range(rounds if timing else 0):
+        for prov in rotated(timing, r):
+            if rows[prov]["status"] != "ok":  # failed in an earlier round
+                continue
+            try:
+                runs[prov].append(measure(PROVIDERS[prov], q, k, v, shape.causal, dout))
+            except torch.cuda.OutOfMemoryError:
+                rows[prov]["status"] = "out of memory"
+            except Exception as e:
+                rows[prov]["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            q.grad = k.grad = v.grad = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    f = flops_fwd(shape.B, shape.H, shape.N, shape.N, shape.D, shape.causal)
+    for prov in timing:
+        row = rows[prov]
+        if row["status"] != "ok":
+            continue
+        row.update(median_run(runs[prov]), rounds=rounds)
+        row.update(fwd_tflops=f / row["fwd_ms"] * 1e-9, bwd_tflops=2.5 * f / row["bwd_ms"] * 1e-9,
+                   fwdbwd_tflops=3.5 * f / row["fwdbwd_ms"] * 1e-9)
+        if prov == "flashtriton":
+            row["tiles"] = tiles_since(mark)
+    return list(rows.values())
 
 
 _COLD = """

@@ -20,7 +20,6 @@ an A/B that drift between rounds reaches alike.
 
 import json
 import os
-import statistics
 
 import torch
 import triton
@@ -202,24 +201,6 @@ def _with_options(items, fn, *args):
             table.update(old)
 
 
-def rotated(providers: list, r: int) -> list:
-    """Round r's order: the providers rotated by r, so that over len(providers) rounds each
-    runs in every place once (a provider measured just after FlexAttention runs slower than in
-    the next place: the order is part of the measurement)."""
-    r %= len(providers)
-    return providers[r:] + providers[:r]
-
-
-def _median_run(runs: list) -> dict:
-    """Each of common.measure's figures: its median over the rounds, and every round's ms."""
-    out = {}
-    for key in runs[0]:
-        out[key] = statistics.median(r[key] for r in runs)
-        if key.endswith("_ms"):
-            out[key + "_rounds"] = [r[key] for r in runs]
-    return out
-
-
 def variant_line(name: str, ours: list, flex: dict) -> str:
     """A table line: each of flashtriton's rows (one, or an A/B's two), FlexAttention's, and
     each of ours' speed-ups over it (fwd / bwd); a row that failed shows its status."""
@@ -312,7 +293,7 @@ def main(argv=None):
             ok = {prov: not failed(err[prov]) for prov in fns}
             runs = {prov: [] for prov in fns}
             for r in range(args.rounds):  # the providers in turn: drift reaches all alike
-                for prov in rotated(list(fns), r):
+                for prov in common.rotated(list(fns), r):
                     fn = fns[prov]
                     if ok[prov]:
                         runs[prov].append(_with_options(items[prov], measure, fn, q, k, v, None,
@@ -323,7 +304,7 @@ def main(argv=None):
                 if not ok[prov]:
                     row["status"] = failed(err[prov])
                 else:
-                    row.update(_median_run(runs[prov]), status="ok", rounds=args.rounds)
+                    row.update(common.median_run(runs[prov]), status="ok", rounds=args.rounds)
                     row.update(fwd_tflops=flop / row["fwd_ms"] * 1e-9,
                                bwd_tflops=2.5 * flop / row["bwd_ms"] * 1e-9)
                     if prov in ours:  # the tiles its kernels were tuned to
