@@ -10,6 +10,7 @@ import torch
 
 from .autograd import AttentionOutput, NoBackward, attention, gradients, register_mods
 from .block_mask import BlockMask, create_block_mask
+from .launch import decode as decode_launch
 from .launch.calls import key_counts
 from .validation import (_contents as validation_contents, check_alibi, check_block_table,
                          check_cache_indices, check_cu_seqlens, check_deterministic,
@@ -163,15 +164,14 @@ def _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size=(-
 
 def _paged_decode(q, k, v, cu_k, seqused_k, block_table, scale, causal, window, softcap,
                   alibi_slopes, sinks, out) -> AttentionOutput:
-    """Paged varlen with one query a sequence (total_q = batch) on the split-KV kernel of
-    ``attention_with_kvcache``: lse (nheads, batch) as the varlen kernel's."""
-    from .decode import attention_with_kvcache
+    """Paged varlen with one query a sequence (total_q = batch), its arguments checked, on the
+    KV-cache launcher (the split-KV kernel): lse (nheads, batch) as the varlen kernel's."""
     B, H, D = q.shape
-    res, lse = attention_with_kvcache(q.view(B, 1, H, D), k, v,
-                                      cache_seqlens=key_counts(cu_k, seqused_k),
-                                      block_table=block_table, softmax_scale=scale,
-                                      causal=causal, window_size=window, softcap=softcap,
-                                      alibi_slopes=alibi_slopes, sinks=sinks)
+    left, right = window
+    res, lse = decode_launch.attend(q.view(B, 1, H, D), k, v, None, None,
+                                    key_counts(cu_k, seqused_k), block_table, None, None,
+                                    alibi_slopes, scale, causal, left, 0 if causal else right,
+                                    softcap, 0, True, None, False, sinks, False, (None, None))
     res = res.view(B, H, D)
     if out is not None:
         res = out.copy_(res)
