@@ -334,8 +334,12 @@ def check_unit_stride(name: str, x: torch.Tensor) -> None:
 
 
 def unit_last(x: torch.Tensor) -> torch.Tensor:
-    """x, or a contiguous copy where its stride on headdim is not 1 (what the kernels need)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """x, or a contiguous copy where its stride on headdim is not 1 (what the kernels need).
+    An empty x (zero heads, say) counts as contiguous whatever its strides, and contiguous()
+    returns it as it is: a new empty tensor then (it has no elements to copy)."""
+    if x.stride(-1) == 1:
+        return x
+    return x.new_empty(x.shape) if x.numel() == 0 else x.contiguous()
 
 
 def _real(name: str, value) -> float:

@@ -17,6 +17,24 @@ Two tests an entry point:
   The SDPA drop-in, which hands what its kernels cannot run to torch, must behave as
   torch's own function does on the same call.
 
+ENTRIES also holds the routes that other code takes into the kernels:
+
+- flash-attn's private wrappers ``_flash_attn_forward``, ``_flash_attn_backward``,
+  ``_flash_attn_varlen_forward`` and ``_flash_attn_varlen_backward`` (flash-attn 2.8's
+  signatures, called by keyword as ring-flash-attn calls them, or positionally): the forwards'
+  out and LSE (flash-attn's: +inf for rows that see no key) against the reference; the
+  backwards, given the reference's out and LSE, must write the reference's gradients into the
+  given dq / dk / dv views (any strides; some may be None) and nothing outside them, and
+  return flash-attn's softmax_d; a defect also must leave the gradient buffers unchanged;
+- torch's ``scaled_dot_product_attention`` under its flash backend with flashtriton active in
+  torch's flash-attention registry (torch >= 2.11; activated for the call and its backward
+  and restored after each; on the CPU on the CPU dispatch key, reached through a route from
+  torch's CPU flash operator, ``_cpu_flash_route``): the reference, or torch's own result
+  where the registry falls back to torch's kernel; defects: as torch's own flash backend;
+- ``flashtriton.patch_sdpa(module)``: a module calling torch's SDPA in its forward, patched
+  for the call: as the SDPA drop-in (reference; defects as torch's SDPA), and torch's
+  function and the module's hooks as before after each call.
+
 Each test runs all its examples, counts their outcomes (ok, silent wrong result, NaN,
 state changed by an error, wrong error type / unnamed argument, crash, timeout, valid call
 refused, defect accepted), prints every failing call and fails with the counts and the first
@@ -27,26 +45,36 @@ DEFECT_EXAMPLES below, a few minutes on two CPU cores through the interpreter).
 """
 
 import contextlib
+import inspect
 import os
 import re
 import signal
 import threading
+import warnings
 import zlib
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from hypothesis import HealthCheck, Phase, assume, given, seed, settings
 from hypothesis import strategies as st
 
 import flashtriton
 from accuracy import floor, max_err
-from conftest import DEVICE
+from conftest import DEVICE, ON_GPU
 from flashtriton import configs, validation
 from flashtriton.compat import flash_attn as fa
 from flashtriton.decode import PagedKVCache, attention_with_kvcache
+from flashtriton.integrations import torch_registry
 from flashtriton.reference import attention_reference
+
+HAS_REGISTRY = hasattr(torch.nn.attention, "activate_flash_attention_impl")  # torch >= 2.11
+if HAS_REGISTRY:
+    from torch.nn.attention import (activate_flash_attention_impl, current_flash_attention_impl,
+                                    register_flash_attention_impl, restore_flash_attention_impl)
 
 _N = os.environ.get("FLASHTRITON_FUZZ_EXAMPLES")
 VALID_EXAMPLES = int(_N) if _N else 12
@@ -197,6 +225,10 @@ class Case:
         self.post_writes = None  # () -> such writes, known after the call (PagedKVCache)
         self.state = None       # () -> host state that a call may change (PagedKVCache)
         self.state_after = None  # (before, after) -> problem or None, for valid calls
+        self.state_name = "PagedKVCache"  # what c.state() describes, in messages
+        self.results = None     # (result) -> {name: tensor}: more results that expect() names
+        self.torch_fn = None    # torch's own function, for the SDPA-like entries' defects
+        self.scope = contextlib.nullcontext  # entered around a call and its backward
         self.patches = {}       # configs attributes set during the call
         self.names = {}         # canonical option name -> this entry's argument name
         self.values = {}        # logical input values (before placement)
@@ -429,6 +461,21 @@ DENSE_NAMES = {
     "scaled_dot_product_attention": dict(causal="is_causal", scale="scale", dropout="dropout_p"),
 }
 DENSE_NAMES["flash_attention_with_lse"] = DENSE_NAMES["flash_attention"]
+# flash-attn's private wrappers (ring-flash-attn's calls): window_size is split into
+# window_size_left / window_size_right there (build_private)
+DENSE_NAMES["_flash_attn_forward"] = dict(causal="causal", scale="softmax_scale",
+                                          window="window_size", softcap="softcap",
+                                          alibi="alibi_slopes", dropout="dropout_p")
+DENSE_NAMES["_flash_attn_backward"] = dict(DENSE_NAMES["_flash_attn_forward"],
+                                           deterministic="deterministic")
+FA_PRIVATE = ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
+              "_flash_attn_varlen_backward")
+# torch's SDPA signature: the drop-in, and the two routes that reach it from torch's function
+PATCHED_MODULE = "patch_sdpa(module)"
+REGISTRY = "torch registry F.sdpa(flash)"
+SDPA_ENTRIES = ("scaled_dot_product_attention", PATCHED_MODULE, REGISTRY)
+for _entry in SDPA_ENTRIES[1:]:
+    DENSE_NAMES[_entry] = DENSE_NAMES["scaled_dot_product_attention"]
 
 
 @st.composite
@@ -437,11 +484,19 @@ def dense_recipe(draw, entry, defects=False):
     r["B"] = draw(st.sampled_from((1, 2, 3, 1, 2, 0)))
     r["SQ"], r["SK"] = draw(st.sampled_from(SEQLENS)), draw(st.sampled_from(SEQLENS))
     names = DENSE_NAMES[entry]
-    if entry == "scaled_dot_product_attention":
+    registry = entry == REGISTRY
+    if entry in SDPA_ENTRIES:
         r.update(draw(option_recipe({"causal", "scale"})))
         r["forms"] = "plain"  # torch's signature: bools and floats
         r["enable_gqa"] = True if r["H"] != r["HKV"] else draw(st.booleans())
         r["mask"] = None if r["causal"] else draw(st.sampled_from((None, "bool", "additive")))
+        if registry:  # what SDPA's flash backend takes (else torch finds no kernel)
+            r["mask"], r["DV"] = None, r["D"]
+            r["causal"] = r["causal"] and r["SQ"] == r["SK"]
+            if ON_GPU and r["dtype"] == torch.float32:
+                r["dtype"] = torch.bfloat16
+            if not ON_GPU and not defects and draw(st.sampled_from((False,) * 5 + (True,))):
+                r["dtype"] = torch.float64  # the kernels refuse it: torch's own kernel runs
         if r["mask"]:
             r["mask_shape"] = draw(st.sampled_from(("(L, S)", "(B, H, L, S)", "(B, 1, L, S)",
                                                     "(1, H, 1, S)", "(H, L, 1)")))
@@ -450,8 +505,10 @@ def dense_recipe(draw, entry, defects=False):
     if entry == "flash_attn_func":
         r["return_attn_probs"] = draw(st.booleans())
     r["route"] = draw(st.sampled_from(("default", "default", "dense-split")))
-    r["grad"] = not defects and draw(st.sampled_from((False, False, False, True)))
-    lay = {n: draw(qkv_layouts()) for n in ("q", "k", "v")}
+    r["grad"] = (not defects and entry not in FA_PRIVATE and r["dtype"] != torch.float64
+                 and draw(st.sampled_from((False, False, False, True))))
+    # SDPA's flash backend takes a unit stride on headdim only
+    lay = {n: draw(layouts(4) if registry else qkv_layouts()) for n in ("q", "k", "v")}
     lay.update(_option_layouts(draw, r))
     if r.get("mask"):
         lay["attn_mask"] = draw(layouts(4, unit_last=False))
@@ -469,7 +526,8 @@ def build_dense(entry, r):
     c.names = dict(DENSE_NAMES[entry], q="q", k="k", v="v")
     B, SQ, SK, H, HKV, D, DV, dt = (r[n] for n in ("B", "SQ", "SK", "H", "HKV", "D", "DV",
                                                     "dtype"))
-    sdpa = entry == "scaled_dot_product_attention"
+    sdpa = entry in SDPA_ENTRIES
+    compat = entry in ("flash_attn_func",) + FA_PRIVATE  # flash-attn's LSE: +inf, not -inf
     if sdpa:
         c.names.update(q="query", k="key", v="value")
     q, k, v = c.randn(B, SQ, H, D, dtype=dt), c.randn(B, SK, HKV, D, dtype=dt), \
@@ -504,20 +562,21 @@ def build_dense(entry, r):
         ref_opts = _options(c, B, H)
         c.fn = {"flash_attention": flashtriton.flash_attention,
                 "flash_attention_with_lse": flashtriton.flash_attention_with_lse,
-                "flash_attn_func": fa.flash_attn_func}[entry]
-    returns_lse = entry == "flash_attention_with_lse" or r.get("return_attn_probs")
+                "flash_attn_func": fa.flash_attn_func}.get(entry)  # (FA_PRIVATE: build_private)
+    returns_lse = (entry == "flash_attention_with_lse" or r.get("return_attn_probs")
+                   or entry in FA_PRIVATE)
     if entry == "flash_attn_func" and r["return_attn_probs"]:
         c.params["return_attn_probs"] = True
     if entry == "flash_attention_with_lse":
         c.unpack = lambda res: (res.out, res.lse)
-    elif entry == "flash_attn_func" and r["return_attn_probs"]:
+    elif entry == "flash_attn_func" and r["return_attn_probs"] or entry in FA_PRIVATE:
         c.unpack = lambda res: (res[0], res[1])
 
     def reference(q, k, v, dtype):
         ref = attention_reference(q, k, v, dtype=dtype, **ref_opts)
         if sdpa:
             return ref.out.transpose(1, 2), ref.lse
-        return ref.out, (_flip_empty(ref.lse) if entry == "flash_attn_func" else ref.lse)
+        return ref.out, (_flip_empty(ref.lse) if compat else ref.lse)
 
     def expect():
         ref, pt = reference(q, k, v, torch.float64), reference(q, k, v, dt)
@@ -528,6 +587,7 @@ def build_dense(entry, r):
 
     c.expect = expect
     c.views = views
+    c.reference = reference
     if r["grad"]:  # (SDPA's gradients in its own layout)
         api = (lambda x: x.transpose(1, 2)) if sdpa else (lambda x: x)
         c.backward = _backward(c, [views["q"], views["k"], views["v"]],
@@ -586,13 +646,16 @@ VARLEN_NAMES = {
     "flash_attn_varlen_func": dict(DENSE_NAMES["flash_attn_func"]),
 }
 VARLEN_NAMES["flash_attention_varlen_with_lse"] = VARLEN_NAMES["flash_attention_varlen"]
+VARLEN_NAMES["_flash_attn_varlen_forward"] = dict(DENSE_NAMES["_flash_attn_forward"])
+VARLEN_NAMES["_flash_attn_varlen_backward"] = dict(DENSE_NAMES["_flash_attn_backward"])
+VARLEN_MODES = ("plain", "plain", "seqused_k", "paged", "paged")
 
 
 @st.composite
-def varlen_recipe(draw, entry, defects=False):
+def varlen_recipe(draw, entry, defects=False, modes=VARLEN_MODES):
     r = _base(draw, defects)
     B = draw(st.sampled_from((1, 2, 3, 1, 2, 3, 0)))
-    r["mode"] = draw(st.sampled_from(("plain", "plain", "seqused_k", "paged", "paged")))
+    r["mode"] = draw(st.sampled_from(modes))
     decode = draw(st.sampled_from((False, False, True)))
     lens = st.lists(st.sampled_from((0, 1, 2, 3, 5, 8, 12)), min_size=B, max_size=B)
     r["lens_q"] = [1] * B if decode else draw(lens)
@@ -613,8 +676,10 @@ def varlen_recipe(draw, entry, defects=False):
         r["DV"] = r["D"] if draw(st.booleans()) else r["DV"]
     r["slack"] = (draw(st.sampled_from((0, 0, 1, 3))), draw(st.sampled_from((0, 0, 1, 3))))
     r["max_as"] = draw(st.sampled_from(("int", "int", "tensor")))
-    r["out"] = not r["extra_q"] and draw(st.sampled_from((False, False, True)))
-    r["grad"] = not defects and draw(st.sampled_from((False, False, False, True)))
+    r["out"] = (not r["extra_q"] and entry not in FA_PRIVATE
+                and draw(st.sampled_from((False, False, True))))
+    r["grad"] = (not defects and entry not in FA_PRIVATE
+                 and draw(st.sampled_from((False, False, False, True))))
     r["stale"] = draw(st.sampled_from(("nan", "random")))
     r["route"] = draw(st.sampled_from(("default", "default", "prefill", "merge-kernel")))
     r.update(draw(option_recipe(set(VARLEN_NAMES[entry]), defects)))
@@ -709,9 +774,10 @@ def build_varlen(entry, r):
         c.params["block_table"] = c.place("block_table", c.values["block_table"],
                                           lay["block_table"])
     ref_opts = _options(c, B, H)
-    compat = entry == "flash_attn_varlen_func"
-    returns = r.get("returns", "return_lse" if entry.endswith("_with_lse") else "out")
-    if compat and returns != "out":
+    compat = entry in ("flash_attn_varlen_func",) + FA_PRIVATE  # flash-attn's LSE: +inf
+    returns = r.get("returns", "return_lse" if entry.endswith("_with_lse") or entry in FA_PRIVATE
+                    else "out")
+    if entry == "flash_attn_varlen_func" and returns != "out":
         c.params[returns] = True
     out_view = None
     if r["out"]:
@@ -721,7 +787,7 @@ def build_varlen(entry, r):
     c.patches = dict(ROUTES[r["route"]])
     c.fn = {"flash_attention_varlen": flashtriton.flash_attention_varlen,
             "flash_attention_varlen_with_lse": flashtriton.flash_attention_varlen_with_lse,
-            "flash_attn_varlen_func": fa.flash_attn_varlen_func}[entry]
+            "flash_attn_varlen_func": fa.flash_attn_varlen_func}.get(entry)  # (FA_PRIVATE)
     if entry.endswith("_with_lse"):
         c.unpack = lambda res: (res.out[:total_q], res.lse[:, :total_q])
     elif compat and returns != "out":
@@ -760,6 +826,8 @@ def build_varlen(entry, r):
 
     c.expect = expect
     c.out_view = out_view
+    c.reference = reference
+    c.total_k = int(cu_k_val[-1])
     if grad and mode == "plain" and out_view is None:
         c.backward = _backward(c, [views["q"], views["k"], views["v"]], (q, k, v),
                                lambda *x: reference(*x[:3], x[3])[0], dt)
@@ -1098,14 +1166,14 @@ def _state_changes(c, host_before):
     """What changed anywhere (every buffer, whole; the host state)."""
     problems = [p.changes(p.before) for p in c.placed]
     if c.state is not None and c.state() != host_before:
-        problems.append(f"PagedKVCache state {host_before} became {c.state()}")
+        problems.append(f"{c.state_name} state {host_before} became {c.state()}")
     return [x for x in problems if x]
 
 
 def run_valid(c) -> Tuple[str, str]:
     host_before = _snapshot(c)
     try:
-        with _time_limit(CALL_TIMEOUT_S):
+        with _time_limit(CALL_TIMEOUT_S), c.scope():
             res = c.invoke()
             out, lse = c.unpack(res)
             grad_problems = c.backward(out) if c.backward else []
@@ -1133,8 +1201,10 @@ def run_valid(c) -> Tuple[str, str]:
     if c.state_after is not None:
         msg = c.state_after(host_before, c.state())
         if msg:
-            problems.append((WRONG, f"PagedKVCache: {msg}"))
+            problems.append((WRONG, f"{c.state_name}: {msg}"))
     got = {"out": out, "lse": lse, "out=": getattr(c, "out_view", None)}
+    if c.results is not None:
+        got.update(c.results(res))
     for name, (ref, pt, factor, dtype) in c.expect().items():
         ours = got[name]
         if name == "lse" and isinstance(ours, torch.Tensor) and ours.dtype != torch.float32:
@@ -1170,7 +1240,7 @@ def _attempt(c, params, host_before):
     """(result, None, None); (None, error, None) for an error that left everything as it
     was; (None, None, (outcome, detail)) for a timeout or an error that changed state."""
     try:
-        with _time_limit(CALL_TIMEOUT_S):
+        with _time_limit(CALL_TIMEOUT_S), c.scope():
             return c.invoke(params), None, None
     except CallTimeout as e:
         return None, None, (TIMEOUT, str(e))
@@ -1183,7 +1253,7 @@ def _attempt(c, params, host_before):
 
 def run_defect(c, d: Defect) -> Tuple[str, str]:
     params = dict(c.params, **{d.arg: d.value})
-    if c.entry == "scaled_dot_product_attention":
+    if c.entry in SDPA_ENTRIES:
         return _run_sdpa_defect(c, d, params)
     host_before = _snapshot(c)
     # index contents are checked on the host for CPU tensors, for GPU ones in validation mode
@@ -1208,19 +1278,31 @@ def run_defect(c, d: Defect) -> Tuple[str, str]:
 
 
 def _run_sdpa_defect(c, d, params):
-    """The SDPA drop-in must do what torch's SDPA does with the same call: raise where it
-    raises (its error, or a ValueError / TypeError naming the argument), else return its
-    result."""
+    """The SDPA drop-in (and the routes to it) must do what torch's SDPA (c.torch_fn) does
+    with the same call: raise where it raises (its error, or a ValueError / TypeError naming
+    the argument), else return its result -- where torch's result is repeatable: some calls
+    torch takes read memory that is not theirs (a value longer than the key, on the CPU), and
+    any result is then torch's."""
+    def torch_call():
+        return (c.torch_fn or flashtriton.sdpa._TORCH_SDPA)(*list(params.values())[:3],
+                                                          **dict(list(params.items())[3:]))
+
+    def same(x, y):
+        return (isinstance(x, torch.Tensor) and x.shape == y.shape
+                and torch.allclose(x.double(), y.double(), atol=5e-2, rtol=5e-2,
+                                   equal_nan=True))
+
     torch_res = torch_err = None
     try:
-        torch_res = flashtriton.sdpa._TORCH_SDPA(*list(params.values())[:3],
-                                                 **dict(list(params.items())[3:]))
+        torch_res = torch_call()
     except Exception as e:  # noqa: BLE001
         torch_err = e
     host_before = _snapshot(c)
     res, e, outcome = _attempt(c, params, host_before)
     if outcome is not None:
         return outcome
+    if c.state is not None and c.state() != host_before:
+        return WRONG, f"{c.state_name} state {host_before} became {c.state()}"
     if e is not None:
         if torch_err is None:
             return REFUSED, f"{_exception(e)}, where torch's SDPA returns a result"
@@ -1229,10 +1311,9 @@ def _run_sdpa_defect(c, d, params):
         return NAMING, f"{_exception(e)}, where torch's SDPA raises {_exception(torch_err)}"
     if torch_err is not None:
         return ACCEPTED, f"no error, where torch's SDPA raises {_exception(torch_err)}"
-    same = (isinstance(res, torch.Tensor) and res.shape == torch_res.shape
-            and torch.allclose(res.double(), torch_res.double(), atol=5e-2, rtol=5e-2,
-                               equal_nan=True))
-    return (OK, "") if same else (WRONG, "result differs from torch's SDPA on the same call")
+    if same(res, torch_res) or not same(torch_call(), torch_res):
+        return OK, ""
+    return WRONG, "result differs from torch's SDPA on the same call"
 
 
 # -- defects --------------------------------------------------------------------------------
@@ -1325,7 +1406,7 @@ class _Multi(dict):
 
 def dense_defects(c):
     B, H = c.r["B"], c.r["H"]
-    sdpa = c.entry == "scaled_dot_product_attention"
+    sdpa = c.entry in SDPA_ENTRIES
     out = _tensor_defects(c, ("q", "k", "v"), heads_dim=1 if sdpa else 2,
                           seq_dim=2 if sdpa else 1)
     out += _headdim_300(c, ("q", "k", "v"))
@@ -1541,6 +1622,352 @@ def attend_defects(c):
     return out
 
 
+# -- flash-attn's private wrappers (ring-flash-attn) ----------------------------------------
+
+@st.composite
+def private_recipe(draw, entry, defects=False):
+    """dense_recipe / varlen_recipe's calls for flash-attn's private wrappers, made by keyword
+    (as ring-flash-attn makes them) or positionally (as flash-attn's autograd functions do).
+    The backwards take packed sequences without pages, the forward's out, LSE and dout in
+    layouts of their own, and the gradient buffers (dq, dk, dv, or some of them) anywhere."""
+    varlen, backward = "varlen" in entry, entry.endswith("_backward")
+    if varlen:
+        r = draw(varlen_recipe(entry, defects, modes=("plain",) if backward else VARLEN_MODES))
+    else:
+        r = draw(dense_recipe(entry, defects))
+    r["by_keyword"] = draw(st.sampled_from((True, True, False)))
+    if backward:
+        n = 3 if varlen else 4
+        r["given"] = draw(st.sampled_from(("dq dk dv",) * 4 + ("dq", "dk dv", "")))
+        lay = dict(r["layouts"])
+        for name in ("dout", "out", "dq", "dk", "dv"):
+            lay[name] = draw(st.one_of(layouts(n), layouts(n, unit_last=False)))
+        lay["softmax_lse"] = draw(layouts(n - 1, unit_last=False))
+        r["layouts"] = lay
+    return r
+
+
+def _split_window(window):
+    """window_size as the private wrappers take it: two int-likes in the pair's form."""
+    if isinstance(window, (torch.Tensor, np.ndarray)):
+        return window[0], window[1]
+    return tuple(window)
+
+
+def build_private(entry, r):
+    varlen, backward = "varlen" in entry, entry.endswith("_backward")
+    c = (build_varlen if varlen else build_dense)(entry, r)
+    c.fn = getattr(fa, entry)
+    p = c.params
+    p["window_size_left"], p["window_size_right"] = _split_window(p.pop("window_size"))
+    p.setdefault("dropout_p", 0.0)
+    if p.get("softmax_scale") is None:  # flash-attn's callers pass a float
+        p["softmax_scale"] = r["D"] ** -0.5
+    p.setdefault("alibi_slopes", None)
+    if backward:
+        p.setdefault("deterministic", False)
+        _private_backward_case(c, varlen)
+    else:
+        p["return_softmax"] = False
+    names = list(inspect.signature(c.fn).parameters)
+    assert set(p) <= set(names), set(p) - set(names)
+    c.params = {n: p[n] for n in names if n in p}
+    c.positional = 0 if r["by_keyword"] else next(
+        (i for i, n in enumerate(names) if n not in p), len(names))
+    return c
+
+
+def _grads(out, leaves, dout):
+    if not out.requires_grad:
+        return [torch.zeros_like(x) for x in leaves]
+    grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+
+
+def _private_backward_case(c, varlen):
+    """The backward's arguments: the float64 reference's out (in the input dtype) and LSE
+    (flash-attn's: +inf for rows that see no key), a random dout (varlen: rows past the
+    sequences NaN, never to be read), NaN gradient buffers; what it must give: the
+    reference's gradients in the given buffers and flash-attn's softmax_d."""
+    r, dt, lay = c.r, c.r["dtype"], c.r["layouts"]
+    q, k, v = (c.values[n] for n in ("q", "k", "v"))
+    nan = float("nan")
+    leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out64, lse64 = c.reference(*leaves64, torch.float64)
+    dout = c.randn(*out64.shape, dtype=dt)
+    rows, Q = out64.shape[0], q.shape[0]  # varlen: the sequences' rows, q's rows
+    out_in, dout_in, lse_in = out64.detach().to(dt), dout, lse64.detach().float()
+    if varlen:  # rows past the sequences: NaN
+        out_in, dout_in = (torch.cat([x, torch.full((Q - rows, *x.shape[1:]), nan, dtype=dt,
+                                                    device=DEVICE)]) for x in (out_in, dout))
+        lse_in = torch.cat([lse_in, torch.full((lse_in.shape[0], Q - rows), nan,
+                                               device=DEVICE)], dim=1)
+    c.params["dout"] = c.place("dout", dout_in, lay["dout"])
+    c.params["out"] = c.place("out", out_in, lay["out"])
+    c.params["softmax_lse"] = c.place("softmax_lse", lse_in, lay["softmax_lse"])
+    bufs = {}
+    for name, like in (("dq", q), ("dk", k), ("dv", v)):
+        if name in r["given"].split():
+            bufs[name] = c.place(name, torch.full(like.shape, nan, dtype=dt, device=DEVICE),
+                                 lay[name], role="output")
+        c.params[name] = bufs.get(name)
+    # varlen: the sequences' rows (q's past them, k's and v's past cu_seqlens_k[-1]: no grad)
+    cut = {"dq": slice(0, rows if varlen else None),
+           "dk": slice(0, c.total_k if varlen else None)}
+    cut["dv"] = cut["dk"]
+
+    def softmax_d(dtype):
+        """(1 - dropout_p) rowsum(dout * out) in flash-attn's padded layout, zero elsewhere."""
+        delta = (dout.to(dtype) * out_in[:rows].to(dtype)).sum(-1)
+        if not varlen:  # (B, H, seqlen_q rounded up to 128)
+            B, SQ, H = delta.shape
+            sd = torch.zeros(B, H, -(-SQ // 128) * 128, dtype=dtype, device=DEVICE)
+            sd[:, :, :SQ] = delta.transpose(1, 2)
+            return sd
+        cu = c.values["cu_seqlens_q"]  # (H, total_q + 128 B), sequence b from cu[b] + 128 b
+        B = cu.numel() - 1
+        sd = torch.zeros(delta.shape[1], Q + 128 * B, dtype=dtype, device=DEVICE)
+        for b in range(B):
+            start, end = int(cu[b]), int(cu[b + 1])
+            sd[:, start + 128 * b:end + 128 * b] = delta[start:end].t()
+        return sd
+
+    memo = {}
+
+    def expect():
+        if not memo:
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+            g64 = _grads(out64, leaves64, dout.double())
+            glp = _grads(c.reference(*leaves, dt)[0], leaves, dout)
+            for i, name in enumerate(("dq", "dk", "dv")):
+                if name in bufs:
+                    memo[name] = (g64[i][cut[name]], glp[i][cut[name]], 3, dt)
+            memo["softmax_d"] = (softmax_d(torch.float64), softmax_d(torch.float32), 2,
+                                 torch.float32)
+        return memo
+
+    c.expect = expect
+    c.unpack = lambda res: (None, None)
+    c.results = lambda res: dict({n: b[cut[n]] for n, b in bufs.items()}, softmax_d=res)
+
+
+def private_defects(c):
+    """dense_defects / varlen_defects where the wrapper takes the argument, window_size's
+    sides, return_softmax, and the backward's own: dout, out, softmax_lse, the gradient
+    buffers (a defect's own buffer, too, must stay unchanged), dropout without rng_state."""
+    r = c.r
+    varlen, backward = "varlen" in c.entry, c.entry.endswith("_backward")
+    takes = inspect.signature(c.fn).parameters
+    out = [d for d in (varlen_defects(c) if varlen else dense_defects(c))
+           if all(n in takes for n in (d.value if isinstance(d.value, _Multi) else [d.arg]))
+           and d.label != "out strided headdim"]  # (the backward's out may have any strides)
+    for name in ("window_size_left", "window_size_right"):
+        for label, value in (("-2", -2), ("1.5", 1.5), ("'a'", "a"), ("None", None)):
+            out.append(Defect(f"{name}={label}", name, value, (name,)))
+    if varlen:
+        out.append(Defect("zero_tensors='x'", "zero_tensors", "x", ("zero_tensors",)))
+    if not backward:
+        out += [Defect("return_softmax='yes'", "return_softmax", "yes", ("return_softmax",)),
+                Defect("return_softmax=True without dropout", "return_softmax", True,
+                       ("return_softmax",), (RuntimeError,))]
+        if varlen:
+            B = len(r["lens_q"])
+            out.append(Defect("leftpad_k given", "leftpad_k",
+                              torch.zeros(B, dtype=torch.int32, device=DEVICE), ("leftpad_k",),
+                              (NotImplementedError,)))
+        return out
+    dout, o, lse = (c.params[n] for n in ("dout", "out", "softmax_lse"))
+    seq = 0 if varlen else 1
+    out += [Defect("dout one token more", "dout", _resized(dout, seq, 1), ("dout",)),
+            Defect("dout float64", "dout", dout.double(), ("dout",)),
+            Defect("dout a nested list", "dout", dout.tolist(), ("dout",)),
+            Defect("out head dim + 8", "out", _resized(o, -1, 8), ("out",)),
+            Defect("out float64", "out", o.double(), ("out",)),
+            Defect("softmax_lse one row more", "softmax_lse", _resized(lse, -1, 1),
+                   ("softmax_lse",)),
+            Defect("softmax_lse float16", "softmax_lse", lse.half(), ("softmax_lse",)),
+            Defect("softmax_lse None", "softmax_lse", None, ("softmax_lse",)),
+            Defect("dropout_p=0.1 without rng_state", "dropout_p", 0.1, ("rng_state",))]
+    if lse.shape[-1] != lse.shape[-2]:
+        out.append(Defect("softmax_lse transposed", "softmax_lse", lse.transpose(-1, -2),
+                          ("softmax_lse",)))
+    nan = float("nan")
+    for name, like in (("dq", c.values["q"]), ("dk", c.values["k"]), ("dv", c.values["v"])):
+        dense = Layout(tuple(range(like.dim())), (1,) * like.dim(), 1)
+        more = list(like.shape)
+        more[seq] += 1
+        out += [Defect(f"{name} one token more", name,
+                       c.place(name + "'", torch.full(more, nan, dtype=like.dtype,
+                                                      device=DEVICE), dense, role="output"),
+                       (name,)),
+                Defect(f"{name} float64", name,
+                       c.place(name + "'", torch.full(like.shape, nan, dtype=torch.float64,
+                                                      device=DEVICE), dense, role="output"),
+                       (name,)),
+                Defect(f"{name} a list", name, [], (name,))]
+    return out
+
+
+# -- routes from torch's SDPA: patch_sdpa(module), torch's flash-attention registry ---------
+
+class _Attention(torch.nn.Module):
+    """A module calling torch's SDPA in its forward, as diffusers' attention processors do;
+    ``scoped`` records, a call, whether patch_sdpa's route was in place and in scope."""
+
+    def __init__(self):
+        super().__init__()
+        self.scoped = []
+
+    def forward(self, *args, **kwargs):
+        self.scoped.append(F.scaled_dot_product_attention is not flashtriton.sdpa._TORCH_SDPA
+                           and flashtriton.sdpa._SCOPE_DEPTH.get() > 0)
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+def build_patched_module(entry, r):
+    """The SDPA drop-in's calls through a module under ``patch_sdpa(module)``; after each,
+    torch's function, the module's hooks and the scope as before."""
+    c = build_dense(entry, r)
+    module = _Attention()
+
+    def call(*args, **kwargs):
+        with flashtriton.patch_sdpa(module):
+            return module(*args, **kwargs)
+
+    c.fn = call
+    c.state_name = "patch_sdpa(module)"
+    c.state = lambda: (F.scaled_dot_product_attention, len(module._forward_pre_hooks),
+                       len(module._forward_hooks), flashtriton.sdpa._SCOPE_DEPTH.get(),
+                       flashtriton.sdpa._ScopedRoute.handles)
+
+    def state_after(before, after):
+        if after != before:
+            return f"(torch's SDPA, hooks, scope) {before} became {after}"
+        if module.scoped != [True]:
+            return f"the module's SDPA calls routed: {module.scoped}, expected [True]"
+        return None
+
+    c.state_after = state_after
+    return c
+
+
+def _flash_sdpa(*args, **kwargs):
+    """torch's SDPA under its flash backend (torch's warnings of why it finds no kernel:
+    off)."""
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+def _cpu_flash_route():
+    """On the CPU, SDPA's flash backend calls aten::_scaled_dot_product_flash_attention_for_cpu
+    (on a GPU aten::_scaled_dot_product_flash_attention, which the registry overrides, as do
+    tests/test_torch_registry.py's CPU tests). This library routes the former (forward and
+    backward) to the latter where a GPU's flash backend would take the call (no mask; causal
+    only when square: its is_causal is top-left), and puts torch's CPU flash kernel under the
+    latter as the kernel it had before activation, which the registry falls back to."""
+    aten = torch.ops.aten
+    fwd = torch.library.get_kernel("aten::_scaled_dot_product_flash_attention_for_cpu", "CPU")
+    bwd = torch.library.get_kernel("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                                   "CPU")
+    library = torch.library.Library("aten", "IMPL", "CPU")
+
+    def to_flash(query, key, is_causal, attn_mask):
+        return attn_mask is None and (not is_causal or query.shape[2] == key.shape[2])
+
+    def philox():
+        return torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64)
+
+    def for_cpu(keyset, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                scale=None):
+        if not to_flash(query, key, is_causal, attn_mask):
+            return fwd.call_boxed(keyset, query, key, value, dropout_p, is_causal,
+                                  attn_mask=attn_mask, scale=scale)
+        return tuple(aten._scaled_dot_product_flash_attention(query, key, value, dropout_p,
+                                                              is_causal, False,
+                                                              scale=scale)[:2])
+
+    def for_cpu_backward(keyset, grad_out, query, key, value, out, lse, dropout_p, is_causal, *,
+                         attn_mask=None, scale=None):
+        if not to_flash(query, key, is_causal, attn_mask):
+            return bwd.call_boxed(keyset, grad_out, query, key, value, out, lse, dropout_p,
+                                  is_causal, attn_mask=attn_mask, scale=scale)
+        return tuple(aten._scaled_dot_product_flash_attention_backward(
+            grad_out, query, key, value, out, lse, None, None, query.shape[2], key.shape[2],
+            dropout_p, is_causal, *philox(), scale=scale))
+
+    def flash(keyset, query, key, value, dropout_p=0.0, is_causal=False,
+              return_debug_mask=False, *, scale=None):
+        out, lse = fwd.call_boxed(keyset, query, key, value, dropout_p, is_causal, scale=scale)
+        return (out, lse, None, None, query.shape[2], key.shape[2], *philox(),
+                query.new_empty(0))
+
+    def flash_backward(keyset, grad_out, query, key, value, out, lse, cum_seq_q, cum_seq_k,
+                       max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                       scale=None):
+        return tuple(bwd.call_boxed(keyset, grad_out, query, key, value, out, lse, dropout_p,
+                                    is_causal, scale=scale))
+
+    with warnings.catch_warnings():  # (torch warns that a kernel is overridden)
+        warnings.simplefilter("ignore")
+        for name, kernel in (("_scaled_dot_product_flash_attention_for_cpu", for_cpu),
+                             ("_scaled_dot_product_flash_attention_for_cpu_backward",
+                              for_cpu_backward),
+                             ("_scaled_dot_product_flash_attention", flash),
+                             ("_scaled_dot_product_flash_attention_backward", flash_backward)):
+            library.impl(name, kernel, "CPU", with_keyset=True)
+    return library
+
+
+@contextlib.contextmanager
+def _registry_active():
+    """flashtriton's kernels on aten's flash operators through torch's registry
+    (activate_flash_attention_impl("flashtriton")) for the block, restored after it; on the
+    CPU on its dispatch key, reached through _cpu_flash_route."""
+    route = None
+    if not ON_GPU:
+        route = _cpu_flash_route()
+        register_flash_attention_impl("flashtriton",
+                                      register_fn=lambda: torch_registry.activate("CPU"))
+    try:
+        activate_flash_attention_impl("flashtriton")
+        try:
+            yield
+        finally:
+            restore_flash_attention_impl()
+    finally:
+        if route is not None:
+            torch_registry.register()
+            route._destroy()
+
+
+def _flash_kernels():
+    return [line for op in ("_scaled_dot_product_flash_attention",
+                            "_scaled_dot_product_flash_attention_backward",
+                            "_scaled_dot_product_flash_attention_for_cpu")
+            for line in torch._C._dispatch_dump(f"aten::{op}").splitlines()
+            if line.startswith(("CPU:", "CUDA:"))]
+
+
+def build_registry(entry, r):
+    """The SDPA drop-in's calls through torch's SDPA under its flash backend with the registry
+    override active (for the call and its backward); where the kernels refuse the call
+    (float64) the registry runs torch's own kernel, whose result it must give. After each
+    call: no implementation active, the operators' kernels as before."""
+    c = build_dense(entry, r)
+    c.fn, c.torch_fn, c.scope = _flash_sdpa, _flash_sdpa, _registry_active
+    c.state_name = "torch's flash-attention registry"
+    c.state = lambda: (current_flash_attention_impl(), _flash_kernels())
+    c.state_after = lambda before, after: (None if after == before
+                                           else f"{before} became {after}")
+    if r["dtype"] == torch.float64:
+        def expect():
+            own = _flash_sdpa(*list(c.params.values())[:3], **dict(list(c.params.items())[3:]))
+            return {"out": (own.double(), own, 2, torch.float64)}
+        c.expect = expect
+    return c
+
+
 # -- the tests ------------------------------------------------------------------------------
 
 ENTRIES = {
@@ -1554,7 +1981,11 @@ ENTRIES = {
     "flash_attn_func": (dense_recipe, build_dense, dense_defects),
     "flash_attn_varlen_func": (varlen_recipe, build_varlen, varlen_defects),
     "flash_attn_with_kvcache": (kv_recipe, build_kv, kv_defects),
+    **{name: (private_recipe, build_private, private_defects) for name in FA_PRIVATE},
+    PATCHED_MODULE: (dense_recipe, build_patched_module, dense_defects),
 }
+if HAS_REGISTRY:
+    ENTRIES[REGISTRY] = (dense_recipe, build_registry, dense_defects)
 
 
 class Tally:

@@ -185,6 +185,22 @@ def test_out_is_written_in_place():
         qd, k, v, _cu([1] * 4), _cu(lens_k[:4]), 1, max(lens_k), block_table=table[:4]))
 
 
+
+def test_zero_heads_with_any_strides():
+    """Pages of zero heads whose headdim stride is not 1 (an empty view of a permuted buffer):
+    an empty tensor counts as contiguous whatever its strides, and contiguous() returned it
+    unchanged, so the decode route refused the call (naming k_cache); found by
+    tests/test_fuzz.py."""
+    k = torch.randn(5000, device=DEVICE).as_strided((3, 8, 0, 32), (1536, 64, 2, 2))
+    v = torch.randn(3, 8, 0, 32, device=DEVICE)
+    table = torch.tensor([[0, 1], [2, 2]], dtype=torch.int32, device=DEVICE)
+    used = torch.tensor([12, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 0, 32, device=DEVICE)
+    out = flash_attention_varlen(q, k, v, _cu([1, 1]), None, 1, 16, block_table=table,
+                                 seqused_k=used)
+    assert out.shape == (2, 0, 32)
+    assert validation.unit_last(k).stride(-1) == 1
+
 def _bad(**edit):
     lens_q, lens_k = [3, 2], [20, 9]
     q = torch.randn(5, H, D, device=DEVICE, dtype=torch.float16)

@@ -237,6 +237,51 @@ def test_return_softmax_and_unsupported_options():
                                    False).shape == (1, 2, 128)
 
 
+
+def test_varlen_backward_softmax_d_zero_for_rows_past_the_sequences():
+    """q's rows past cu_seqlens_q[-1] belong to no sequence: their dout and out (NaN here) are
+    not read, and softmax_d is zero wherever no sequence's row is (it held their NaN rowsum;
+    found by tests/test_fuzz.py)."""
+    H, D, dtype = 2, 16, torch.float16
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(10, H, D, dtype=dtype, device=DEVICE)  # rows 8 and 9: past the sequences
+    k, v = (torch.randn(8, H, D, dtype=dtype, device=DEVICE) for _ in range(2))
+    out, lse, _, _ = fa._flash_attn_varlen_forward(q, k, v, cu, cu, 5, 5, 0.0, D ** -0.5, False)
+    dout = torch.randn_like(q)
+    out[8:], dout[8:], lse[:, 8:] = float("nan"), float("nan"), float("nan")
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    softmax_d = fa._flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu, cu, 5, 5,
+                                               0.0, D ** -0.5, False, -1, -1, 0.0, None, False)
+    assert softmax_d.shape == (H, 10 + 128 * 2) and not softmax_d.isnan().any()
+    delta = (dout[:8].float() * out[:8].float()).sum(-1).t()
+    expected = torch.zeros_like(softmax_d)
+    expected[:, 0:5], expected[:, 128 + 5:128 + 8] = delta[:, :5], delta[:, 5:8]
+    torch.testing.assert_close(softmax_d, expected)
+    assert not any(x.isnan().any() for x in (dq[:8], dk, dv))
+
+
+@pytest.mark.parametrize("side,value,error", [
+    ("window_size_left", 1.5, TypeError), ("window_size_right", None, TypeError),
+    ("window_size_left", -2, ValueError), ("window_size_right", "a", TypeError)])
+def test_window_side_errors_name_the_side(side, value, error):
+    """A bad window_size_left / window_size_right raises naming that argument (not the
+    window_size pair they make; found by tests/test_fuzz.py), and the backward leaves the
+    gradient buffers as they were."""
+    q, k, v = make_qkv(1, 6, 6, 2, 2, 16, torch.float16, DEVICE, requires_grad=False)
+    options = dict(dropout_p=0.0, softmax_scale=0.25, causal=False, window_size_left=-1,
+                   window_size_right=-1, softcap=0.0, alibi_slopes=None)
+    out, lse, _, _ = fa._flash_attn_forward(q=q, k=k, v=v, return_softmax=False, **options)
+    options[side] = value
+    with pytest.raises(error, match=rf"\b{side}\b"):
+        fa._flash_attn_forward(q=q, k=k, v=v, return_softmax=False, **options)
+    dq = torch.full_like(q, float("nan"))
+    with pytest.raises(error, match=rf"\b{side}\b"):
+        fa._flash_attn_backward(dout=torch.ones_like(out), q=q, k=k, v=v, out=out,
+                                softmax_lse=lse, dq=dq, dk=None, dv=None, deterministic=False,
+                                **options)
+    assert dq.isnan().all()
+
+
 # -- ring-flash-attn's own functions over gloo ------------------------------------------------
 
 

@@ -31,6 +31,7 @@ autograd on them (ring-flash-attn: docs/integrations.md).
 """
 
 import importlib.machinery
+import operator
 import sys
 import types
 import warnings
@@ -42,7 +43,7 @@ from ..api import _run, _run_varlen
 from ..autograd import _attn_bwd, _call
 from ..validation import (check_alibi, check_cu_seqlens, check_deterministic, check_dropout,
                           check_flag, check_max_seqlen, check_qkv, check_scale, check_sinks,
-                          check_softcap, check_varlen_indices, check_window, describe, unit_last,
+                          check_softcap, check_varlen_indices, describe, unit_last,
                           _dropout_p)
 
 # The flash-attn release whose Python interface this module speaks (``flash_attn.__version__``
@@ -259,6 +260,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 # forwards run under no_grad and the backwards write dq, dk and dv into the given buffers.
 
 
+def _window_sides(left, right) -> Tuple[int, int]:
+    """The private wrappers' window_size_left / window_size_right as (left, right): each an
+    int (or int-like: numpy, 0-d tensor) >= -1, -1 unbounded; errors name the side."""
+    sides = []
+    for name, value in (("window_size_left", left), ("window_size_right", right)):
+        index = None
+        if not (isinstance(value, bool) or type(value).__name__ == "bool_"
+                or isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+            try:
+                index = operator.index(value)
+            except TypeError:
+                pass
+        if index is None:
+            raise TypeError(f"{name} must be an int (-1: unbounded), got {value!r}")
+        if index < -1:
+            raise ValueError(f"{name} must be >= -1 (-1: unbounded), got {index}")
+        sides.append(index)
+    return sides[0], sides[1]
+
+
 def _private_forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size_left,
                      window_size_right, softcap, alibi_slopes, return_softmax, paged=None):
     """(out, softmax_lse, S_dmask, rng_state) as flash-attn's; varlen: (cu_seqlens_q,
@@ -275,7 +296,7 @@ def _private_forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_s
             "pass return_softmax=False. ring-flash-attn asks for it whenever dropout_p > 0, and "
             "its backward does not pass the forward's rng_state, so its dropout masks could not "
             "be replayed anyway: run ring-flash-attn with dropout_p=0")
-    window = (window_size_left, window_size_right)
+    window = _window_sides(window_size_left, window_size_right)
     with torch.no_grad():
         if varlen is None:
             out, lse = _run(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes,
@@ -339,7 +360,7 @@ def _private_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, varlen, dropo
     causal = check_flag("causal", causal)
     deterministic = check_deterministic(deterministic)
     scale = check_scale(softmax_scale, q.shape[-1])
-    left, right = check_window((window_size_left, window_size_right))
+    left, right = _window_sides(window_size_left, window_size_right)
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi(alibi_slopes, B, H, q.device)
     dropout_p, seed = _dropout_p(dropout_p), None
@@ -368,9 +389,11 @@ def _private_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, varlen, dropo
             softmax_d[:, :, :rows] = delta.transpose(1, 2)
         else:  # (H, total_q + 128 B): sequence b's rows from cu_seqlens_q[b] + 128 b
             rows = torch.arange(q.shape[0], device=q.device)
-            rows = rows + 128 * torch.searchsorted(cu_q[1:], rows.to(cu_q.dtype), right=True)
+            seq = torch.searchsorted(cu_q[1:], rows.to(cu_q.dtype), right=True)
             softmax_d = delta.new_zeros((H, q.shape[0] + 128 * B))
-            softmax_d[:, rows] = delta.t()
+            # q's rows past cu_seqlens_q[-1] belong to no sequence: 0 (their dout and out are
+            # never read), at places past every sequence's (no host sync to drop them)
+            softmax_d[:, rows + 128 * seq] = torch.where(seq < B, delta.t(), 0.0)
     return softmax_d
 
 
