@@ -124,16 +124,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
 @triton.jit(do_not_specialize=["seed", "GROUP", "TOTAL_Q", "TOTAL_K"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh,
-    stride_dkb, stride_dkt, stride_dkh,
-    stride_dvb, stride_dvt, stride_dvh,
-    stride_lb, stride_lh,
-    stride_ab, stride_ah,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_bb, stride_bh, stride_bq, BM_N,
+    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,  # (batch, token, head)
+    stride_lse, stride_alibi,  # (batch, head): LSE's and delta's, ALiBi's
+    stride_mask,  # (batch, head, query, key)
+    stride_bmask, BM_N,  # (batch, head, block), BMASK's other block count
     HKV, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, HEAD_DIM_V, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
     sm_scale,
     dropout_p, seed,
@@ -146,6 +140,16 @@ def _attn_bwd_dkdv_kernel(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     STATS_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    stride_qb, stride_qt, stride_qh = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_vb, stride_vt, stride_vh = stride_v
+    stride_dob, stride_dot, stride_doh = stride_do
+    stride_dkb, stride_dkt, stride_dkh = stride_dk
+    stride_dvb, stride_dvt, stride_dvh = stride_dv
+    stride_lb, stride_lh = stride_lse
+    stride_ab, stride_ah = stride_alibi
+    stride_mb, stride_mh, stride_mm, stride_mn = stride_mask
+    stride_bb, stride_bh, stride_bq = stride_bmask
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)
     off_b = (off_bh // HKV).to(tl.int64)
@@ -289,16 +293,10 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, delta, rows, kv, lo, hi, blk_list, seq, 
 @triton.jit(do_not_specialize=["seed", "TOTAL_Q", "TOTAL_K"])
 def _attn_bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh,
-    stride_dob, stride_dot, stride_doh,
-    stride_dqb, stride_dqt, stride_dqh,
-    stride_lb, stride_lh,
-    stride_ab, stride_ah,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_bb, stride_bh, stride_bq, BM_N,
+    stride_q, stride_k, stride_v, stride_o, stride_do, stride_dq,  # (batch, token, head)
+    stride_lse, stride_alibi,  # (batch, head): LSE's and delta's, ALiBi's
+    stride_mask,  # (batch, head, query, key)
+    stride_bmask, BM_N,  # (batch, head, block), BMASK's other block count
     H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, HEAD_DIM_V, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
     sm_scale,
     dropout_p, seed,
@@ -311,6 +309,16 @@ def _attn_bwd_dq_kernel(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    stride_qb, stride_qt, stride_qh = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_vb, stride_vt, stride_vh = stride_v
+    stride_ob, stride_ot, stride_oh = stride_o
+    stride_dob, stride_dot, stride_doh = stride_do
+    stride_dqb, stride_dqt, stride_dqh = stride_dq
+    stride_lb, stride_lh = stride_lse
+    stride_ab, stride_ah = stride_alibi
+    stride_mb, stride_mh, stride_mm, stride_mn = stride_mask
+    stride_bb, stride_bh, stride_bq = stride_bmask
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)

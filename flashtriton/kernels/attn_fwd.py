@@ -170,14 +170,10 @@ def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HE
 @triton.jit(do_not_specialize=["seed", "TOTAL_Q", "TOTAL_K", "NUM_PAGES"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK, SINK, BLOCK_TABLE,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh,
-    stride_lb, stride_lh,
-    stride_ab, stride_ah,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_bb, stride_bh, stride_bq, BM_N, stride_tb,
+    stride_q, stride_k, stride_v, stride_o,  # (batch, token, head) strides
+    stride_lse, stride_alibi,  # (batch, head)
+    stride_mask,  # (batch, head, query, key)
+    stride_bmask, BM_N, stride_tb,  # (batch, head, block), BMASK's other block count, table's
     H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, WIN_LEFT, WIN_RIGHT,
     qk_scale, cap2, sm_scale,
     dropout_p, seed,
@@ -191,6 +187,14 @@ def _attn_fwd_kernel(
     PAGE_SIZE: tl.constexpr, INVARIANT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    stride_qb, stride_qt, stride_qh = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_vb, stride_vt, stride_vh = stride_v
+    stride_ob, stride_ot, stride_oh = stride_o
+    stride_lb, stride_lh = stride_lse
+    stride_ab, stride_ah = stride_alibi
+    stride_mb, stride_mh, stride_mm, stride_mn = stride_mask
+    stride_bb, stride_bh, stride_bq = stride_bmask
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
