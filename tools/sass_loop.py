@@ -30,11 +30,12 @@ POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", DO="*bf16", DK="*bf1
                 DQ="*bf16", LSE="*fp32", DELTA="*fp32", ALIBI="*fp32", AMASK="*i1", CU_Q="*i32",
                 CU_K="*i32", BMASK="*i32", SINK="*fp32")
 FLOATS = ("qk_scale", "cap2", "sm_scale", "dropout_p")
-# The training kernels' stride tuples (the launcher passes each tensor's strides as one tuple):
-# how many strides each holds.
+# The kernels' stride tuples (the launchers pass each tensor's strides as one tuple): how many
+# strides each holds.
 STRIDE_TUPLES = dict(stride_q=3, stride_k=3, stride_v=3, stride_o=3, stride_do=3, stride_dq=3,
                      stride_dk=3, stride_dv=3, stride_lse=2, stride_alibi=2, stride_mask=4,
-                     stride_bmask=3)
+                     stride_bmask=3, stride_part=4, stride_lse_part=3, stride_out=3,
+                     stride_kd=2, stride_vd=2)
 # The plain variant of the training kernels; callers override what they test.
 DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, BLOCK_DV=128, EVEN_DV=True, HAS_LOWER=False,
                 HAS_UPPER=False, HAS_SOFTCAP=False,
