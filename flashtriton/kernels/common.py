@@ -8,8 +8,9 @@ Conventions (every kernel of the package):
   Causal alignment: query i sees key j iff j <= i + DIAG, with DIAG = SK - SQ
   (bottom-right, flash-attn's convention).
 Who sees whom (the causal / window rule, per score and per block): kernels/mask.py.
-The training kernels take each tensor's strides as one tuple (the launcher's), and their
-loops take named groups that the kernel builds (``aggregate``: Seq, Scores, Variant, KV).
+The training and split-KV decoding kernels take each tensor's strides as one tuple (the
+launcher's); the training kernels' loops take named groups that the kernel builds
+(``aggregate``: Seq, Scores, Variant, KV).
 """
 
 import triton
