@@ -30,6 +30,12 @@ POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", DO="*bf16", DK="*bf1
                 DQ="*bf16", LSE="*fp32", DELTA="*fp32", ALIBI="*fp32", AMASK="*i1", CU_Q="*i32",
                 CU_K="*i32", BMASK="*i32", SINK="*fp32")
 FLOATS = ("qk_scale", "cap2", "sm_scale", "dropout_p")
+# The kernels' stride tuples (the launchers pass each tensor's strides as one tuple): how many
+# strides each holds.
+STRIDE_TUPLES = dict(stride_q=3, stride_k=3, stride_v=3, stride_o=3, stride_do=3, stride_dq=3,
+                     stride_dk=3, stride_dv=3, stride_lse=2, stride_alibi=2, stride_mask=4,
+                     stride_bmask=3, stride_part=4, stride_lse_part=3, stride_out=3,
+                     stride_kd=2, stride_vd=2)
 # The plain variant of the training kernels; callers override what they test.
 DEFAULTS = dict(BLOCK_D=128, EVEN_D=True, BLOCK_DV=128, EVEN_DV=True, HAS_LOWER=False,
                 HAS_UPPER=False, HAS_SOFTCAP=False,
@@ -43,21 +49,28 @@ SKELETON = re.compile(r"(HGMMA|WARPGROUP\.(?:ARRIVE|DEPBAR)|MUFU\.EX2|BAR\.SYNC|
 
 def _aligned(fn, sig):
     """What Triton's launcher derives from typical arguments: 16-byte aligned pointers and
-    strides divisible by 16, as compile attributes of fn's arguments under signature sig."""
-    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-            if sig[n].startswith("*") or n.startswith("stride")}
+    strides divisible by 16 (each of a tuple's), as compile attributes of fn's arguments under
+    signature sig."""
+    attrs = {}
+    for i, n in enumerate(fn.arg_names):
+        if isinstance(sig[n], tuple):
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(sig[n]))})
+        elif sig[n].startswith("*") or n.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
 
 
 def source_for(fn, consts, pointers):
     """An ASTSource of ``fn``: the constexprs of ``consts`` that it takes, the pointer types of
-    ``pointers``, fp32 for the float arguments, i32 for the rest, and what Triton's launcher
-    derives from typical arguments: 16-byte aligned pointers and strides divisible by 16
-    (without it the compiler pipelines no load and the shared memory would not be the
-    runtime's)."""
+    ``pointers``, fp32 for the float arguments, i32 for the rest (each of a stride tuple's),
+    and what Triton's launcher derives from typical arguments: 16-byte aligned pointers and
+    strides divisible by 16 (without it the compiler pipelines no load and the shared memory
+    would not be the runtime's)."""
     runtime = {p.name for p in fn.params if p.do_not_specialize}  # never constants at runtime
     consts = {k: v for k, v in consts.items() if k in fn.arg_names and k not in runtime}
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOATS else "i32")
            for n in fn.arg_names}
+    sig.update({n: ("i32",) * STRIDE_TUPLES[n] for n in fn.arg_names if n in STRIDE_TUPLES})
     return ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                      attrs=_aligned(fn, sig))
 

@@ -22,8 +22,9 @@ kernels.common.alibi_part, each score's key part added and the rows' part moved 
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, alibi_part, apply_attn_mask, dropout_keep, heavy_first,
-                     load_rows, load_tile, row_source, scores, seq_bounds, store_tile)
+from .common import (KV, LOG2E, Scores, Seq, Variant, alibi_part, apply_attn_mask, dropout_keep,
+                     heavy_first, load_rows, load_tile, row_source, scores, seq_bounds,
+                     store_tile)
 from .mask import kv_range, q_range, visible
 
 
@@ -64,65 +65,57 @@ def _ds(p, dp, delta, t, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, stride_dot, cols,
-                         offs_m, offs_d, offs_dv, lo, hi, blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V,
-                         LOWER, UPPER, DIAG, alibi_at, qk_scale,
-                         cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p,
-                         off_b, off_h, sm_scale, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-                         HAS_LOWER: tl.constexpr,
-                         HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                         HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr,
-                         HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
-                         SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
-                         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                         LISTED: tl.constexpr, SPARSE: tl.constexpr, STATS_TMA: tl.constexpr,
-                         BLOCK_M: tl.constexpr):
-    for it in range(lo, hi, BLOCK_M):
+                         offs_m, offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V, lo, hi, blk_list, seq, sc,
+                         var, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+                         MASK_MOD: tl.constexpr, MASK: tl.constexpr, LISTED: tl.constexpr):
+    for it in range(lo, hi, var.BLOCK_M):
         start_m = it  # LISTED: the query blocks that blk_list names (see _attn_fwd_inner)
         if LISTED:
-            start_m = tl.load(blk_list + it // SPARSE) * SPARSE + it % SPARSE
+            start_m = tl.load(blk_list + it // var.SPARSE) * var.SPARSE + it % var.SPARSE
         rows = start_m + offs_m                                      # [BLOCK_M]
-        q = load_rows(q_base, start_m, offs_m, stride_qt, SQ, offs_d, HEAD_DIM, MASK, not EVEN_D,
-                      USE_TMA)                                       # [BLOCK_M, BLOCK_D]
-        do = load_rows(do_base, start_m, offs_m, stride_dot, SQ, offs_dv, HEAD_DIM_V, MASK,
-                       not EVEN_DV, USE_TMA)                         # [BLOCK_M, BLOCK_DV]
-        if UPCAST:
+        q = load_rows(q_base, start_m, offs_m, stride_qt, seq.SQ, offs_d, HEAD_DIM, MASK,
+                      not var.EVEN_D, var.USE_TMA)                   # [BLOCK_M, BLOCK_D]
+        do = load_rows(do_base, start_m, offs_m, stride_dot, seq.SQ, offs_dv, HEAD_DIM_V, MASK,
+                       not var.EVEN_DV, var.USE_TMA)                 # [BLOCK_M, BLOCK_DV]
+        if var.UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        lse2, delta = _row_stats(LSE, DELTA, start_m, rows, SQ, MASK, STATS_TMA)
-        if HAS_ALIBI == 2:  # one-sided ALiBi: the rows' part into lse2 (alibi_part)
-            lse2 = lse2 + alibi_part(rows + DIAG, alibi_at, slope2)
+        lse2, delta = _row_stats(LSE, DELTA, start_m, rows, seq.SQ, MASK, var.STATS_TMA)
+        if var.HAS_ALIBI == 2:  # one-sided ALiBi: the rows' part into lse2 (alibi_part)
+            lse2 = lse2 + alibi_part(rows + seq.DIAG, sc.alibi_at, sc.slope2)
         # Transposed tiles [BLOCK_N, BLOCK_M]: dV and dK accumulate p^T dO and dS^T Q.
         # ALiBi's |i + DIAG - j| is symmetric under (i, j, DIAG) -> (j, i, -DIAG).
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
-        s_t, t_t = scores(qk_t, cols, rows, qk_scale, cap2, slope2, -DIAG, HAS_SOFTCAP,
-                          HAS_ALIBI == 1)
-        if HAS_ALIBI == 2:  # the key part, one value per key row of the tile
-            s_t = s_t + alibi_part(cols, alibi_at, slope2)[:, None]
-        if SCORE_MOD is not None:
+        qk_t = tl.dot(k, tl.trans(q), input_precision=var.DOT_PREC)
+        s_t, t_t = scores(qk_t, cols, rows, sc.qk_scale, sc.cap2, sc.slope2, -seq.DIAG,
+                          var.HAS_SOFTCAP, var.HAS_ALIBI == 1)
+        if var.HAS_ALIBI == 2:  # the key part, one value per key row of the tile
+            s_t = s_t + alibi_part(cols, sc.alibi_at, sc.slope2)[:, None]
+        if var.SCORE_MOD is not None:
             t_t = s_t  # the natural-log score, argument of SCORE_GRAD
-            s_t = SCORE_MOD(s_t, off_b, off_h, rows[None, :], cols[:, None]) * LOG2E
-        s_t = apply_attn_mask(s_t, mask_base, cols, rows, SK, SQ, stride_mn, stride_mm, MASK_KIND)
+            s_t = var.SCORE_MOD(s_t, sc.off_b, sc.off_h, rows[None, :], cols[:, None]) * LOG2E
+        s_t = apply_attn_mask(s_t, sc.mask_base, cols, rows, seq.SK, seq.SQ, sc.stride_mn,
+                              sc.stride_mm, var.MASK_KIND)
         if MASK_MOD is not None:
-            s_t = tl.where(MASK_MOD(off_b, off_h, rows[None, :], cols[:, None]), s_t,
+            s_t = tl.where(MASK_MOD(sc.off_b, sc.off_h, rows[None, :], cols[:, None]), s_t,
                            float("-inf"))
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASK:
             # No end checks without a score_mod: rows past SQ have zero q and dO (and an
             # infinite LSE), keys past SK are not stored. A score_mod may overflow there.
-            p_t = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, True,
-                                   0 if SCORE_MOD is None else 2), p_t, 0.0)
+            p_t = tl.where(visible(rows, cols, seq.SQ, seq.SK, seq.LOWER, seq.UPPER, HAS_LOWER,
+                                   HAS_UPPER, True, 0 if var.SCORE_MOD is None else 2), p_t, 0.0)
         pd_t = p_t
-        if HAS_DROPOUT:  # the forward's mask, regenerated
-            keep_t = dropout_keep(seed, rng_bh, rows, cols, dropout_p, True)
-            pd_t = tl.where(keep_t, p_t * (1.0 / (1.0 - dropout_p)), 0.0)
-        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PREC)     # [BLOCK_N, BLOCK_DV]
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)             # [BLOCK_N, BLOCK_M]
-        if HAS_DROPOUT:
-            dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
-        ds_t = _ds(p_t, dp_t, delta[None, :], t_t, HAS_SOFTCAP)
-        if SCORE_GRAD is not None:
-            ds_t = ds_t * SCORE_GRAD(t_t, off_b, off_h, rows[None, :], cols[:, None])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)       # [BLOCK_N, BLOCK_D]
+        if var.HAS_DROPOUT:  # the forward's mask, regenerated
+            keep_t = dropout_keep(sc.seed, sc.rng_bh, rows, cols, sc.dropout_p, True)
+            pd_t = tl.where(keep_t, p_t * (1.0 / (1.0 - sc.dropout_p)), 0.0)
+        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=var.DOT_PREC)  # [BLOCK_N, BLOCK_DV]
+        dp_t = tl.dot(v, tl.trans(do), input_precision=var.DOT_PREC)          # [BLOCK_N, BLOCK_M]
+        if var.HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - sc.dropout_p)), 0.0)
+        ds_t = _ds(p_t, dp_t, delta[None, :], t_t, var.HAS_SOFTCAP)
+        if var.SCORE_GRAD is not None:
+            ds_t = ds_t * var.SCORE_GRAD(t_t, sc.off_b, sc.off_h, rows[None, :], cols[:, None])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=var.DOT_PREC)   # [BLOCK_N, BLOCK_D]
     return dk, dv
 
 
@@ -131,16 +124,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qt, s
 @triton.jit(do_not_specialize=["seed", "GROUP", "TOTAL_Q", "TOTAL_K"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh,
-    stride_dkb, stride_dkt, stride_dkh,
-    stride_dvb, stride_dvt, stride_dvh,
-    stride_lb, stride_lh,
-    stride_ab, stride_ah,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_bb, stride_bh, stride_bq, BM_N,
+    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,  # (batch, token, head)
+    stride_lse, stride_alibi,  # (batch, head): LSE's and delta's, ALiBi's
+    stride_mask,  # (batch, head, query, key)
+    stride_bmask, BM_N,  # (batch, head, block), BMASK's other block count
     HKV, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, HEAD_DIM_V, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
     sm_scale,
     dropout_p, seed,
@@ -153,6 +140,16 @@ def _attn_bwd_dkdv_kernel(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     STATS_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    stride_qb, stride_qt, stride_qh = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_vb, stride_vt, stride_vh = stride_v
+    stride_dob, stride_dot, stride_doh = stride_do
+    stride_dkb, stride_dkt, stride_dkh = stride_dk
+    stride_dvb, stride_dvt, stride_dvh = stride_dv
+    stride_lb, stride_lh = stride_lse
+    stride_ab, stride_ah = stride_alibi
+    stride_mb, stride_mh, stride_mm, stride_mn = stride_mask
+    stride_bb, stride_bh, stride_bq = stride_bmask
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)
     off_b = (off_bh // HKV).to(tl.int64)
@@ -181,6 +178,9 @@ def _attn_bwd_dkdv_kernel(
 
     lo, full_lo, full_hi, hi = q_range(start_n, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                        BLOCK_M, BLOCK_N)
+    seq = Seq(SQ, SK, LOWER, UPPER, DIAG)
+    var = Variant(HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, EVEN_D,
+                  EVEN_DV, DOT_PREC, UPCAST, USE_TMA, 0, STATS_TMA, SPARSE, BLOCK_M, BLOCK_N)
     # The GQA loop is never pipelined: with seqlen_q 1 (a constant) the query-block loops
     # inside fold away, and Triton 3.6's pipeliner, given this loop, fails on its descriptor
     # creations ("tensormap_create ... doesn't know how to predicate"; compile_check gqa-sq1).
@@ -205,62 +205,37 @@ def _attn_bwd_dkdv_kernel(
         if MASK_KIND != 0:
             mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
         rng_bh = (off_b * HKV * GROUP + off_h).to(tl.int32)
+        sc = Scores(qk_scale, cap2, slope2, alibi_at, mask_base, stride_mm, stride_mn, seed,
+                    rng_bh, dropout_p, off_b, off_h)
         if HAS_BLOCK_MASK:
             # query blocks of this key block: n_partial, n_full, partial indices, full indices
             blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_n // SPARSE) * stride_bq
             # full blocks (no mask_mod), then partial ones, each list in one flat loop
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, offs_dv, 0,
-                                          tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N, SQ, SK,
-                                          HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, alibi_at,
-                                          qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                                          seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D,
-                                          EVEN_DV, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                          MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None,
-                                          True, DOT_PREC, UPCAST, USE_TMA, True, SPARSE, STATS_TMA,
-                                          BLOCK_M)
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, HEAD_DIM,
+                                          HEAD_DIM_V, 0, tl.load(blocks + 1) * SPARSE,
+                                          blocks + 2 + BM_N, seq, sc, var, HAS_LOWER, HAS_UPPER,
+                                          None, True, True)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, offs_dv, 0,
-                                          tl.load(blocks) * SPARSE, blocks + 2, SQ, SK, HEAD_DIM,
-                                          HEAD_DIM_V, LOWER, UPPER, DIAG, alibi_at, qk_scale, cap2,
-                                          slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                                          dropout_p, off_b, off_h, sm_scale, EVEN_D, EVEN_DV,
-                                          HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                          HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD, True,
-                                          DOT_PREC, UPCAST, USE_TMA, True, SPARSE, STATS_TMA,
-                                          BLOCK_M)
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, HEAD_DIM,
+                                          HEAD_DIM_V, 0, tl.load(blocks) * SPARSE, blocks + 2, seq,
+                                          sc, var, HAS_LOWER, HAS_UPPER, MASK_MOD, True, True)
         else:
             # Masked query blocks at the diagonal, fully visible ones, masked ones at the
             # window's far edge; the last start at or past every key's upper bound (q_range's
             # full_lo) and check the lower bound only (HAS_UPPER False there).
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, offs_dv, lo, full_lo,
-                                          BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG,
-                                          alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                          stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
-                                          sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER,
-                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST,
-                                          USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, HEAD_DIM,
+                                          HEAD_DIM_V, lo, full_lo, BMASK, seq, sc, var, HAS_LOWER,
+                                          HAS_UPPER, MASK_MOD, True, False)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, offs_dv, full_lo,
-                                          full_hi, BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER,
-                                          UPPER, DIAG, alibi_at, qk_scale, cap2, slope2, mask_base,
-                                          stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                          off_h, sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER,
-                                          HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                          SCORE_MOD, SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST,
-                                          USE_TMA, False, SPARSE, STATS_TMA, BLOCK_M)
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, HEAD_DIM,
+                                          HEAD_DIM_V, full_lo, full_hi, BMASK, seq, sc, var,
+                                          HAS_LOWER, HAS_UPPER, MASK_MOD, False, False)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse, delta, stride_qt,
-                                          stride_dot, cols, offs_m, offs_d, offs_dv, full_hi, hi,
-                                          BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG,
-                                          alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm,
-                                          stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
-                                          sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, False, HAS_SOFTCAP,
-                                          HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD,
-                                          MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, False, SPARSE,
-                                          STATS_TMA, BLOCK_M)
-
+                                          stride_dot, cols, offs_m, offs_d, offs_dv, HEAD_DIM,
+                                          HEAD_DIM_V, full_hi, hi, BMASK, seq, sc, var, HAS_LOWER,
+                                          False, MASK_MOD, True, False)
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + c64 * stride_dkt + offs_d[None, :]
     dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + c64 * stride_dvt + offs_dv[None, :]
@@ -270,70 +245,58 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows, offs_n,
-                       offs_d, offs_dv, lo, hi, blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER,
-                       UPPER, alibi_at, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                       seed, rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D: tl.constexpr,
-                       EVEN_DV: tl.constexpr,
-                       HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
-                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                       MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, SCORE_MOD: tl.constexpr,
-                       SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
-                       DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                       LISTED: tl.constexpr, SPARSE: tl.constexpr, BLOCK_N: tl.constexpr):
-    for it in range(lo, hi, BLOCK_N):
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, rows, kv, lo, hi, blk_list, seq, sc, var,
+                       HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, MASK_MOD: tl.constexpr,
+                       MASK: tl.constexpr, LISTED: tl.constexpr):
+    for it in range(lo, hi, var.BLOCK_N):
         start_n = it  # LISTED: the key blocks that blk_list names (see _attn_fwd_inner)
         if LISTED:
-            start_n = tl.load(blk_list + it // SPARSE) * SPARSE + it % SPARSE
-        cols = start_n + offs_n                                      # [BLOCK_N]
-        k = load_rows(k_base, start_n, offs_n, stride_kt, SK, offs_d, HEAD_DIM, MASK, not EVEN_D,
-                      USE_TMA)                                       # [BLOCK_N, BLOCK_D]
-        v = load_rows(v_base, start_n, offs_n, stride_vt, SK, offs_dv, HEAD_DIM_V, MASK,
-                      not EVEN_DV, USE_TMA)                          # [BLOCK_N, BLOCK_DV]
-        if UPCAST:
+            start_n = tl.load(blk_list + it // var.SPARSE) * var.SPARSE + it % var.SPARSE
+        cols = start_n + kv.offs_n                                   # [BLOCK_N]
+        k = load_rows(kv.k, start_n, kv.offs_n, kv.stride_kt, seq.SK, kv.offs_d, kv.HEAD_DIM, MASK,
+                      not var.EVEN_D, var.USE_TMA)                   # [BLOCK_N, BLOCK_D]
+        v = load_rows(kv.v, start_n, kv.offs_n, kv.stride_vt, seq.SK, kv.offs_dv, kv.HEAD_DIM_V,
+                      MASK, not var.EVEN_DV, var.USE_TMA)            # [BLOCK_N, BLOCK_DV]
+        if var.UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
-        s, t = scores(qk, rows, cols, qk_scale, cap2, slope2, alibi_at, HAS_SOFTCAP,
-                      HAS_ALIBI == 1)
-        if HAS_ALIBI == 2:  # the key part (alibi_part); the rows' part is in lse2
-            s = s + alibi_part(cols, alibi_at, slope2)[None, :]
-        if SCORE_MOD is not None:
+        qk = tl.dot(q, tl.trans(k), input_precision=var.DOT_PREC)   # [BLOCK_M, BLOCK_N]
+        s, t = scores(qk, rows, cols, sc.qk_scale, sc.cap2, sc.slope2, sc.alibi_at,
+                      var.HAS_SOFTCAP, var.HAS_ALIBI == 1)
+        if var.HAS_ALIBI == 2:  # the key part (alibi_part); the rows' part is in lse2
+            s = s + alibi_part(cols, sc.alibi_at, sc.slope2)[None, :]
+        if var.SCORE_MOD is not None:
             t = s  # the natural-log score, argument of SCORE_GRAD
-            s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
-        s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
+            s = var.SCORE_MOD(s, sc.off_b, sc.off_h, rows[:, None], cols[None, :]) * LOG2E
+        s = apply_attn_mask(s, sc.mask_base, rows, cols, seq.SQ, seq.SK, sc.stride_mm,
+                            sc.stride_mn, var.MASK_KIND)
         if MASK_MOD is not None:
-            s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
+            s = tl.where(MASK_MOD(sc.off_b, sc.off_h, rows[:, None], cols[None, :]), s,
+                         float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
             # No end checks without a score_mod: rows past SQ are not stored, keys past SK are
             # zero rows of K (their dS adds nothing). A score_mod may overflow there.
-            p = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, False,
-                                 0 if SCORE_MOD is None else 2), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)       # [BLOCK_M, BLOCK_N]
-        if HAS_DROPOUT:
-            keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        ds = _ds(p, dp, delta[:, None], t, HAS_SOFTCAP)
-        if SCORE_GRAD is not None:
-            ds = ds * SCORE_GRAD(t, off_b, off_h, rows[:, None], cols[None, :])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_D]
+            p = tl.where(visible(rows, cols, seq.SQ, seq.SK, seq.LOWER, seq.UPPER, HAS_LOWER,
+                                 HAS_UPPER, False, 0 if var.SCORE_MOD is None else 2), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=var.DOT_PREC)   # [BLOCK_M, BLOCK_N]
+        if var.HAS_DROPOUT:
+            keep = dropout_keep(sc.seed, sc.rng_bh, rows, cols, sc.dropout_p, False)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - sc.dropout_p)), 0.0)
+        ds = _ds(p, dp, delta[:, None], t, var.HAS_SOFTCAP)
+        if var.SCORE_GRAD is not None:
+            ds = ds * var.SCORE_GRAD(t, sc.off_b, sc.off_h, rows[:, None], cols[None, :])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=var.DOT_PREC)  # [BLOCK_M, BLOCK_D]
     return dq
 
 
 @triton.jit(do_not_specialize=["seed", "TOTAL_Q", "TOTAL_K"])
 def _attn_bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DELTA, DQ, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh,
-    stride_dob, stride_dot, stride_doh,
-    stride_dqb, stride_dqt, stride_dqh,
-    stride_lb, stride_lh,
-    stride_ab, stride_ah,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_bb, stride_bh, stride_bq, BM_N,
+    stride_q, stride_k, stride_v, stride_o, stride_do, stride_dq,  # (batch, token, head)
+    stride_lse, stride_alibi,  # (batch, head): LSE's and delta's, ALiBi's
+    stride_mask,  # (batch, head, query, key)
+    stride_bmask, BM_N,  # (batch, head, block), BMASK's other block count
     H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, HEAD_DIM, HEAD_DIM_V, WIN_LEFT, WIN_RIGHT, qk_scale, cap2,
     sm_scale,
     dropout_p, seed,
@@ -346,6 +309,16 @@ def _attn_bwd_dq_kernel(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    stride_qb, stride_qt, stride_qh = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_vb, stride_vt, stride_vh = stride_v
+    stride_ob, stride_ot, stride_oh = stride_o
+    stride_dob, stride_dot, stride_doh = stride_do
+    stride_dqb, stride_dqt, stride_dqh = stride_dq
+    stride_lb, stride_lh = stride_lse
+    stride_ab, stride_ah = stride_alibi
+    stride_mb, stride_mh, stride_mm, stride_mn = stride_mask
+    stride_bb, stride_bh, stride_bq = stride_bmask
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -394,53 +367,33 @@ def _attn_bwd_dq_kernel(
     v_base = V + off_b * stride_vb + k_off * stride_vt + off_hk * stride_vh
     k_base = row_source(k_base, SK, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     v_base = row_source(v_base, SK, stride_vt, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
+    seq = Seq(SQ, SK, LOWER, UPPER, DIAG)
+    sc = Scores(qk_scale, cap2, slope2, alibi_at, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                dropout_p, off_b, off_h)
+    var = Variant(HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, EVEN_D,
+                  EVEN_DV, DOT_PREC, UPCAST, USE_TMA, 0, False, SPARSE, BLOCK_M, BLOCK_N)
+    kv = KV(k_base, v_base, stride_kt, stride_vt, 0, 0, 0, offs_n, offs_d, offs_dv, HEAD_DIM,
+            HEAD_DIM_V)
     if HAS_BLOCK_MASK:
         # key blocks of this query block: n_partial, n_full, partial indices, full indices
         blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_m // SPARSE) * stride_bq
         # full blocks (no mask_mod), then partial ones, each list in one flat loop
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, offs_dv, 0, tl.load(blocks + 1) * SPARSE, blocks +
-                                2 + BM_N, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, alibi_at,
-                                qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed,
-                                rng_bh, dropout_p, off_b, off_h, sm_scale, EVEN_D, EVEN_DV,
-                                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-                                HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, None, True, DOT_PREC, UPCAST,
-                                USE_TMA, True, SPARSE, BLOCK_N)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, offs_dv, 0, tl.load(blocks) * SPARSE, blocks + 2,
-                                SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, alibi_at, qk_scale,
-                                cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-                                dropout_p, off_b, off_h, sm_scale, EVEN_D, EVEN_DV, HAS_LOWER,
-                                HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                SCORE_MOD, SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA,
-                                True, SPARSE, BLOCK_N)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, rows, kv, 0, tl.load(blocks + 1) * SPARSE,
+                                blocks + 2 + BM_N, seq, sc, var, HAS_LOWER, HAS_UPPER, None, True,
+                                True)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, rows, kv, 0, tl.load(blocks) * SPARSE,
+                                blocks + 2, seq, sc, var, HAS_LOWER, HAS_UPPER, MASK_MOD, True,
+                                True)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
         # as in the forward: the right edge's blocks check the upper bound only
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, offs_dv, lo, full_lo, BMASK, SQ, SK, HEAD_DIM,
-                                HEAD_DIM_V, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2,
-                                mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                off_h, sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER,
-                                HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
-                                SCORE_GRAD, MASK_MOD, True, DOT_PREC, UPCAST, USE_TMA, False,
-                                SPARSE, BLOCK_N)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, offs_dv, full_lo, full_hi, BMASK, SQ, SK, HEAD_DIM,
-                                HEAD_DIM_V, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2,
-                                mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                off_h, sm_scale, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER,
-                                HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
-                                SCORE_GRAD, MASK_MOD, False, DOT_PREC, UPCAST, USE_TMA, False,
-                                SPARSE, BLOCK_N)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, rows,
-                                offs_n, offs_d, offs_dv, full_hi, hi, BMASK, SQ, SK, HEAD_DIM,
-                                HEAD_DIM_V, LOWER, UPPER, alibi_at, qk_scale, cap2, slope2,
-                                mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                off_h, sm_scale, EVEN_D, EVEN_DV, False, HAS_UPPER, HAS_SOFTCAP,
-                                HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, MASK_MOD,
-                                True, DOT_PREC, UPCAST, USE_TMA, False, SPARSE, BLOCK_N)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, rows, kv, lo, full_lo, BMASK, seq, sc, var,
+                                HAS_LOWER, HAS_UPPER, MASK_MOD, True, False)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, rows, kv, full_lo, full_hi, BMASK, seq, sc,
+                                var, HAS_LOWER, HAS_UPPER, MASK_MOD, False, False)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, rows, kv, full_hi, hi, BMASK, seq, sc, var,
+                                False, HAS_UPPER, MASK_MOD, True, False)
 
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + r64 * stride_dqt + offs_d[None, :]
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM,

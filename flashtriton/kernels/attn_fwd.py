@@ -25,70 +25,64 @@ row does not see at all leave its state exactly as it was).
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, NEG_BIG, add_sink, apply_attn_mask, dropout_keep, heavy_first,
-                     load_kv, load_tile, row_source, scores, seq_bounds, store_tile)
+from .common import (KV, LN2, LOG2E, NEG_BIG, Scores, Seq, Variant, add_sink, apply_attn_mask,
+                     dropout_keep, heavy_first, load_kv, load_tile, row_source, scores,
+                     seq_bounds, store_tile)
 from .mask import kv_range, rows_hi, visible
 
 GATHER_TILES = tl.constexpr(64)  # key tiles a chunk of paged keys read by pointers
 
 
 @triton.jit
-def _softmax_step(qk, acc, l_i, m_i, rows, cols, SQ, SK, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                  mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
-                  HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                  SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr):
+def _softmax_step(qk, acc, l_i, m_i, rows, cols, seq, sc, var, HAS_LOWER: tl.constexpr,
+                  HAS_UPPER: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr):
     """One key block of the online softmax for some query rows: P (fp32, to multiply V) and
-    the running acc, l, m after it."""
-    PLAIN: tl.constexpr = (not HAS_SOFTCAP and not HAS_ALIBI and SCORE_MOD is None
-                           and MASK_KIND == 0 and MASK_MOD is None)
+    the running acc, l, m after it. MASK: the bounds HAS_LOWER / HAS_UPPER and the keys' end
+    checked."""
+    PLAIN: tl.constexpr = (not var.HAS_SOFTCAP and not var.HAS_ALIBI and var.SCORE_MOD is None
+                           and var.MASK_KIND == 0 and MASK_MOD is None)
     if PLAIN and not MASK:
         # Plain scores, no mask: the scale (>= 0 here) goes into the row max and into one
         # FMA per score, instead of a multiply and a subtract. No branch here (a lazy
         # rescale of acc was one): a branch makes the compiler wait for every product in
         # flight, which ends the overlap of the two halves (see _attn_fwd_inner).
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * sc.qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
         acc = acc * alpha[:, None]
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        p = tl.math.exp2(qk * sc.qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     else:
-        s, _ = scores(qk, rows, cols, qk_scale, cap2, slope2, DIAG, HAS_SOFTCAP, HAS_ALIBI)
-        if SCORE_MOD is not None:  # natural-log score in (qk_scale: the plain scale), log2 out
-            s = SCORE_MOD(s, off_b, off_h, rows[:, None], cols[None, :]) * LOG2E
-        s = apply_attn_mask(s, mask_base, rows, cols, SQ, SK, stride_mm, stride_mn, MASK_KIND)
+        s, _ = scores(qk, rows, cols, sc.qk_scale, sc.cap2, sc.slope2, sc.alibi_at,
+                      var.HAS_SOFTCAP, var.HAS_ALIBI)
+        if var.SCORE_MOD is not None:  # natural-log score in (qk_scale: the plain scale), log2 out
+            s = var.SCORE_MOD(s, sc.off_b, sc.off_h, rows[:, None], cols[None, :]) * LOG2E
+        s = apply_attn_mask(s, sc.mask_base, rows, cols, seq.SQ, seq.SK, sc.stride_mm,
+                            sc.stride_mn, var.MASK_KIND)
         if MASK_MOD is not None:
-            s = tl.where(MASK_MOD(off_b, off_h, rows[:, None], cols[None, :]), s, float("-inf"))
+            s = tl.where(MASK_MOD(sc.off_b, sc.off_h, rows[:, None], cols[None, :]), s,
+                         float("-inf"))
         if MASK:
             # rows past SQ are never stored: only the keys' end is checked
-            s = tl.where(visible(rows, cols, SQ, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER, False, 1),
-                         s, float("-inf"))
+            s = tl.where(visible(rows, cols, seq.SQ, seq.SK, seq.LOWER, seq.UPPER, HAS_LOWER,
+                                 HAS_UPPER, False, 1), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         m_i = m_new
-    if HAS_DROPOUT:  # after the denominator: dropout acts on the normalised P
-        keep = dropout_keep(seed, rng_bh, rows, cols, dropout_p, False)
-        p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)
+    if var.HAS_DROPOUT:  # after the denominator: dropout acts on the normalised P
+        keep = dropout_keep(sc.seed, sc.rng_bh, rows, cols, sc.dropout_p, False)
+        p = tl.where(keep, p * (1.0 / (1.0 - sc.dropout_p)), 0.0)
     return p, acc, l_i, m_i
 
 
 @triton.jit
-def _attn_fwd_tiles(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
-                    stride_vt, pages, chunk_lo, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b,
-                    offs_n, offs_d, offs_dv, lo, hi, blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V,
-                    LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                    seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
-                    EVEN_DV: tl.constexpr,
-                    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
-                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                    SPLIT: tl.constexpr, LISTED: tl.constexpr, SPARSE: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_fwd_tiles(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, rows_a, rows_b, kv, pages,
+                    chunk_lo, lo, hi, blk_list, seq, sc, var, HAS_LOWER: tl.constexpr,
+                    HAS_UPPER: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
+                    SPLIT: tl.constexpr, LISTED: tl.constexpr):
     """Key blocks lo..hi for the two row halves a and b of the query block. Both q k^T
     products are issued before the first softmax, so that the tensor cores compute half b's
     scores (and then half a's P V) while the other half's softmax runs: the overlap FA3 gets
@@ -99,83 +93,60 @@ def _attn_fwd_tiles(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, 
     PAGE_SIZE > 0: the keys and values sit in pages (common.load_kv; ``pages``: the
     sequence's block-table row, or under a gather the page of each key from ``chunk_lo`` on,
     _attn_fwd_inner's chunk)."""
-    for it in range(lo, hi, BLOCK_N):
+    for it in range(lo, hi, var.BLOCK_N):
         start_n = it
         if LISTED:
-            start_n = tl.load(blk_list + it // SPARSE) * SPARSE + it % SPARSE
-        cols = start_n + offs_n                                      # [BLOCK_N]
-        k = load_kv(k_base, pages, chunk_lo, start_n, offs_n, stride_kt, stride_kp, SK, NUM_PAGES,
-                    offs_d, HEAD_DIM, MASK, not EVEN_D, USE_TMA, PAGE_SIZE,
-                    BLOCK_N)                                         # [BLOCK_N, BLOCK_D]
-        v = load_kv(v_base, pages, chunk_lo, start_n, offs_n, stride_vt, stride_vp, SK, NUM_PAGES,
-                    offs_dv, HEAD_DIM_V, MASK, not EVEN_DV, USE_TMA, PAGE_SIZE,
-                    BLOCK_N)                                         # [BLOCK_N, BLOCK_DV]
-        if UPCAST:
+            start_n = tl.load(blk_list + it // var.SPARSE) * var.SPARSE + it % var.SPARSE
+        cols = start_n + kv.offs_n                                   # [BLOCK_N]
+        k = load_kv(kv.k, pages, chunk_lo, start_n, kv.offs_n, kv.stride_kt, kv.stride_kp, seq.SK,
+                    kv.NUM_PAGES, kv.offs_d, kv.HEAD_DIM, MASK, not var.EVEN_D, var.USE_TMA,
+                    var.PAGE_SIZE, var.BLOCK_N)                      # [BLOCK_N, BLOCK_D]
+        v = load_kv(kv.v, pages, chunk_lo, start_n, kv.offs_n, kv.stride_vt, kv.stride_vp, seq.SK,
+                    kv.NUM_PAGES, kv.offs_dv, kv.HEAD_DIM_V, MASK, not var.EVEN_DV, var.USE_TMA,
+                    var.PAGE_SIZE, var.BLOCK_N)                      # [BLOCK_N, BLOCK_DV]
+        if var.UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk_a = tl.dot(q_a, tl.trans(k), input_precision=DOT_PREC)   # [HALF, BLOCK_N]
+        qk_a = tl.dot(q_a, tl.trans(k), input_precision=var.DOT_PREC)  # [HALF, BLOCK_N]
         if SPLIT:
-            qk_b = tl.dot(q_b, tl.trans(k), input_precision=DOT_PREC)
-        p, acc_a, l_a, m_a = _softmax_step(qk_a, acc_a, l_a, m_a, rows_a, cols, SQ, SK, LOWER,
-                                           UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
-                                           stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-                                           off_h, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-                                           MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD, MASK)
-        acc_a = tl.dot(p.to(v.dtype), v, acc_a, input_precision=DOT_PREC)
+            qk_b = tl.dot(q_b, tl.trans(k), input_precision=var.DOT_PREC)
+        p, acc_a, l_a, m_a = _softmax_step(qk_a, acc_a, l_a, m_a, rows_a, cols, seq, sc, var,
+                                           HAS_LOWER, HAS_UPPER, MASK_MOD, MASK)
+        acc_a = tl.dot(p.to(v.dtype), v, acc_a, input_precision=var.DOT_PREC)
         if SPLIT:
-            p, acc_b, l_b, m_b = _softmax_step(qk_b, acc_b, l_b, m_b, rows_b, cols, SQ, SK,
-                                               LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-                                               mask_base, stride_mm, stride_mn, seed, rng_bh,
-                                               dropout_p, off_b, off_h, HAS_LOWER, HAS_UPPER,
-                                               HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                                               SCORE_MOD, MASK_MOD, MASK)
-            acc_b = tl.dot(p.to(v.dtype), v, acc_b, input_precision=DOT_PREC)
+            p, acc_b, l_b, m_b = _softmax_step(qk_b, acc_b, l_b, m_b, rows_b, cols, seq, sc, var,
+                                               HAS_LOWER, HAS_UPPER, MASK_MOD, MASK)
+            acc_b = tl.dot(p.to(v.dtype), v, acc_b, input_precision=var.DOT_PREC)
     return acc_a, l_a, m_a, acc_b, l_b, m_b
 
 
 @triton.jit
-def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt,
-                    stride_vt, pages, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n,
-                    offs_d, offs_dv, lo, hi, blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V,
-                    LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn,
-                    seed, rng_bh, dropout_p, off_b, off_h, EVEN_D: tl.constexpr,
-                    EVEN_DV: tl.constexpr,
-                    HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASK: tl.constexpr,
-                    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-                    SPLIT: tl.constexpr, LISTED: tl.constexpr, SPARSE: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_fwd_inner(acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, rows_a, rows_b, kv, pages, lo, hi,
+                    blk_list, seq, sc, var, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr,
+                    MASK_MOD: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr,
+                    LISTED: tl.constexpr):
     """Key blocks lo..hi (_attn_fwd_tiles). Paged keys read by pointers: in chunks of
     GATHER_TILES tiles (or a page), each chunk's pages loaded once before its tiles, so that no
     load inside the pipelined loop feeds the addresses of the key and value loads (Triton's
     pipeliner then prefetches them num_stages - 1 tiles ahead, as for contiguous keys; with
     the block table read in the loop it prefetched one)."""
-    if PAGE_SIZE > 0 and not USE_TMA:
+    PAGE_SIZE: tl.constexpr = var.PAGE_SIZE
+    if PAGE_SIZE > 0 and not var.USE_TMA:
         # chunks start at multiples of CHUNK, a multiple of PAGE_SIZE: whole pages
-        CHUNK: tl.constexpr = (GATHER_TILES * BLOCK_N if GATHER_TILES * BLOCK_N >= PAGE_SIZE
-                               else PAGE_SIZE)
-        n_entries = tl.cdiv(SK, PAGE_SIZE)  # the sequence's pages in its block-table row
+        CHUNK: tl.constexpr = (GATHER_TILES * var.BLOCK_N if GATHER_TILES * var.BLOCK_N
+                               >= PAGE_SIZE else PAGE_SIZE)
+        n_entries = tl.cdiv(seq.SK, PAGE_SIZE)  # the sequence's pages in its block-table row
         for chunk_lo in range(lo // CHUNK * CHUNK, hi, CHUNK):
             entries = chunk_lo // PAGE_SIZE + tl.arange(0, CHUNK // PAGE_SIZE)
             chunk = tl.load(pages + entries, mask=entries < n_entries, other=0)
             acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_tiles(
-                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt,
-                chunk, chunk_lo, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n, offs_d,
-                offs_dv, tl.maximum(chunk_lo, lo), tl.minimum(chunk_lo + CHUNK, hi), blk_list, SQ,
-                SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2, slope2, mask_base,
-                stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, EVEN_DV,
-                HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
-                MASK_MOD, MASK, DOT_PREC, UPCAST, USE_TMA, SPLIT, LISTED, SPARSE, PAGE_SIZE,
-                BLOCK_N)
+                acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, rows_a, rows_b, kv, chunk, chunk_lo,
+                tl.maximum(chunk_lo, lo), tl.minimum(chunk_lo + CHUNK, hi), blk_list, seq, sc,
+                var, HAS_LOWER, HAS_UPPER, MASK_MOD, MASK, SPLIT, LISTED)
     else:
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_tiles(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
-            0, stride_kp, stride_vp, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, lo, hi,
-            blk_list, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-            mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, EVEN_DV,
-            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
-            MASK_MOD, MASK, DOT_PREC, UPCAST, USE_TMA, SPLIT, LISTED, SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, rows_a, rows_b, kv, pages, 0, lo, hi,
+            blk_list, seq, sc, var, HAS_LOWER, HAS_UPPER, MASK_MOD, MASK, SPLIT, LISTED)
     return acc_a, l_a, m_a, acc_b, l_b, m_b
 
 
@@ -199,14 +170,10 @@ def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HE
 @triton.jit(do_not_specialize=["seed", "TOTAL_Q", "TOTAL_K", "NUM_PAGES"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, ALIBI, AMASK, CU_Q, CU_K, SEQUSED_K, BMASK, SINK, BLOCK_TABLE,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh,
-    stride_lb, stride_lh,
-    stride_ab, stride_ah,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_bb, stride_bh, stride_bq, BM_N, stride_tb,
+    stride_q, stride_k, stride_v, stride_o,  # (batch, token, head) strides
+    stride_lse, stride_alibi,  # (batch, head)
+    stride_mask,  # (batch, head, query, key)
+    stride_bmask, BM_N, stride_tb,  # (batch, head, block), BMASK's other block count, table's
     H, GROUP, SQ, SK, TOTAL_Q, TOTAL_K, NUM_PAGES, HEAD_DIM, HEAD_DIM_V, WIN_LEFT, WIN_RIGHT,
     qk_scale, cap2, sm_scale,
     dropout_p, seed,
@@ -220,6 +187,14 @@ def _attn_fwd_kernel(
     PAGE_SIZE: tl.constexpr, INVARIANT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    stride_qb, stride_qt, stride_qh = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_vb, stride_vt, stride_vh = stride_v
+    stride_ob, stride_ot, stride_oh = stride_o
+    stride_lb, stride_lh = stride_lse
+    stride_ab, stride_ah = stride_alibi
+    stride_mb, stride_mh, stride_mm, stride_mn = stride_mask
+    stride_bb, stride_bh, stride_bq = stride_bmask
     start_m = heavy_first(HAS_LOWER, HAS_UPPER) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -288,27 +263,26 @@ def _attn_fwd_kernel(
     acc_a = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
     m_b, l_b, acc_b = m_a, l_a, acc_a
 
+    seq = Seq(SQ, SK, LOWER, UPPER, DIAG)
+    sc = Scores(qk_scale, cap2, slope2, DIAG, mask_base, stride_mm, stride_mn, seed, rng_bh,
+                dropout_p, off_b, off_h)
+    var = Variant(HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD, EVEN_D,
+                  EVEN_DV, DOT_PREC, UPCAST, TMA_KV, PAGE_SIZE, False, SPARSE, BLOCK_M, BLOCK_N)
+    kv = KV(k_base, v_base, stride_kt, stride_vt, stride_kb, stride_vb, NUM_PAGES, offs_n,
+            offs_d, offs_dv, HEAD_DIM, HEAD_DIM_V)
     if HAS_BLOCK_MASK:
         # key blocks of this query block: n_partial, n_full, partial indices, full indices
         blocks = BMASK + off_b * stride_bb + off_h * stride_bh + (start_m // SPARSE) * stride_bq
         # Full blocks (no mask_mod), then partial ones; each list in one flat loop. Sub-blocks
         # past the end of the keys (a ragged last block) are masked by MASK.
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
-            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, 0,
-            tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER,
-            UPPER, DIAG, qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh,
-            dropout_p, off_b, off_h, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI,
-            MASK_KIND, HAS_DROPOUT, SCORE_MOD, None, True, DOT_PREC, UPCAST, TMA_KV, SPLIT, True,
-            SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, rows_a, rows_b, kv, pages, 0,
+            tl.load(blocks + 1) * SPARSE, blocks + 2 + BM_N, seq, sc, var, HAS_LOWER, HAS_UPPER,
+            None, True, SPLIT, True)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
-            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, 0,
-            tl.load(blocks) * SPARSE, blocks + 2, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG,
-            qk_scale, cap2, slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b,
-            off_h, EVEN_D, EVEN_DV, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND,
-            HAS_DROPOUT, SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT, True, SPARSE,
-            PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, rows_a, rows_b, kv, pages, 0,
+            tl.load(blocks) * SPARSE, blocks + 2, seq, sc, var, HAS_LOWER, HAS_UPPER, MASK_MOD,
+            True, SPLIT, True)
     else:
         lo, full_lo, full_hi, hi = kv_range(start_m, SK, LOWER, UPPER, HAS_LOWER, HAS_UPPER,
                                             BLOCK_M, BLOCK_N)
@@ -317,41 +291,23 @@ def _attn_fwd_kernel(
         # blocks start at or past every row's lower bound (kv_range's full_lo): they check the
         # upper bound only (HAS_LOWER False there).
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
-            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, lo, full_lo,
-            BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-            mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, EVEN_DV,
-            HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD,
-            MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, SPLIT, False, SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, rows_a, rows_b, kv, pages, lo, full_lo,
+            BMASK, seq, sc, var, HAS_LOWER, HAS_UPPER, MASK_MOD, True, SPLIT, False)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
-            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, full_lo,
-            full_hi, BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2,
-            slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D,
-            EVEN_DV, HAS_LOWER, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-            SCORE_MOD, MASK_MOD, INVARIANT, DOT_PREC, UPCAST, TMA_KV, SPLIT, False, SPARSE,
-            PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, rows_a, rows_b, kv, pages, full_lo,
+            full_hi, BMASK, seq, sc, var, HAS_LOWER, HAS_UPPER, MASK_MOD, INVARIANT, SPLIT, False)
         mid = hi
         if SPLIT and HAS_UPPER:
             mid = rows_hi(start_m, HALF, SK, UPPER, full_hi, hi, BLOCK_N)
         acc_a, l_a, m_a, acc_b, l_b, m_b = _attn_fwd_inner(
-            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, k_base, v_base, stride_kt, stride_vt, pages,
-            stride_kb, stride_vb, NUM_PAGES, rows_a, rows_b, offs_n, offs_d, offs_dv, full_hi, mid,
-            BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2, slope2,
-            mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h, EVEN_D, EVEN_DV,
-            False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, MASK_MOD,
-            True, DOT_PREC, UPCAST, TMA_KV, SPLIT, False, SPARSE, PAGE_SIZE, BLOCK_N)
+            acc_a, l_a, m_a, acc_b, l_b, m_b, q_a, q_b, rows_a, rows_b, kv, pages, full_hi, mid,
+            BMASK, seq, sc, var, False, HAS_UPPER, MASK_MOD, True, SPLIT, False)
         # Past half a's last visible key (the causal diagonal of its rows) only half b runs:
         # the b state goes in as the "a" arguments of a one-half (SPLIT=False) loop.
         if SPLIT and HAS_UPPER:
             acc_b, l_b, m_b, _, _, _ = _attn_fwd_inner(
-                acc_b, l_b, m_b, acc_b, l_b, m_b, q_b, q_b, k_base, v_base, stride_kt, stride_vt,
-                pages, stride_kb, stride_vb, NUM_PAGES, rows_b, rows_b, offs_n, offs_d, offs_dv,
-                mid, hi, BMASK, SQ, SK, HEAD_DIM, HEAD_DIM_V, LOWER, UPPER, DIAG, qk_scale, cap2,
-                slope2, mask_base, stride_mm, stride_mn, seed, rng_bh, dropout_p, off_b, off_h,
-                EVEN_D, EVEN_DV, False, HAS_UPPER, HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT,
-                SCORE_MOD, MASK_MOD, True, DOT_PREC, UPCAST, TMA_KV, False, False, SPARSE,
-                PAGE_SIZE, BLOCK_N)
+                acc_b, l_b, m_b, acc_b, l_b, m_b, q_b, q_b, rows_b, rows_b, kv, pages, mid, hi,
+                BMASK, seq, sc, var, False, HAS_UPPER, MASK_MOD, True, False, False)
 
     o_base = O + off_b * stride_ob + q_off * stride_ot + off_h * stride_oh
     lse_base = LSE + off_b * stride_lb + off_h * stride_lh + q_off

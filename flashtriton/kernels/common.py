@@ -8,16 +8,131 @@ Conventions (every kernel of the package):
   Causal alignment: query i sees key j iff j <= i + DIAG, with DIAG = SK - SQ
   (bottom-right, flash-attn's convention).
 Who sees whom (the causal / window rule, per score and per block): kernels/mask.py.
+The training and split-KV decoding kernels take each tensor's strides as one tuple (the
+launcher's); the training kernels' loops take named groups that the kernel builds
+(``aggregate``: Seq, Scores, Variant, KV).
 """
 
 import triton
 import triton.language as tl
+# Triton 3.6's aggregate classes (the Gluon tutorials' @aggregate) have no public name: this
+# module is the one place that imports it. If it moves or goes, only ``aggregate`` below
+# changes (a later Triton's public name, or plain argument lists again).
+from triton.language.core import _aggregate
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # Finite stand-in for -inf as the running max: a row whose scores are all
 # masked keeps m = NEG_BIG, so exp2(-inf - m) = 0 and exp2(m - m) = 1, no NaN.
 NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.constexpr_function
+def _init_members(self, *args, **kwargs):
+    """An aggregate's constructor: its members in declaration order, by position or name.
+    Compiling, a plain Python value (a constexpr, unwrapped by constexpr_function) becomes a
+    constexpr member again; the interpreter keeps plain values (it has no constexprs)."""
+    names = type(self).MEMBERS
+    values = dict(zip(names, args), **kwargs)
+    for name in names:
+        value = values[name]
+        if not triton.knobs.runtime.interpret and not isinstance(value, tl.core.base_value):
+            value = tl.constexpr(value)
+        setattr(self, name, value)
+
+
+def aggregate(cls):
+    """A class of named values that @triton.jit functions take and pass as one argument: its
+    annotations declare the members (tl.tensor, tl.constexpr or either), built by position or
+    name (``Seq(SQ, SK, ...)``); a kernel builds them (the launcher passes no aggregate).
+    Constexpr members specialise the functions that take them, as constexpr arguments do.
+    Under TRITON_INTERPRET the members' types go unchecked (the interpreter passes constexprs
+    and literals as plain Python values)."""
+    if triton.knobs.runtime.interpret:
+        cls.__annotations__ = {name: object for name in cls.__annotations__}
+    cls.__init__ = _init_members
+    value_cls = _aggregate(cls)
+    value_cls.MEMBERS = tuple(cls.__annotations__)
+    return value_cls
+
+
+SCALAR = tl.tensor | tl.constexpr  # a member that a kernel may specialise to a constant
+
+
+@aggregate
+class Seq:
+    """One batch element's sequences (seq_bounds): SQ queries, SK keys; query i sees key j iff
+    i + LOWER <= j <= i + UPPER (each bound where checked), DIAG = SK - SQ."""
+    SQ: SCALAR
+    SK: SCALAR
+    LOWER: SCALAR
+    UPPER: SCALAR
+    DIAG: SCALAR
+
+
+@aggregate
+class Scores:
+    """What the scores of one (batch, head) take beyond q k^T (common.scores, the masks,
+    dropout): the scales (qk_scale, softcap's cap2, ALiBi's slope2 in log2 units and the
+    diagonal or anchor alibi_at it measures from), the attn_mask tile's base and strides, the
+    dropout seed, counter and rate, and the batch and head a score_mod / mask_mod sees."""
+    qk_scale: SCALAR
+    cap2: SCALAR
+    slope2: SCALAR
+    alibi_at: SCALAR
+    mask_base: SCALAR
+    stride_mm: SCALAR
+    stride_mn: SCALAR
+    seed: SCALAR
+    rng_bh: SCALAR
+    dropout_p: SCALAR
+    off_b: SCALAR
+    off_h: SCALAR
+
+
+@aggregate
+class Variant:
+    """A training kernel's constexpr variant as its loops see it (the kernels' docstrings
+    give each flag; the bounds a walk checks, its mask_mod and list come per walk): scores
+    (HAS_SOFTCAP, HAS_ALIBI, MASK_KIND, HAS_DROPOUT, SCORE_MOD, SCORE_GRAD), head dims
+    (EVEN_D, EVEN_DV), products (DOT_PREC, UPCAST), loads (USE_TMA: the walked rows by
+    descriptor, PAGE_SIZE, STATS_TMA), tiles (SPARSE, BLOCK_M, BLOCK_N)."""
+    HAS_SOFTCAP: tl.constexpr
+    HAS_ALIBI: tl.constexpr
+    MASK_KIND: tl.constexpr
+    HAS_DROPOUT: tl.constexpr
+    SCORE_MOD: tl.constexpr
+    SCORE_GRAD: tl.constexpr
+    EVEN_D: tl.constexpr
+    EVEN_DV: tl.constexpr
+    DOT_PREC: tl.constexpr
+    UPCAST: tl.constexpr
+    USE_TMA: tl.constexpr
+    PAGE_SIZE: tl.constexpr
+    STATS_TMA: tl.constexpr
+    SPARSE: tl.constexpr
+    BLOCK_M: tl.constexpr
+    BLOCK_N: tl.constexpr
+
+
+@aggregate
+class KV:
+    """The key and value rows a query block walks: row sources k and v (row_source: pointers
+    or descriptors) with row strides stride_kt / stride_vt; paged (Variant.PAGE_SIZE > 0),
+    pages stride_kp / stride_vp apart, NUM_PAGES of them; the tile's row offsets offs_n and
+    column offsets offs_d / offs_dv of head dims HEAD_DIM (k) and HEAD_DIM_V (v)."""
+    k: tl.tensor | tl.core.tensor_descriptor_base
+    v: tl.tensor | tl.core.tensor_descriptor_base
+    stride_kt: SCALAR
+    stride_vt: SCALAR
+    stride_kp: SCALAR
+    stride_vp: SCALAR
+    NUM_PAGES: SCALAR
+    offs_n: tl.tensor
+    offs_d: tl.tensor
+    offs_dv: tl.tensor
+    HEAD_DIM: SCALAR
+    HEAD_DIM_V: SCALAR
 
 
 @triton.jit

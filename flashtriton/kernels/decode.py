@@ -66,14 +66,12 @@ def _attn_decode_kernel(
     OUT, LSE, COUNTERS,  # MERGE only: the output (B, SQ, H, D), its LSE (B, H, SQ), the counts
     TL,  # None, or a timeline (common.mark): start, loop end, stores, end (after MERGE), SM
     CU_Q,  # None, or packed queries (see below)
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_bt, stride_ab, stride_ah,
-    stride_os, stride_ob, stride_oh, stride_ot,
-    stride_ls, stride_lb, stride_lh,
-    stride_Ob, stride_Ot, stride_Oh,
-    stride_kdb, stride_kdh, stride_vdb, stride_vdh,
+    stride_q, stride_k, stride_v,  # (batch, token, head) strides
+    stride_bt, stride_alibi,  # the block table's rows; ALiBi's (batch, head)
+    stride_part,  # O_PART's (split, batch, head, token)
+    stride_lse_part,  # LSE_PART's (split, batch, head)
+    stride_out,  # MERGE's OUT: (batch, token, head)
+    stride_kd, stride_vd,  # the descales' (batch, kv head)
     HKV, GROUP, SQ, HEAD_DIM, WIN_LEFT, WIN_RIGHT, qk_scale, cap2, SPLIT_SIZE, TOTAL_Q,
     ROWS,  # the cache's rows (contiguous: k_cache.shape[0]) or pages (paged)
     CAPACITY,  # positions a sequence can hold: k_cache.shape[1], or block_table's pages x size
@@ -87,6 +85,15 @@ def _attn_decode_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,  # MERGE: pow2 >= GROUP * SQ; splits a load
     UPCAST: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    stride_qb, stride_qt, stride_qh = stride_q
+    stride_kb, stride_kt, stride_kh = stride_k
+    stride_vb, stride_vt, stride_vh = stride_v
+    stride_ab, stride_ah = stride_alibi
+    stride_os, stride_ob, stride_oh, stride_ot = stride_part
+    stride_ls, stride_lb, stride_lh = stride_lse_part
+    stride_Ob, stride_Ot, stride_Oh = stride_out
+    stride_kdb, stride_kdh = stride_kd
+    stride_vdb, stride_vdh = stride_vd
     program = ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
                + tl.program_id(0))
     mark(TL, program, 0)

@@ -58,10 +58,11 @@ def triton_forward(q, k, v, out, lse, stride_lb: int, stride_lh: int, variant: V
         common = dict(common, IS_VARLEN=4 if varlen.singles_elsewhere else 3)
         use_tma = use_tma and k.shape[0] * page_size < 2**31 and all(
             x.stride(0) == page_size * x.stride(1) for x in (k, v))
-    args = (q, k, v, out, lse, alibi, mask, *_cu(varlen), *_block_args(variant.kv_blocks)[:1],
-            variant.sinks, table, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-            stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
-            *_block_args(variant.kv_blocks)[1:], 0 if table is None else table.stride(0),
+    blocks, *block_strides, bm_n = _block_args(variant.kv_blocks)
+    args = (q, k, v, out, lse, alibi, mask, *_cu(varlen), blocks, variant.sinks, table,
+            _strides(q), _strides(k), _strides(v), _strides(out), (stride_lb, stride_lh),
+            (stride_ab, stride_ah), tuple(mask_strides), tuple(block_strides), bm_n,
+            0 if table is None else table.stride(0),
             H, H // HKV, *_sizes(q, k, varlen, SQ, SK), k.shape[0] if table is not None else 0)
     flags = dict(USE_TMA=use_tma, HAS_SINK=variant.sinks is not None, PAGE_SIZE=page_size,
                  INVARIANT=variant.batch_invariant, **common)
@@ -124,14 +125,13 @@ def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[
     stride_lb, stride_lh = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
     use_tma = runtime._use_tma(q, k, v, dout)  # dQ reads K and V by TMA, dK/dV reads Q and dO
     key = (*key, use_tma)
+    stats = ((stride_lb, stride_lh), (stride_ab, stride_ah), tuple(mask_strides))
+    blocks, *block_strides, bm_n = _block_args(variant.kv_blocks)
     replay_dq = runtime._launch(
         _dq, lambda meta: (configs.cdiv(SQ, meta["BLOCK_M"]), B * H), key,
-        q, k, v, out, dout, lse, delta, dq, alibi, mask, *cu,
-        *_block_args(variant.kv_blocks)[:1],
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(dout),
-        *_strides(dq),
-        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
-        *_block_args(variant.kv_blocks)[1:],
+        q, k, v, out, dout, lse, delta, dq, alibi, mask, *cu, blocks,
+        _strides(q), _strides(k), _strides(v), _strides(out), _strides(dout), _strides(dq),
+        *stats, tuple(block_strides), bm_n,
         H, H // HKV, *_sizes(q, k, varlen, SQ, SK),
         USE_TMA=use_tma, **common,
     )
@@ -142,13 +142,12 @@ def triton_backward(dout, q, k, v, out, lse, variant: Variant, varlen: Optional[
     # aligned (delta is allocated like lse): no varlen offsets, SQ a multiple of 4.
     stats_tma = (use_tma and varlen is None and lse.data_ptr() % 16 == 0
                  and stride_lb % 4 == 0 and stride_lh % 4 == 0)
+    blocks, *block_strides, bm_n = _block_args(variant.q_blocks)
     replay_dkdv = runtime._launch(
         _dkdv, lambda meta: (configs.cdiv(SK, meta["BLOCK_N"]), B * HKV), (*key, stats_tma),
-        q, k, v, dout, lse, delta, dk, dv, alibi, mask, *cu,
-        *_block_args(variant.q_blocks)[:1],
-        *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
-        stride_lb, stride_lh, stride_ab, stride_ah, *mask_strides,
-        *_block_args(variant.q_blocks)[1:],
+        q, k, v, dout, lse, delta, dk, dv, alibi, mask, *cu, blocks,
+        _strides(q), _strides(k), _strides(v), _strides(dout), _strides(dk), _strides(dv),
+        *stats, tuple(block_strides), bm_n,
         HKV, H // HKV, *_sizes(q, k, varlen, SQ, SK),
         USE_TMA=use_tma, STATS_TMA=stats_tma, **common,
     )
