@@ -365,10 +365,11 @@ DECODE_MERGE_MAX_BYTES = 40 << 20
 # the shortest sequence for the Gluon forward / backward (gluon_forward_first,
 # launch.backward_route); a head dim without an entry runs the Triton kernels. Head dim 64's
 # forward (GLUON_FWD_NARROW_BLOCK_M rows a program) from 2K tokens, where it passes the Triton
-# forward (docs/perf.md). The head dims under the tiles' width (GLUON_PADDED_HEAD_DIMS) have no
-# entry: their copy-free Gluon reads (3-D descriptors) are compiled and tested offline but not
-# yet checked on a Hopper GPU (tests/test_gluon.py -k padded_head_dims_run_gluon).
-GLUON_FWD_MIN_SEQLEN = OptionTable({64: 2048})
+# forward; the head dims under the tiles' width (GLUON_PADDED_HEAD_DIMS, read in place) from
+# 1K in the forward, whose Gluon kernel passes the Triton one there, while their backward
+# stays on the Triton kernels, which match or pass the Gluon backward at these widths
+# (docs/perf.md).
+GLUON_FWD_MIN_SEQLEN = OptionTable({64: 2048, 80: 1024, 96: 1024, 112: 1024, 192: 1024})
 GLUON_PADDED_BWD_MIN_SEQLEN = OptionTable({})
 
 

@@ -44,12 +44,13 @@ def test_explain_checks_its_arguments():
     (128, 8192, True, True), (128, 512, True, False), (128, 513, True, True),
     (128, 256, False, True), (64, 8192, False, True), (64, 1024, True, False),
     (64, 2048, True, True), (256, 8192, True, True),
-    (256, 512, True, False), (72, 8192, False, False), (96, 8192, False, False),
-    (192, 8192, True, False), (192, 4096, False, False)])
+    (256, 512, True, False), (72, 8192, False, False), (96, 8192, False, True),
+    (96, 512, False, False), (80, 1024, True, True), (192, 8192, True, True),
+    (112, 1023, False, False)])
 def test_gluon_forward_first(head_dim, seqlen, causal, first):
     """configs.gluon_forward_first: head dims 128 and 256, causal calls from 513 queries; the
-    head dim 64 from its GLUON_FWD_MIN_SEQLEN; the padded head dims without an entry there:
-    the Triton forward."""
+    head dim 64 and the padded head dims from their GLUON_FWD_MIN_SEQLEN; other head dims
+    (72): the Triton forward."""
     assert configs.gluon_forward_first(head_dim, seqlen, causal) is first
 
 

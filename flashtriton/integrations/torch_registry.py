@@ -93,8 +93,9 @@ def activate(dispatch_key: str = "CUDA") -> Handle:
             warnings.filterwarnings("ignore", "Warning only once for all operators")
             for name, impl in _KERNELS.items():
                 if hasattr(torch.ops.aten, name):  # (the in-place forward: newer torch only)
+                    # (over another Python kernel too: that one is the fallback)
                     library.impl(name, _kernel(name, impl, dispatch_key), dispatch_key,
-                                 with_keyset=True)
+                                 with_keyset=True, allow_override=True)
     except BaseException:
         library._destroy()
         raise
