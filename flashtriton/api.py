@@ -45,10 +45,12 @@ def _run(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alib
          dropout_p=0.0, names=("q", "k", "v"), attn_mask=None, score_mod=None,
          score_mod_grad=None, mask_mod=None, block_mask=None,
          deterministic=False, sinks=None, batch_invariant=False,
-         dropout_seed=None) -> AttentionOutput:
+         dropout_seed=None, qkv_checked=False) -> AttentionOutput:
     """``attn_mask``: a (B, H, SQ, SK) view, bool or float (the SDPA drop-in checks it);
-    ``dropout_seed``: the dropout mask's seed (``check_dropout``; None: drawn)."""
-    check_qkv(q, k, v, names, own_v_dim=True)
+    ``dropout_seed``: the dropout mask's seed (``check_dropout``; None: drawn);
+    ``qkv_checked``: the caller has checked q, k, v (``validation.supported`` said None)."""
+    if not qkv_checked:
+        check_qkv(q, k, v, names, own_v_dim=True)
     causal = check_flag("causal", causal)
     deterministic = check_deterministic(deterministic)
     batch_invariant = check_flag("batch_invariant", batch_invariant)

@@ -85,7 +85,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
 def _sdpa_run(q, k, v, causal, scale, dropout_p, attn_mask=None):
     return _run(q, k, v, causal, scale, dropout_p=dropout_p, names=("query", "key", "value"),
-                attn_mask=attn_mask).out
+                attn_mask=attn_mask, qkv_checked=True).out  # (sdpa_misfit checked them)
 
 
 class _SDPAPatch:
