@@ -53,8 +53,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
                              sinks=check_sinks(sinks, H, q.device),
                              batch_invariant=check_flag("batch_invariant", batch_invariant))
     if block_mask is not None:
-        variant = variant._replace(mask_mod=block_mask.mask_mod, kv_blocks=block_mask.kv_blocks,
-                                   q_blocks=block_mask.q_blocks, block_size=block_mask.block_size)
+        variant = variant.with_block_mask(block_mask)
     elif mask_mod is not None:  # the lists' shapes as create_block_mask makes them, unfilled
         lists = torch.empty((B, H, 0, 0), dtype=torch.int32, device="meta")
         variant = variant._replace(mask_mod=mask_mod, kv_blocks=lists, q_blocks=lists)

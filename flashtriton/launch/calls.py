@@ -50,6 +50,17 @@ class Variant(NamedTuple):
     #   through the masked softmax (a row's bits do not depend on the batch, its query block
     #   or seqlen_q: launch.triton_forward)
 
+    @property
+    def right_bound(self) -> int:
+        """The window's right bound as the kernels take it: 0 under causal, -1 unbounded."""
+        return 0 if self.causal else self.window_right
+
+    def with_block_mask(self, block_mask) -> "Variant":
+        """This variant under a ``flashtriton.block_mask.BlockMask`` (its mask_mod, lists and
+        block size)."""
+        return self._replace(mask_mod=block_mask.mask_mod, kv_blocks=block_mask.kv_blocks,
+                             q_blocks=block_mask.q_blocks, block_size=block_mask.block_size)
+
 
 # The @triton.jit modifiers cannot travel through torch.library schemas: the ops carry an
 # integer key into this table instead (a constant in a compiled graph).

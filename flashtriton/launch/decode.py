@@ -231,7 +231,7 @@ def paged_singles(q, k, v, out, lse, variant: Variant, varlen: Varlen) -> None:
     head, as a decoding step's); the forward (IS_VARLEN 4) computes the other sequences."""
     _decode(q, k, v, key_counts(varlen.cu_seqlens_k, varlen.seqused_k), varlen.block_table,
             None, None, variant.alibi_slopes, variant.softmax_scale, variant.window_left,
-            0 if variant.causal else variant.window_right, variant.softcap, 0, True, None, False,
+            variant.right_bound, variant.softcap, 0, True, None, False,
             variant.sinks, packed=(varlen.cu_seqlens_q, out, lse))
 
 
@@ -246,7 +246,7 @@ def dense_split(q, k, v, out, lse, variant: Variant, signature=None) -> None:
     if TIMELINE is not None:
         signature = None
     _decode(q, k, v, None, None, None, None, variant.alibi_slopes, variant.softmax_scale,
-            variant.window_left, 0 if variant.causal else variant.window_right,
+            variant.window_left, variant.right_bound,
             variant.softcap, 0, True, signature, True, variant.sinks, merge_in_kernel=False,
             into=(out, lse))
 

@@ -180,9 +180,7 @@ def _gluon_variant(q, causal, softmax_scale, window_size, softcap, alibi_slopes,
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     variant = Variant(scale, causal, window_size[0], window_size[1], softcap, alibi_slopes)
     if block_mask is not None:
-        variant = variant._replace(mask_mod=block_mask.mask_mod, kv_blocks=block_mask.kv_blocks,
-                                   q_blocks=block_mask.q_blocks,
-                                   block_size=block_mask.block_size)
+        variant = variant.with_block_mask(block_mask)
     return variant
 
 
