@@ -3,6 +3,8 @@
 Skipped on machines without one; the device run executes them (README, Testing).
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -731,3 +733,94 @@ def test_torch_registry_runs_varlen_attn_on_flashtriton():
     for i, (name, r) in enumerate(zip(("out", "lse", "dq", "dk", "dv"),
                                       (ref_out, ref_lse, *ref_grads))):
         assert_rule(name, ours[i], r, pt[i], 2 if i < 2 else 3, dtype)
+
+
+def _check_causal_sdpa(got, q, k, v, dout):
+    """got["ours"] and got["torch"] (out, dq, dk, dv) of causal SDPA on (B, H, N, D) q, k, v:
+    ours meets the accuracy rule against float64, torch's run being the baseline."""
+    from accuracy import assert_rule
+    from flashtriton.reference import attention_reference
+    leaves = [x.double().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    r = attention_reference(*leaves, causal=True)
+    ref = (r.out.transpose(1, 2), *(g.transpose(1, 2) for g in torch.autograd.grad(
+        r.out, leaves, dout.double().transpose(1, 2))))
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        assert_rule(name, got["ours"][i], ref[i], got["torch"][i], 2 if i == 0 else 3, q.dtype)
+
+
+@_REGISTRY
+def test_torch_registry_runs_compiled_sdpa_on_flashtriton():
+    """torch.compile of a function calling SDPA under the flash backend, compiled and run
+    after activation: the compiled graph's flash operators run flashtriton's kernels
+    (profiler), and out and the gradients meet the accuracy rule against float64, torch's
+    flash run (uncompiled, before activation) being the low-precision baseline."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, N, D, dtype = 2, 4, 300, 64, torch.bfloat16
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def attend(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    got = {}
+
+    def run(name, fn):
+        def step():
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+            out = fn(*leaves)
+            got[name] = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+        return step
+
+    run("torch", attend)()
+    torch._dynamo.reset()
+    assert _ran_flashtriton(_activated(run("ours", torch.compile(attend))))
+    torch._dynamo.reset()
+    _check_causal_sdpa(got, q, k, v, dout)
+
+
+@_REGISTRY
+def test_torch_registry_runs_context_parallel_on_flashtriton():
+    """torch's context_parallel over a world of one GPU (NCCL, this process) under the flash
+    backend after activation: its ring's flash operators run flashtriton's kernels
+    (profiler), and out and the gradients meet the accuracy rule against float64, torch's
+    flash run (no context parallelism, before activation) being the low-precision baseline."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not dist.is_nccl_available() or dist.is_initialized():
+        pytest.skip("needs NCCL and no process group of the test run's own")
+    B, H, N, D, dtype = 2, 4, 256, 64, torch.bfloat16
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
+    dout = torch.randn_like(q)
+    got = {}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+
+        def run(name, parallel):
+            def step():
+                leaves = [x.detach().clone() for x in (q, k, v)]
+                context = (context_parallel(mesh, buffers=leaves, buffer_seq_dims=[2, 2, 2])
+                           if parallel else contextlib.nullcontext())
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION), context:
+                    for x in leaves:
+                        x.requires_grad_()
+                    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+                    got[name] = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+            return step
+
+        run("torch", False)()
+        assert _ran_flashtriton(_activated(run("ours", True)))
+    finally:
+        dist.destroy_process_group()
+    _check_causal_sdpa(got, q, k, v, dout)
