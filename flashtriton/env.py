@@ -75,8 +75,10 @@ def report() -> str:
     lines.append(_path("TMA loads (tensor descriptors, forward and backward)",
                        "FLASHTRITON_TMA", _env.TMA, tma_not))
     dims = lambda ds: ", ".join(map(str, ds))  # noqa: E731
-    def from_len(table):  # the routes' head dims taken from a length
-        return "".join(f"; D={d} from {n} tokens" for d, n in table.items())
+    def from_len(table):  # the routes' head dims taken from a length, by length
+        lengths = dict.fromkeys(table.values())
+        return "".join(f"; D={dims(d for d in table if table[d] == n)} from {n} tokens"
+                       for n in lengths)
     lines.append(_path(f"Gluon forward (D={dims(configs.GLUON_FWD_HEAD_DIMS)}"
                        f"{from_len(configs.GLUON_FWD_MIN_SEQLEN)}) and backward "
                        f"(D={dims(configs.GLUON_BWD_HEAD_DIMS)}"

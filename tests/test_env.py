@@ -108,11 +108,13 @@ def test_report_on_a_gpu_follows_the_switches_and_the_interpreter(monkeypatch, s
     _fake_gpu(monkeypatch, 9, 0)
     monkeypatch.setattr(_env, "GLUON", False)
     text = report()
-    assert _line(text, "Gluon") == ("Gluon forward (D=128, 256; D=64 from 2048 tokens) and "
+    assert _line(text, "Gluon") == ("Gluon forward (D=128, 256; D=64 from 2048 tokens; "
+                                    "D=80, 96, 112, 192 from 1024 tokens) and "
                                     "backward (D=64, 128, 256): "
                                     "off (FLASHTRITON_GLUON=0)")  # configs' head dims
     monkeypatch.setattr(configs, "GLUON_BWD_HEAD_DIMS", (128,))
-    assert _line(report(), "Gluon").startswith("Gluon forward (D=128, 256; D=64 from 2048 tokens) "
+    assert _line(report(), "Gluon").startswith("Gluon forward (D=128, 256; D=64 from 2048 tokens; "
+                                               "D=80, 96, 112, 192 from 1024 tokens) "
                                                "and backward (D=128)")
     assert ": on (FLASHTRITON_TMA=1)" in _line(text, "TMA loads")
     monkeypatch.setattr(_env, "INTERPRET", True)  # a GPU machine running the interpreter
