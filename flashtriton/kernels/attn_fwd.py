@@ -25,10 +25,10 @@ row does not see at all leave its state exactly as it was).
 import triton
 import triton.language as tl
 
-from .common import (KV, LN2, LOG2E, NEG_BIG, Scores, Seq, Variant, add_sink, apply_attn_mask,
-                     dropout_keep, heavy_first, load_kv, load_tile, row_source, scores,
-                     seq_bounds, store_tile)
+from .common import (KV, LN2, LOG2E, Scores, Seq, Variant, apply_attn_mask, dropout_keep,
+                     heavy_first, load_kv, load_tile, row_source, scores, seq_bounds, store_tile)
 from .mask import kv_range, rows_hi, visible
+from .softmax import NEG_BIG, add_sink
 
 GATHER_TILES = tl.constexpr(64)  # key tiles a chunk of paged keys read by pointers
 

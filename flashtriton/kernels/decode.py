@@ -54,8 +54,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import LN2, LOG2E, NEG_BIG, add_sink, load_tile, mark, scores
+from .common import LN2, LOG2E, load_tile, mark, scores
 from .mask import visible
+from .softmax import NEG_BIG, add_sink
 
 
 @triton.jit(do_not_specialize=["WAVES", "ROWS", "CAPACITY", "TOTAL_Q"])
