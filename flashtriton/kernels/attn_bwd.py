@@ -26,13 +26,13 @@ from .common import (KV, LOG2E, Scores, Seq, Variant, alibi_part, apply_attn_mas
                      heavy_first, load_rows, load_tile, row_source, scores, seq_bounds,
                      store_tile)
 from .mask import kv_range, q_range, visible
+from .softmax import lse_log2
 
 
 @triton.jit
 def _lse2(LSE, rows, SQ):
     """LSE in the log2 domain (+inf for padding and empty rows, so P = 0)."""
-    lse = tl.load(LSE + rows, mask=rows < SQ, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return lse_log2(tl.load(LSE + rows, mask=rows < SQ, other=float("inf")))
 
 
 @triton.jit
@@ -51,6 +51,8 @@ def _row_stats(LSE, DELTA, start_m, rows, SQ, MASK: tl.constexpr, STATS_TMA: tl.
     else:
         lse = tl.load(LSE + rows)
         delta = tl.load(DELTA + rows)
+    # softmax.lse_log2, written out: through the helper (the same PTX but for the debug labels
+    # of its scope) ptxas allocates dK / dV's registers otherwise where they spill (D256 16x64)
     return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E), delta
 
 

@@ -25,10 +25,10 @@ row does not see at all leave its state exactly as it was).
 import triton
 import triton.language as tl
 
-from .common import (KV, LN2, LOG2E, NEG_BIG, Scores, Seq, Variant, add_sink, apply_attn_mask,
-                     dropout_keep, heavy_first, load_kv, load_tile, row_source, scores,
-                     seq_bounds, store_tile)
+from .common import (KV, LOG2E, Scores, Seq, Variant, apply_attn_mask, dropout_keep, heavy_first,
+                     load_kv, load_tile, row_source, scores, seq_bounds, store_tile)
 from .mask import kv_range, rows_hi, visible
+from .softmax import add_sink, finalize, init_rows, online_softmax
 
 GATHER_TILES = tl.constexpr(64)  # key tiles a chunk of paged keys read by pointers
 
@@ -46,12 +46,7 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, seq, sc, var, HAS_LOWER: tl.con
         # FMA per score, instead of a multiply and a subtract. No branch here (a lazy
         # rescale of acc was one): a branch makes the compiler wait for every product in
         # flight, which ends the overlap of the two halves (see _attn_fwd_inner).
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * sc.qk_scale)
-        alpha = tl.math.exp2(m_i - m_new)
-        acc = acc * alpha[:, None]
-        p = tl.math.exp2(qk * sc.qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        p, acc, l_i, m_i = online_softmax(qk, acc, m_i, l_i, sc.qk_scale, True)
     else:
         s, _ = scores(qk, rows, cols, sc.qk_scale, sc.cap2, sc.slope2, sc.alibi_at,
                       var.HAS_SOFTCAP, var.HAS_ALIBI)
@@ -66,12 +61,7 @@ def _softmax_step(qk, acc, l_i, m_i, rows, cols, seq, sc, var, HAS_LOWER: tl.con
             # rows past SQ are never stored: only the keys' end is checked
             s = tl.where(visible(rows, cols, seq.SQ, seq.SK, seq.LOWER, seq.UPPER, HAS_LOWER,
                                  HAS_UPPER, False, 1), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
+        p, acc, l_i, m_i = online_softmax(s, acc, m_i, l_i, 1.0, False)
     if var.HAS_DROPOUT:  # after the denominator: dropout acts on the normalised P
         keep = dropout_keep(sc.seed, sc.rng_bh, rows, cols, sc.dropout_p, False)
         p = tl.where(keep, p * (1.0 / (1.0 - sc.dropout_p)), 0.0)
@@ -157,10 +147,7 @@ def _store_rows(acc, l_i, m_i, rows, o_base, stride_ot, lse_base, SQ, offs_d, HE
     HAS_SINK: the sink's log2 logit ``sink2`` joins l (rows without keys: 0 and the sink)."""
     if HAS_SINK:
         acc, l_i, m_i = add_sink(acc, l_i, m_i, sink2)
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * (1.0 / l_safe)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    out, lse = finalize(acc, l_i, m_i)
     store_tile(o_base + rows.to(tl.int64)[:, None] * stride_ot + offs_d[None, :],
                out.to(o_base.dtype.element_ty), rows, SQ, offs_d, HEAD_DIM, not EVEN_D)
     tl.store(lse_base + rows, lse, mask=rows < SQ)
@@ -258,9 +245,7 @@ def _attn_fwd_kernel(
     if MASK_KIND != 0:
         mask_base = AMASK + off_b * stride_mb + off_h * stride_mh
     rng_bh = (off_b * H + off_h).to(tl.int32)
-    m_a = tl.full([HALF], NEG_BIG, dtype=tl.float32)
-    l_a = tl.zeros([HALF], dtype=tl.float32)
-    acc_a = tl.zeros([HALF, BLOCK_DV], dtype=tl.float32)
+    acc_a, l_a, m_a = init_rows(HALF, BLOCK_DV)
     m_b, l_b, acc_b = m_a, l_a, acc_a
 
     seq = Seq(SQ, SK, LOWER, UPPER, DIAG)

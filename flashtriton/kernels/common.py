@@ -8,6 +8,7 @@ Conventions (every kernel of the package):
   Causal alignment: query i sees key j iff j <= i + DIAG, with DIAG = SK - SQ
   (bottom-right, flash-attn's convention).
 Who sees whom (the causal / window rule, per score and per block): kernels/mask.py.
+The online softmax (row state, its update, sinks, the epilogue): kernels/softmax.py.
 The training and split-KV decoding kernels take each tensor's strides as one tuple (the
 launcher's); the training kernels' loops take named groups that the kernel builds
 (``aggregate``: Seq, Scores, Variant, KV).
@@ -22,9 +23,6 @@ from triton.language.core import _aggregate
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-# Finite stand-in for -inf as the running max: a row whose scores are all
-# masked keeps m = NEG_BIG, so exp2(-inf - m) = 0 and exp2(m - m) = 1, no NaN.
-NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.constexpr_function
@@ -295,16 +293,6 @@ def seq_bounds(CU_Q, CU_K, SEQUSED_K, off_b, SQ, SK, TOTAL_Q, TOTAL_K, WIN_LEFT,
         k_off = 0
     DIAG = SK - SQ
     return q_off, k_off, SQ, SK, DIAG - WIN_LEFT, DIAG + WIN_RIGHT, DIAG
-
-
-@triton.jit
-def add_sink(acc, l_i, m_i, sink2):
-    """A row state (acc, l, m: log2 units) after a sink logit ``sink2`` (log2 units, no value)
-    joins the softmax: the max becomes max(m, sink2) and l gains exp2(sink2 - max). A row that
-    saw no key keeps acc 0 and gets l 1 and m sink2 (LSE = the sink)."""
-    m_new = tl.maximum(m_i, sink2)
-    alpha = tl.math.exp2(m_i - m_new)
-    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink2 - m_new), m_new
 
 
 @triton.jit

@@ -54,8 +54,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import LN2, LOG2E, NEG_BIG, add_sink, load_tile, mark, scores
+from .common import LN2, LOG2E, load_tile, mark, scores
 from .mask import visible
+from .softmax import NEG_BIG, add_sink
 
 
 @triton.jit(do_not_specialize=["WAVES", "ROWS", "CAPACITY", "TOTAL_Q"])
@@ -159,6 +160,7 @@ def _attn_decode_kernel(
     if HAS_LEFTPAD:
         first = tl.load(LEFTPAD + off_b)
         lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
+    # (softmax.init_rows, written out: through the helper the constants' order differs)
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -206,6 +208,9 @@ def _attn_decode_kernel(
         if HAS_LEFTPAD:
             keep = keep & (cols[None, :] >= first)
         s = tl.where(keep, s, float("-inf"))
+        # softmax.online_softmax(s, acc, m_i, l_i, 1.0, False) but for the rescale of acc in
+        # the product's argument, written out: through the helper (the same PTX but for the
+        # debug labels of its scope) ptxas allocates the loop's registers otherwise
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -221,6 +226,7 @@ def _attn_decode_kernel(
     if HAS_SINK == 1:  # this split is the output: its rows' sinks join here
         sink2 = tl.load(SINK + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         acc, l_i, m_i = add_sink(acc, l_i, m_i, sink2)
+    # softmax.finalize, written out: O's factor after the LSE (as the helper has it, other code)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)

@@ -118,7 +118,9 @@ def _softmax(s, m_i, l_i, rows, first, offs_n, SEQ, qk_scale, var, IS_CAUSAL: gl
     MASK_MOD). HAS_ALIBI 2: one-sided ALiBi (every visible key at or left of the diagonal):
     the key part of the bias only, relative to var[VAR_QUERY0] (alibi_lanes, one FFMA a
     column; with softcap common.alibi_part, as softcap's loop has fewer registers to spare:
-    its spills 60 / 68 -> 100 / 107 by alibi_lanes); the row part moves into the LSE."""
+    its spills 60 / 68 -> 100 / 107 by alibi_lanes); the row part moves into the LSE.
+    (kernels/softmax.online_softmax in the wgmma layouts, with the max starting at -inf:
+    m_safe keeps exp2's arguments finite.)"""
     cols = first + offs_n
     if HAS_SOFTCAP or HAS_ALIBI == 1:
         s, _ = scores(s, rows, cols, qk_scale, var[VAR_CAP2], var[VAR_SLOPE2], 0, HAS_SOFTCAP,
